@@ -1,0 +1,36 @@
+# One venv (.venv) holds the pinned CPU stack, SGLang 0.5.23 (--no-deps) and this package (editable).
+PY      ?= python3
+VENV    := .venv
+VPY     := $(VENV)/bin/python
+PIP     := $(VPY) -m pip --disable-pip-version-check -q
+STAMP   := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: install test test-fast demo bench clean
+
+install: $(STAMP)
+
+$(STAMP): requirements/cpu.txt requirements/sglang.txt requirements/test.txt setup.py
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(PIP) install -r requirements/cpu.txt -r requirements/test.txt 2>&1 | grep -v "is ignored: it is neither" || true
+	$(PIP) install --no-deps -r requirements/sglang.txt
+	$(PIP) install --no-deps --no-build-isolation -e .
+	# Refuse to go on if a dependency replaced the pinned torch.
+	$(VPY) -c "import torch, sys; v = torch.__version__.split('+')[0]; sys.exit(0 if v == '2.14.1' else 'torch %s installed, 2.14.1 required' % v)"
+	$(VPY) -c "import sglang, sglang_mori; print('installed: sglang', sglang.__version__, '| sglang_mori', sglang_mori.__version__)"
+	touch $(STAMP)
+
+test: install
+	$(VPY) -m pytest test $(PYTEST_ARGS)
+
+test-fast: install
+	$(VPY) -m pytest test/unit test/engine $(PYTEST_ARGS)
+
+demo: install
+	$(VPY) scripts/demo.py
+
+bench: install
+	$(VENV)/bin/sglang-mori bench engine
+
+clean:
+	rm -rf $(VENV) build python/*.egg-info
