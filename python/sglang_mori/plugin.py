@@ -1,9 +1,71 @@
-"""SGLang plugin entry point (group `sglang.srt.plugins`); filled in by the backend work."""
+"""SGLang plugin entry point (entry-point group `sglang.srt.plugins`).
+
+SGLang calls `register()` in every one of its processes (launcher, scheduler, detokenizer) before it
+builds its server arguments. We hook `get_kv_class` so that `TransferBackend.MORI` resolves to our
+classes everywhere; every other backend goes to SGLang's own implementation unchanged.
+"""
+
+from __future__ import annotations
 
 import logging
 
 logger = logging.getLogger(__name__)
 
+SUPPORTED_SGLANG_VERSION = "0.5.23"
+GET_KV_CLASS_TARGET = "sglang.srt.disaggregation.utils.get_kv_class"
+
+
+class UnsupportedSGLangVersion(RuntimeError):
+    pass
+
+
+def check_sglang_version(version: str | None = None) -> str:
+    """Fail early and clearly: the Common* classes we subclass change between SGLang releases."""
+    if version is None:
+        import sglang
+
+        version = getattr(sglang, "__version__", "unknown")
+    if version != SUPPORTED_SGLANG_VERSION:
+        raise UnsupportedSGLangVersion(
+            f"sglang-mori supports SGLang {SUPPORTED_SGLANG_VERSION} exactly, but SGLang {version} "
+            f"is installed. Install sglang=={SUPPORTED_SGLANG_VERSION}, or uninstall sglang-mori "
+            "to use SGLang's built-in mori backend."
+        )
+    return version
+
+
+def mori_kv_classes() -> dict:
+    """Our class for each KVClassType except KVARGS (SGLang's KVArgs container is shared)."""
+    from sglang.srt.disaggregation.utils import KVClassType
+
+    from sglang_mori.backend import (
+        MoriKVBootstrapServer,
+        MoriKVManager,
+        MoriKVReceiver,
+        MoriKVSender,
+    )
+
+    return {
+        KVClassType.MANAGER: MoriKVManager,
+        KVClassType.SENDER: MoriKVSender,
+        KVClassType.RECEIVER: MoriKVReceiver,
+        KVClassType.BOOTSTRAP_SERVER: MoriKVBootstrapServer,
+    }
+
+
+def around_get_kv_class(original, transfer_backend, class_type, *args, **kwargs):
+    from sglang.srt.disaggregation.utils import TransferBackend
+
+    if transfer_backend == TransferBackend.MORI:
+        ours = mori_kv_classes().get(class_type)
+        if ours is not None:
+            return ours
+    return original(transfer_backend, class_type, *args, **kwargs)
+
 
 def register() -> None:
-    logger.info("sglang_mori plugin loaded")
+    check_sglang_version()
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(GET_KV_CLASS_TARGET, around_get_kv_class, HookType.AROUND)
+    logger.info("sglang-mori: --disaggregation-transfer-backend mori is served by sglang_mori")

@@ -1,0 +1,240 @@
+"""A narrow, safe wrapper over one MORI-IO `IOEngine`.
+
+What it guarantees to the backend above it:
+- engine keys are unique per process incarnation (uids restart at 0 with every engine, §1.7);
+- zero-length buffers are never registered (MORI aborts in ibv_reg_mr on size 0);
+- every status object is kept alive until it is terminal (C++ writes into it asynchronously);
+- one `batch_write` per submission, all pairs to the same peer, so an early "no route" return cannot
+  leave later pairs silently in INIT without the whole submission failing;
+- transient "SQ full" failures are resubmitted with backoff inside a deadline; the failed attempts stay
+  in the handle so the caller can still wait for them to be terminal before releasing anything;
+- waits are always bounded.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+logger = logging.getLogger(__name__)
+
+SUCCESS, INIT, IN_PROGRESS = 0, 1, 2
+ERR_INVALID_ARGS, ERR_NOT_FOUND, ERR_RDMA_OP, ERR_BAD_STATE, ERR_GPU_OP = 11, 12, 13, 14, 15
+
+
+class SubmitError(RuntimeError):
+    """A submission raised (first-contact failure). `handle` holds whatever was issued before."""
+
+    def __init__(self, message: str, handle: "TransferHandle"):
+        super().__init__(message)
+        self.handle = handle
+
+
+@dataclass(frozen=True)
+class WritePair:
+    """Byte ranges from one local region into one remote region."""
+
+    local: object  # MemoryDesc
+    remote: object  # MemoryDesc
+    local_offsets: list
+    remote_offsets: list
+    sizes: list
+
+
+@dataclass
+class TransferHandle:
+    """The statuses of one submission.
+
+    `live` has one status per pair (the latest attempt); `issued` has every status ever posted,
+    including failed "SQ full" attempts whose earlier post-batches may still be writing.
+    """
+
+    peer_key: str
+    nbytes: int
+    live: list = field(default_factory=list)
+    issued: list = field(default_factory=list)
+    # True when a submission raised part-way: some writes may be in flight that we hold no status
+    # for, so quiescence can never be proven and pages must not be released early.
+    unaccounted: bool = False
+    started_at: float = field(default_factory=time.monotonic)
+
+    def result(self) -> int:
+        """Non-blocking: SUCCESS, IN_PROGRESS, or the first failure code of `live` (failure wins)."""
+        running = False
+        for status in self.live:
+            code = int(status.Code())
+            if code > 10 or code == INIT:
+                return code if code > 10 else ERR_BAD_STATE
+            if code == IN_PROGRESS:
+                running = True
+        return IN_PROGRESS if running else SUCCESS
+
+    def quiescent(self) -> bool:
+        """Every status ever issued is terminal, so no write from this handle can still land.
+
+        INIT counts as quiescent: a status left in INIT was never posted.
+        """
+        if self.unaccounted:
+            return False
+        return all(int(s.Code()) != IN_PROGRESS for s in self.issued)
+
+    def failure_message(self) -> str:
+        for status in self.live:
+            if int(status.Code()) > 10 or int(status.Code()) == INIT:
+                return f"code {int(status.Code())}: {status.Message()}"
+        return ""
+
+
+def make_engine_key(role: str, host: str) -> str:
+    # pid + random suffix: a restarted process must never reuse a key (its uids restart at 0).
+    return f"sglang-mori-{role}-{host}-pid{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+class TransferEngine:
+    def __init__(
+        self,
+        io,
+        *,
+        role: str,
+        host: str,
+        qp_per_transfer: int,
+        post_batch_size: int,
+        num_workers: int,
+        enable_notification: bool = False,
+    ):
+        self.io = io
+        self.key = make_engine_key(role, host)
+        self.engine = io.IOEngine(self.key, io.IOEngineConfig(host, 0))
+        rdma = io.RdmaBackendConfig(
+            qp_per_transfer,
+            post_batch_size,
+            num_workers,
+            io.PollCqMode.POLLING,
+            enable_notification,
+        )
+        self.engine.create_backend(io.BackendType.RDMA, rdma)
+        # The port is known only after create_backend (§1.1).
+        self.desc = self.engine.get_engine_desc()
+        self.packed_desc: bytes = self.desc.pack()
+        self._local_descs: list = []
+        self._peers: dict[str, object] = {}
+        self._setup_lock = threading.Lock()  # registration is not thread-safe in MORI (§1.10)
+        self.has_peer_failure_events = hasattr(self.engine, "pop_peer_failure")
+
+    # --- memory -----------------------------------------------------------------------------
+    def register(self, ptr: int, size: int, device_id: int, on_gpu: bool):
+        """Register one buffer; returns its MemoryDesc, or None for a zero-length buffer."""
+        if size <= 0:
+            return None
+        loc = self.io.MemoryLocationType.GPU if on_gpu else self.io.MemoryLocationType.CPU
+        with self._setup_lock:
+            desc = self.engine.register_memory(ptr, size, device_id, loc)
+            self._local_descs.append(desc)
+        return desc
+
+    def deregister_all(self) -> None:
+        with self._setup_lock:
+            for desc in self._local_descs:
+                try:
+                    self.engine.deregister_memory(desc)
+                except Exception as exc:  # teardown is best effort
+                    logger.warning("deregister_memory failed: %s", exc)
+            self._local_descs.clear()
+
+    def unpack_memory(self, blob: bytes):
+        return self.io.MemoryDesc.unpack(blob)
+
+    # --- peers ------------------------------------------------------------------------------
+    def add_peer(self, packed_engine_desc: bytes) -> str:
+        desc = self.io.EngineDesc.unpack(packed_engine_desc)
+        with self._setup_lock:
+            if desc.key not in self._peers:
+                self.engine.register_remote_engine(desc)
+                self._peers[desc.key] = desc
+        return desc.key
+
+    def remove_peer(self, key: str) -> None:
+        with self._setup_lock:
+            desc = self._peers.pop(key, None)
+            if desc is not None:
+                try:
+                    self.engine.deregister_remote_engine(desc)
+                except Exception as exc:
+                    logger.warning("deregister_remote_engine(%s) failed: %s", key, exc)
+
+    def connect(self, local, remote) -> None:
+        """First contact now (dial, QPs, remote MR) so it cannot raise in the middle of a batch."""
+        self.engine.create_session(local, remote)
+
+    def pop_peer_failures(self) -> list:
+        """Queued peer-failure events (MORI 1.2.4+); [] where the engine cannot report them."""
+        if not self.has_peer_failure_events:
+            return []
+        events = []
+        for _ in range(1024):
+            event = self.engine.pop_peer_failure()
+            if event is None:
+                break
+            events.append(event)
+        return events
+
+    # --- transfers --------------------------------------------------------------------------
+    def write(
+        self,
+        peer_key: str,
+        pairs: Sequence[WritePair],
+        *,
+        deadline: float,
+        retry_max: int,
+    ) -> TransferHandle:
+        handle = TransferHandle(
+            peer_key=peer_key, nbytes=sum(int(sum(p.sizes)) for p in pairs)
+        )
+        if not pairs:
+            return handle
+        handle.live = self._submit(pairs, handle)
+        for attempt in range(1, retry_max + 1):
+            retry = [
+                i
+                for i, status in enumerate(handle.live)
+                if status.Failed() and "SQ full" in status.Message()
+            ]
+            if not retry:
+                break
+            backoff = min(0.001 * (2**attempt), 0.2)
+            if time.monotonic() + backoff >= deadline:
+                break
+            time.sleep(backoff)  # backpressure from the NIC: give the send queue time to drain
+            logger.info("resubmitting %d pair(s) after SQ full (attempt %d)", len(retry), attempt)
+            fresh = self._submit([pairs[i] for i in retry], handle)
+            for i, status in zip(retry, fresh):
+                handle.live[i] = status
+        return handle
+
+    def _submit(self, pairs: Sequence[WritePair], handle: TransferHandle) -> list:
+        uids = [self.engine.allocate_transfer_uid() for _ in pairs]
+        try:
+            statuses = self.engine.batch_write(
+                [p.local for p in pairs],
+                [p.local_offsets for p in pairs],
+                [p.remote for p in pairs],
+                [p.remote_offsets for p in pairs],
+                [p.sizes for p in pairs],
+                uids,
+            )
+        except Exception as exc:
+            # Earlier pairs of this call may have been posted, and we hold no status for them.
+            handle.unaccounted = True
+            raise SubmitError(f"{type(exc).__name__}: {exc}", handle) from exc
+        handle.issued.extend(statuses)
+        return list(statuses)
+
+    def wait(self, handles: Sequence[TransferHandle], timeout_ms: int) -> int:
+        """Bounded wait on every live status of `handles`; MORI's wait_all codes."""
+        statuses = [s for h in handles for s in h.live]
+        return int(self.engine.wait_all(statuses, timeout_ms))

@@ -1,0 +1,134 @@
+"""Wire protocol between decode and prefill managers.
+
+Every message is one `msgspec.Struct` with a protocol version and a `kind` tag, msgpack-encoded and
+sent as two ZMQ frames: `[MAGIC, payload]`. Decoding validates types; anything malformed, truncated,
+of an unknown kind or of another version raises `ProtocolError`, which the caller counts, logs and
+turns into (at most) the failure of the room the message names. Nothing here raises anything else.
+
+Message flow (one decode rank D, one prefill rank P):
+    D -> P  Register       once per (D, P): D's engine descriptor, memory descriptors and layout
+    D -> P  RoomMetadata   per request: D's page indices, aux slot and state slots
+    P -> D  TransferStarted first chunk submitted (starts D's transfer deadline)
+    P -> D  RoomStatus     terminal: Success carries the aux bytes, so "done" never precedes the data
+    D -> P  Abort          D gives up on a room; P stops sending and acks once writes have drained
+    P -> D  AbortAck       every write P issued into the room is terminal: D may reuse its pages
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+MAGIC = b"sglang-mori/1"
+
+# Rejection reasons (bounded label set, also used for metrics).
+REJECT_MALFORMED = "malformed"
+REJECT_VERSION = "version"
+REJECT_FOREIGN = "foreign"
+
+
+class ProtocolError(ValueError):
+    """A message that cannot be accepted; `reason` is one of the REJECT_* labels."""
+
+    def __init__(self, reason: str, detail: str, room: Optional[int] = None):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+        self.room = room
+
+
+class _Message(msgspec.Struct, tag_field="kind", kw_only=True):
+    version: int = PROTOCOL_VERSION
+
+
+class Register(_Message, tag="register", kw_only=True):
+    engine_desc: bytes
+    kv_descs: list[bytes]
+    aux_descs: list[bytes]
+    # One list per state component; None keeps positions of zero-length (unregistered) buffers.
+    state_descs: list[list[Optional[bytes]]] = []
+    decode_ip: str
+    decode_port: int
+    attn_tp_size: int = 1
+    attn_tp_rank: int = 0
+    # planning.KVLayout encoded with msgspec; kept opaque here so the protocol does not depend on
+    # the planner's internals.
+    layout: bytes
+
+
+class RoomMetadata(_Message, tag="metadata", kw_only=True):
+    room: int
+    engine_key: str
+    decode_ip: str
+    decode_port: int
+    kv_indices: bytes  # little-endian int32 page indices
+    aux_index: Optional[int] = None
+    state_indices: Optional[list[Optional[list[int]]]] = None
+    required_dst_info_num: int = 1
+    decode_prefix_len: Optional[int] = None
+    is_dummy: bool = False
+
+
+class TransferStarted(_Message, tag="started", kw_only=True):
+    room: int
+    prefill_rank: int
+
+
+class RoomStatus(_Message, tag="status", kw_only=True):
+    room: int
+    status: int
+    prefill_rank: int
+    reason: Optional[str] = None
+    # On Success: one bytes item per aux buffer, copied by decode before it records Success.
+    aux: Optional[list[bytes]] = None
+
+
+class Abort(_Message, tag="abort", kw_only=True):
+    room: int
+    decode_ip: str
+    decode_port: int
+    generation: Optional[int] = None
+
+
+class AbortAck(_Message, tag="abort_ack", kw_only=True):
+    room: int
+    prefill_rank: int
+    generation: Optional[int] = None
+
+
+AnyMessage = Union[Register, RoomMetadata, TransferStarted, RoomStatus, Abort, AbortAck]
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(AnyMessage)
+
+
+def encode(message: _Message) -> list[bytes]:
+    return [MAGIC, _encoder.encode(message)]
+
+
+def decode(frames: list[bytes]) -> AnyMessage:
+    """Frames -> message, or ProtocolError. Never raises anything else."""
+    if not frames or frames[0] != MAGIC:
+        raise ProtocolError(REJECT_FOREIGN, f"not an sglang-mori message ({len(frames)} frames)")
+    if len(frames) != 2:
+        raise ProtocolError(REJECT_MALFORMED, f"expected 2 frames, got {len(frames)}")
+    try:
+        message = _decoder.decode(frames[1])
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(REJECT_MALFORMED, str(exc)) from None
+    room = getattr(message, "room", None)
+    if message.version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            REJECT_VERSION,
+            f"protocol version {message.version}, this build speaks {PROTOCOL_VERSION}",
+            room,
+        )
+    if room is not None and room < 0:
+        raise ProtocolError(REJECT_MALFORMED, f"room id {room} is negative", room)
+    return message
+
+
+def is_ours(frames: list[bytes]) -> bool:
+    return bool(frames) and frames[0] == MAGIC
