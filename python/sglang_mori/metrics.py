@@ -1,0 +1,267 @@
+"""Prometheus metrics of the MORI-IO transfer backend (names prefixed ``sglang_mori_``).
+
+The backend makes one ``TransferMetrics`` per KV manager and calls it at a handful of points::
+
+    m = create_transfer_metrics(enabled, engine_type="prefill", tp_rank=0)
+    t0 = m.transfer_started(peer_key)                 # a chunk of a room is submitted to a peer
+    m.transfer_finished(peer_key, nbytes, time.monotonic() - t0, ok=False, reason="timeout")
+    m.request_finished(ok=True)                       # a room reached Success or Failed
+    m.failure("bad_index")                            # a failure outside a transfer
+    m.retry("submit_error"); m.set_queue_depth(n); m.peer_up(key); m.peer_down(key)
+
+Why it looks the way it does:
+
+* SGLang runs with prometheus-client's *multiprocess mode* when ``--enable-metrics`` is on: it sets
+  ``PROMETHEUS_MULTIPROC_DIR`` in the launcher before starting the scheduler processes, the
+  schedulers (where KV managers live) write samples to mmap files there, and the HTTP server
+  process merges those files on ``/metrics``. prometheus-client chooses its value store when
+  ``prometheus_client.values`` is first imported, so this module imports prometheus-client only when
+  metrics are created, never at import time (the plugin is loaded before SGLang sets the variable).
+* In that mode a Gauge needs a ``multiprocess_mode``. We use ``mostrecent``, as SGLang's own
+  scheduler gauges do, and give every series the rank labels SGLang uses, so each scheduler
+  process owns distinct series and a restarted process simply overwrites its predecessor's
+  (``livesum`` would need ``mark_process_dead``, which SGLang never calls). ``mostrecent`` forbids
+  ``inc``/``dec``, so gauges are computed here and written with ``set``.
+* Creating a metric twice in one registry raises "Duplicated timeseries". The collectors are
+  therefore created once per registry and remembered *on the registry object*, so two managers in
+  one process (role switch), or this module imported twice under different names, share them.
+* Label values are bounded: failure and retry reasons are folded into ``FAILURE_REASONS``; peers
+  are never a label (engine keys carry a pid and a uuid), only counted.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter as _Tally
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional, Set, Tuple
+
+PREFIX = "sglang_mori_"
+
+# The only values the "reason" label may take; anything else is counted as "other".
+FAILURE_REASONS = (
+    "timeout",  # a wait passed its deadline (SGLANG_MORI_TRANSFER_TIMEOUT_MS and friends)
+    "peer_dead",  # heartbeat loss, pop_peer_failure, retry-exceeded completions
+    "submit_error",  # batch_write raised or returned a failed status at once (SQ full, no route)
+    "bad_index",  # page or aux indices out of range of the registered buffers
+    "aborted",  # the room was aborted by either side
+    "protocol",  # a malformed, unknown or out-of-order control message
+    "layout_mismatch",  # peers' KV layouts (TP, page size, buffer count, dtype) do not fit
+    "other",
+)
+
+# Rank labels, named as in SGLang's scheduler metrics so the two can be joined in queries.
+RANK_LABELS = ("engine_type", "tp_rank", "pp_rank", "dp_rank")
+
+# KV transfers span ~50 us (a few pages over XGMI) to tens of seconds (long prompts, slow peers).
+LATENCY_BUCKETS_S = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)
+
+_REGISTRY_ATTR = "_sglang_mori_collectors"
+_CREATE_LOCK = threading.Lock()
+
+
+def normalize_reason(reason: Optional[str]) -> str:
+    """Fold a free-form reason into the bounded label set (case-insensitive, '-' == '_')."""
+    if not reason:
+        return "other"
+    key = str(reason).strip().lower().replace("-", "_")
+    return key if key in FAILURE_REASONS else "other"
+
+
+@dataclass
+class _SeriesState:
+    """What one label set's gauges are computed from; shared by managers with the same labels."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    inflight_by_peer: _Tally = field(default_factory=_Tally)
+    peers: Set[str] = field(default_factory=set)
+
+
+class _Collectors:
+    """The prometheus objects of one registry, created once."""
+
+    def __init__(self, registry: Any) -> None:
+        # Imported here, not at module import: see the module docstring.
+        from prometheus_client import Counter, Gauge, Histogram
+
+        kw = {"registry": registry}
+        gauge_kw = {"registry": registry, "multiprocess_mode": "mostrecent"}
+        self.transfers = Counter(
+            PREFIX + "transfers", "KV transfers (one chunk of a room to one peer) by outcome.",
+            RANK_LABELS + ("outcome",), **kw)
+        self.bytes = Counter(
+            PREFIX + "transfer_bytes", "Bytes of KV cache written by successful transfers.",
+            RANK_LABELS, **kw)
+        self.requests = Counter(
+            PREFIX + "requests", "KV requests (rooms) that reached a terminal state, by outcome.",
+            RANK_LABELS + ("outcome",), **kw)
+        self.latency = Histogram(
+            PREFIX + "transfer_latency_seconds",
+            "Submit-to-completion time of successful transfers.",
+            RANK_LABELS, buckets=LATENCY_BUCKETS_S, **kw)
+        self.failures = Counter(
+            PREFIX + "failures", "Failed transfers and requests by reason.",
+            RANK_LABELS + ("reason",), **kw)
+        self.retries = Counter(
+            PREFIX + "retries", "Transfer submissions retried, by reason.",
+            RANK_LABELS + ("reason",), **kw)
+        self.peer_down = Counter(
+            PREFIX + "peer_down", "Peers declared down.", RANK_LABELS, **kw)
+        self.inflight = Gauge(
+            PREFIX + "inflight_transfers", "Transfers submitted and not yet finished.",
+            RANK_LABELS, **gauge_kw)
+        self.inflight_max_peer = Gauge(
+            PREFIX + "inflight_max_per_peer",
+            "In-flight transfers to the busiest peer (compare with SGLANG_MORI_MAX_INFLIGHT_PER_PEER).",
+            RANK_LABELS, **gauge_kw)
+        self.queue_depth = Gauge(
+            PREFIX + "queue_depth", "Transfer chunks queued and not yet submitted.",
+            RANK_LABELS, **gauge_kw)
+        self.peers_up = Gauge(
+            PREFIX + "peers_up", "Peers currently registered and not known to be down.",
+            RANK_LABELS, **gauge_kw)
+        self.states: Dict[Tuple[str, ...], _SeriesState] = {}
+
+
+def _collectors_for(registry: Any) -> _Collectors:
+    with _CREATE_LOCK:
+        found = getattr(registry, _REGISTRY_ATTR, None)
+        if found is None:
+            found = _Collectors(registry)
+            setattr(registry, _REGISTRY_ATTR, found)
+        return found
+
+
+class TransferMetrics:
+    """Metrics of one KV manager. Thread-safe: transfer workers may call it concurrently."""
+
+    def __init__(self, engine_type: str, tp_rank: int = 0, pp_rank: int = 0, dp_rank: int = 0,
+                 registry: Any = None) -> None:
+        if registry is None:
+            from prometheus_client import REGISTRY as registry  # noqa: N811 (see module docstring)
+        self._c = _collectors_for(registry)
+        self._labels = (str(engine_type), str(tp_rank), str(pp_rank), str(dp_rank))
+        with _CREATE_LOCK:
+            self._state = self._c.states.setdefault(self._labels, _SeriesState())
+        self._publish_gauges()
+        # Touch the outcome series so dashboards show 0 rather than "no data" before traffic.
+        for outcome in ("ok", "failed"):
+            self._c.transfers.labels(*self._labels, outcome)
+            self._c.requests.labels(*self._labels, outcome)
+
+    @property
+    def labels(self) -> Dict[str, str]:
+        return dict(zip(RANK_LABELS, self._labels))
+
+    # ---- transfers ---------------------------------------------------------------------------
+    def transfer_started(self, peer: str) -> float:
+        """A transfer to ``peer`` was submitted. Returns ``time.monotonic()`` for the latency."""
+        with self._state.lock:
+            self._state.inflight_by_peer[peer] += 1
+            self._publish_inflight_locked()
+        return time.monotonic()
+
+    def transfer_finished(self, peer: str, nbytes: int, seconds: float, ok: bool,
+                          reason: Optional[str] = None) -> None:
+        """A transfer started with ``transfer_started(peer)`` reached a terminal state."""
+        with self._state.lock:
+            left = self._state.inflight_by_peer[peer] - 1
+            if left > 0:
+                self._state.inflight_by_peer[peer] = left
+            else:  # also tolerates a finish without a start: never negative
+                self._state.inflight_by_peer.pop(peer, None)
+            self._publish_inflight_locked()
+        if ok:
+            self._c.transfers.labels(*self._labels, "ok").inc()
+            self._c.bytes.labels(*self._labels).inc(max(0, int(nbytes)))
+            self._c.latency.labels(*self._labels).observe(max(0.0, float(seconds)))
+        else:
+            self._c.transfers.labels(*self._labels, "failed").inc()
+            self.failure(reason)
+
+    def failure(self, reason: Optional[str]) -> None:
+        """Count one failure; ``transfer_finished(ok=False)`` calls this itself."""
+        self._c.failures.labels(*self._labels, normalize_reason(reason)).inc()
+
+    def retry(self, reason: Optional[str]) -> None:
+        self._c.retries.labels(*self._labels, normalize_reason(reason)).inc()
+
+    def request_finished(self, ok: bool) -> None:
+        """A room reached Success (ok) or Failed; its failure reason goes through ``failure``."""
+        self._c.requests.labels(*self._labels, "ok" if ok else "failed").inc()
+
+    # ---- queues and peers --------------------------------------------------------------------
+    def set_queue_depth(self, n: int) -> None:
+        self._c.queue_depth.labels(*self._labels).set(max(0, int(n)))
+
+    def peer_up(self, key: str) -> None:
+        """Idempotent: a peer that registers twice is one peer."""
+        with self._state.lock:
+            self._state.peers.add(key)
+            self._c.peers_up.labels(*self._labels).set(len(self._state.peers))
+
+    def peer_down(self, key: str) -> None:
+        """Counts a down event only for a peer that was up, so repeated reports count once."""
+        with self._state.lock:
+            was_up = key in self._state.peers
+            self._state.peers.discard(key)
+            self._c.peers_up.labels(*self._labels).set(len(self._state.peers))
+        if was_up:
+            self._c.peer_down.labels(*self._labels).inc()
+
+    # ---- internals ---------------------------------------------------------------------------
+    def _publish_inflight_locked(self) -> None:
+        counts = self._state.inflight_by_peer
+        self._c.inflight.labels(*self._labels).set(sum(counts.values()))
+        self._c.inflight_max_peer.labels(*self._labels).set(max(counts.values(), default=0))
+
+    def _publish_gauges(self) -> None:
+        with self._state.lock:
+            self._publish_inflight_locked()
+            self._c.peers_up.labels(*self._labels).set(len(self._state.peers))
+        self._c.queue_depth.labels(*self._labels)
+
+
+class NullTransferMetrics:
+    """Same calls as ``TransferMetrics``, doing nothing: used when ``--enable-metrics`` is off,
+    so the backend never branches on it and never imports prometheus-client needlessly."""
+
+    @property
+    def labels(self) -> Dict[str, str]:
+        return {}
+
+    def transfer_started(self, peer: str) -> float:
+        return time.monotonic()
+
+    def transfer_finished(self, peer: str, nbytes: int, seconds: float, ok: bool,
+                          reason: Optional[str] = None) -> None:
+        pass
+
+    def failure(self, reason: Optional[str]) -> None:
+        pass
+
+    def retry(self, reason: Optional[str]) -> None:
+        pass
+
+    def request_finished(self, ok: bool) -> None:
+        pass
+
+    def set_queue_depth(self, n: int) -> None:
+        pass
+
+    def peer_up(self, key: str) -> None:
+        pass
+
+    def peer_down(self, key: str) -> None:
+        pass
+
+
+def create_transfer_metrics(enabled: bool, engine_type: str, tp_rank: int = 0, pp_rank: int = 0,
+                            dp_rank: int = 0, registry: Any = None):
+    """``TransferMetrics`` when metrics are on (SGLang's ``--enable-metrics``), else a no-op twin."""
+    if not enabled:
+        return NullTransferMetrics()
+    return TransferMetrics(engine_type, tp_rank, pp_rank, dp_rank, registry=registry)
