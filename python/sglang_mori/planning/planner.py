@@ -1,0 +1,179 @@
+"""`TransferPlanner`: all transfers from this prefill rank to one decode rank.
+
+Built once when the decode rank registers (every layout check happens there and raises a
+registration error); then called once per chunk with that chunk's indices.
+
+Chunks are independent: offsets come from absolute page indices (page * item_len), so a chunk's
+plan depends on nothing but its own page slice. Call `plan_kv` with exactly the pages of the
+chunk (SGLang's `send(kv_indices)` slice and the matching slice of the decode's page list), and
+`plan_state` only with the last chunk, where SGLang hands over state indices.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Hashable, List, Optional, Tuple
+
+import numpy as np
+
+from sglang_mori.planning.compatibility import (
+    check_equal_item_lens,
+    check_scalar_fields,
+    mha_head_slice,
+    pair_head_slice,
+)
+from sglang_mori.planning.errors import PlanError
+from sglang_mori.planning.head_slice import HeadSlice, head_sliced_ranges
+from sglang_mori.planning.layer_map import map_kv_buffers
+from sglang_mori.planning.layout import KVLayout
+from sglang_mori.planning.ranges import (
+    Ranges,
+    as_index_array,
+    check_in_range,
+    check_paired,
+    contiguous_item_ranges,
+)
+from sglang_mori.planning.state_rules import PAGED, StatePlanSpec, state_plan_spec
+from sglang_mori.planning.transfer_plan import BufferTransfer, TransferPlan
+
+
+def _read_only(ranges: Ranges) -> Ranges:
+    for array in ranges:
+        array.setflags(write=False)
+    return ranges
+
+
+class TransferPlanner:
+    """Plans byte ranges from one prefill rank (local) to one decode rank (remote).
+
+    Raises at construction: LayoutMismatchError, UnsupportedLayoutError, InvalidLayoutError.
+    Raises per chunk: PlanError (bad or out-of-range indices) - fail that request only.
+    """
+
+    def __init__(self, prefill: KVLayout, decode: KVLayout):
+        check_scalar_fields(prefill, decode)
+        self.prefill = prefill
+        self.decode = decode
+        self.kv_pairs: Tuple[Tuple[int, int], ...] = map_kv_buffers(prefill, decode)
+        base_slice = mha_head_slice(prefill, decode)
+        self.head_slice: Optional[HeadSlice] = base_slice
+        # One geometry key per KV pair; pairs with the same key share one set of arrays.
+        self._kv_geometry: List[Hashable] = []
+        if base_slice is None:
+            check_equal_item_lens(
+                self.kv_pairs, prefill.kv_item_lens, decode.kv_item_lens, "KV buffer"
+            )
+            self._kv_geometry = [prefill.kv_item_lens[i] for i, _ in self.kv_pairs]
+        else:
+            self._kv_geometry = [
+                pair_head_slice(base_slice, i, j, prefill.kv_item_lens[i], decode.kv_item_lens[j])
+                for i, j in self.kv_pairs
+            ]
+        src_caps, dst_caps = prefill.kv_capacities(), decode.kv_capacities()
+        self._src_kv_limits = [src_caps[i] for i, _ in self.kv_pairs]
+        self._dst_kv_limits = [dst_caps[j] for _, j in self.kv_pairs]
+        self._src_kv_names = [f"prefill KV buffer {i}" for i, _ in self.kv_pairs]
+        self._dst_kv_names = [f"decode KV buffer {j}" for _, j in self.kv_pairs]
+        self.state_specs: Tuple[StatePlanSpec, ...] = tuple(
+            state_plan_spec(k, prefill, decode) for k in range(len(prefill.states))
+        )
+
+    @property
+    def tp_mismatch(self) -> bool:
+        return self.prefill.tp_size != self.decode.tp_size
+
+    # KV -----------------------------------------------------------------------------------
+
+    def plan_kv(self, src_pages, dst_pages) -> TransferPlan:
+        """Ranges for one chunk: prefill page src_pages[i] -> decode page dst_pages[i].
+
+        Runs contiguous on both sides become one range per buffer pair; with MHA head slicing,
+        one range per token slot (merged across slots and pages when whole tokens move).
+        """
+        src = as_index_array(src_pages, "prefill KV page indices")
+        dst = as_index_array(dst_pages, "decode KV page indices")
+        check_paired(src, dst, "KV page indices")
+        if src.size == 0:
+            return TransferPlan("kv")
+        check_in_range(src, self._src_kv_limits, self._src_kv_names, "page")
+        check_in_range(dst, self._dst_kv_limits, self._dst_kv_names, "page")
+        by_geometry: Dict[Hashable, Ranges] = {}
+        transfers = []
+        for (i, j), geometry in zip(self.kv_pairs, self._kv_geometry):
+            ranges = by_geometry.get(geometry)
+            if ranges is None:
+                if isinstance(geometry, HeadSlice):
+                    ranges = head_sliced_ranges(src, dst, geometry)
+                else:
+                    ranges = contiguous_item_ranges(src, dst, geometry)
+                ranges = by_geometry[geometry] = _read_only(ranges)
+            transfers.append(BufferTransfer(i, j, *ranges))
+        return TransferPlan("kv", tuple(transfers))
+
+    # aux ----------------------------------------------------------------------------------
+
+    def plan_aux(self, src_aux_index: int, dst_aux_index: int) -> TransferPlan:
+        """One whole item per aux buffer: prefill item src_aux_index -> decode item dst_aux_index."""
+        src = as_index_array([src_aux_index], "prefill aux index")
+        dst = as_index_array([dst_aux_index], "decode aux index")
+        n = len(self.prefill.aux_item_lens)
+        check_in_range(
+            src, self.prefill.aux_capacities(), [f"prefill aux buffer {i}" for i in range(n)], "aux"
+        )
+        check_in_range(
+            dst, self.decode.aux_capacities(), [f"decode aux buffer {i}" for i in range(n)], "aux"
+        )
+        transfers = tuple(
+            BufferTransfer(i, i, src * item_len, dst * item_len, np.array([item_len]))
+            for i, item_len in enumerate(self.prefill.aux_item_lens)
+        )
+        return TransferPlan("aux", transfers)
+
+    # state --------------------------------------------------------------------------------
+
+    def plan_state(self, component: int, src_indices, dst_indices) -> TransferPlan:
+        """Ranges for state component `component` (an index into KVArgs.state_types).
+
+        mamba: exactly one index per side. swa / dsa: page-like index lists; when the two lists
+        differ in length both are cut to the common prefix (as SGLang does) and the plan's
+        `dropped` says by how much. An empty list on either side plans nothing.
+        """
+        if not 0 <= component < len(self.state_specs):
+            raise PlanError(
+                f"state component {component} does not exist ({len(self.state_specs)} registered)"
+            )
+        spec = self.state_specs[component]
+        kind = f"state:{spec.state_type}"
+        src = as_index_array(src_indices, f"prefill {spec.state_type} state indices")
+        dst = as_index_array(dst_indices, f"decode {spec.state_type} state indices")
+        if src.size == 0 or dst.size == 0:
+            return TransferPlan(kind, component=component, dropped=max(src.size, dst.size))
+        dropped = 0
+        if spec.kind == PAGED:
+            common = min(src.size, dst.size)
+            dropped = max(src.size, dst.size) - common
+            src, dst = src[:common], dst[:common]
+        elif src.size != 1 or dst.size != 1:
+            raise PlanError(
+                f"{spec.state_type} state needs exactly one index per request, got "
+                f"prefill={src.size} decode={dst.size}"
+            )
+        check_in_range(
+            src, spec.src_capacities,
+            [f"prefill {spec.state_type} state tensor {i}" for i, _ in spec.pairs], "state",
+        )
+        check_in_range(
+            dst, spec.dst_capacities,
+            [f"decode {spec.state_type} state tensor {j}" for _, j in spec.pairs], "state",
+        )
+        by_item_len: Dict[int, Ranges] = {}
+        transfers = []
+        for (i, j), item_len in zip(spec.pairs, spec.item_lens):
+            if item_len not in by_item_len:
+                by_item_len[item_len] = _read_only(contiguous_item_ranges(src, dst, item_len))
+            transfers.append(BufferTransfer(i, j, *by_item_len[item_len]))
+        return TransferPlan(kind, tuple(transfers), component=component, dropped=dropped)
+
+
+def check_compatible(prefill: KVLayout, decode: KVLayout) -> None:
+    """Run every registration check of the pair; raise the first failure (both values named)."""
+    TransferPlanner(prefill, decode)

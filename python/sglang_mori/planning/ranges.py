@@ -1,0 +1,123 @@
+"""Vectorised building blocks: index validation, run detection, range merging and splitting.
+
+Everything here works on whole numpy arrays; nothing loops over pages in Python. Offsets are
+absolute (index * item_len), so a chunk is planned from its own indices alone and no state is
+carried from one chunk to the next.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence, Tuple
+
+import numpy as np
+
+from sglang_mori.planning.errors import PlanError
+
+Ranges = Tuple[np.ndarray, np.ndarray, np.ndarray]  # (local_offsets, remote_offsets, sizes)
+
+# MORI-IO rejects a whole batch if one entry exceeds UINT32_MAX bytes. Long runs of large pages can
+# get there (a 128k-token MHA layer is already ~256 MiB), so ranges are capped well below it.
+MAX_RANGE_BYTES = 1 << 30
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+def as_index_array(indices, what: str) -> np.ndarray:
+    """Validate one index list (page, aux or state indices) and return it as 1-D int64."""
+    array = np.asarray(indices)
+    if array.ndim != 1:
+        raise PlanError(f"{what} must be a 1-D array, got shape {array.shape}")
+    if array.size == 0:
+        return _EMPTY
+    if not np.issubdtype(array.dtype, np.integer):
+        raise PlanError(f"{what} must be integers, got dtype {array.dtype}")
+    return array.astype(np.int64, copy=False)
+
+
+def check_paired(src: np.ndarray, dst: np.ndarray, what: str) -> None:
+    if src.size != dst.size:
+        raise PlanError(
+            f"{what}: prefill has {src.size} indices but decode has {dst.size}; they are copied "
+            "pairwise and must have equal length"
+        )
+
+
+def check_in_range(
+    indices: np.ndarray, limits: Sequence[int], names: Sequence[str], item: str = "item"
+) -> None:
+    """Raise PlanError naming the first buffer whose item count `indices` exceed.
+
+    `limits[i]` is how many items buffer `names[i]` holds. One min/max over the indices, then
+    a scan of the (few) buffers only when something is out of range.
+    """
+    if indices.size == 0 or not len(limits):
+        return
+    low, high = int(indices.min()), int(indices.max())
+    if low < 0:
+        raise PlanError(f"{names[0]}: {item} index {low} is negative")
+    limits_array = np.asarray(limits, dtype=np.int64)
+    if high < int(limits_array.min()):
+        return
+    worst = int(np.argmax(high >= limits_array))
+    limit = int(limits_array[worst])
+    raise PlanError(
+        f"{names[worst]}: {item} index {high} out of range (limit {limit}: the buffer holds "
+        f"{limit} {item}s)"
+    )
+
+
+def index_runs(src: np.ndarray, dst: np.ndarray) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Maximal runs where both src and dst advance by exactly one.
+
+    Returns (src_starts, dst_starts, lengths). Runs are found in the given order: the same pages
+    in another order are other runs, as they would be other writes.
+    """
+    if src.size == 0:
+        return _EMPTY, _EMPTY, _EMPTY
+    breaks = (np.diff(src) != 1) | (np.diff(dst) != 1)
+    starts = np.flatnonzero(np.concatenate(([True], breaks)))
+    lengths = np.diff(np.append(starts, src.size))
+    return src[starts], dst[starts], lengths
+
+
+def contiguous_item_ranges(src: np.ndarray, dst: np.ndarray, item_len: int) -> Ranges:
+    """Byte ranges copying item src[i] to item dst[i] (same item_len both sides), runs merged.
+
+    The number of ranges equals the number of maximal runs (before the MAX_RANGE_BYTES split).
+    """
+    src_starts, dst_starts, lengths = index_runs(src, dst)
+    return split_large_ranges(
+        src_starts * item_len, dst_starts * item_len, lengths * item_len, unit=item_len
+    )
+
+
+def merge_adjacent_ranges(local: np.ndarray, remote: np.ndarray, sizes: np.ndarray) -> Ranges:
+    """Merge each range into its predecessor when it continues it on BOTH sides."""
+    if sizes.size == 0:
+        return _EMPTY, _EMPTY, _EMPTY
+    continues = (local[1:] == local[:-1] + sizes[:-1]) & (remote[1:] == remote[:-1] + sizes[:-1])
+    starts = np.flatnonzero(np.concatenate(([True], ~continues)))
+    return local[starts], remote[starts], np.add.reduceat(sizes, starts)
+
+
+def split_large_ranges(
+    local: np.ndarray,
+    remote: np.ndarray,
+    sizes: np.ndarray,
+    unit: int = 1,
+    max_bytes: int = MAX_RANGE_BYTES,
+) -> Ranges:
+    """Cut ranges longer than max_bytes into pieces of at most max_bytes.
+
+    Pieces are multiples of `unit` (an item length) when a unit fits, so a cut never splits a
+    page, which keeps plans easy to read in traces.
+    """
+    if sizes.size == 0 or int(sizes.max()) <= max_bytes:
+        return local, remote, sizes
+    piece = (max_bytes // unit) * unit if unit <= max_bytes else max_bytes
+    counts = -(-sizes // piece)  # ceil
+    owner = np.repeat(np.arange(sizes.size), counts)
+    first = np.cumsum(counts) - counts
+    within = (np.arange(owner.size) - first[owner]) * piece
+    piece_sizes = np.minimum(sizes[owner] - within, piece)
+    return local[owner] + within, remote[owner] + within, piece_sizes

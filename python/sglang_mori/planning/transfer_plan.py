@@ -1,0 +1,127 @@
+"""The planner's output: byte ranges per (local buffer, remote buffer) pair.
+
+Offsets and sizes are bytes relative to the start of each registered buffer (the MORI-IO
+`MemoryDesc`), exactly what `IOEngine.batch_write` takes, one pair per registered buffer.
+Arrays are int64 and read-only: layers that share an item length share the same arrays, so a
+plan for 61 layers costs one set of arrays, not 61.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Tuple
+
+import numpy as np
+
+
+def _frozen(array: np.ndarray) -> np.ndarray:
+    out = np.ascontiguousarray(array, dtype=np.int64)
+    if out.flags.writeable:
+        out = out.view()  # a read-only view, so the caller's own array stays writeable
+        out.setflags(write=False)
+    return out
+
+
+@dataclass(frozen=True)
+class BufferTransfer:
+    """Ranges to copy from one local registered buffer to one remote registered buffer.
+
+    `local_index` / `remote_index` index the list the plan kind refers to: the KV buffer list
+    (`kv_data_ptrs` order), the aux buffer list, or one state component's tensor list.
+    """
+
+    local_index: int
+    remote_index: int
+    local_offsets: np.ndarray
+    remote_offsets: np.ndarray
+    sizes: np.ndarray
+
+    def __post_init__(self) -> None:
+        arrays = [_frozen(a) for a in (self.local_offsets, self.remote_offsets, self.sizes)]
+        if not (arrays[0].shape == arrays[1].shape == arrays[2].shape) or arrays[0].ndim != 1:
+            raise ValueError(
+                "BufferTransfer arrays must be 1-D and of equal length, got shapes "
+                f"{[a.shape for a in arrays]}"
+            )
+        object.__setattr__(self, "local_offsets", arrays[0])
+        object.__setattr__(self, "remote_offsets", arrays[1])
+        object.__setattr__(self, "sizes", arrays[2])
+
+    @property
+    def num_ranges(self) -> int:
+        return int(self.sizes.size)
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.sizes.sum())
+
+    def as_lists(self) -> Tuple[List[int], List[int], List[int]]:
+        """(local_offsets, remote_offsets, sizes) as python int lists for one engine pair."""
+        return self.local_offsets.tolist(), self.remote_offsets.tolist(), self.sizes.tolist()
+
+
+@dataclass(frozen=True)
+class BatchArgs:
+    """The per-pair lists of one `batch_write` call, minus descriptors and uids.
+
+    Pairs whose arrays are shared in the plan share the same list objects here too; the engine
+    only reads them.
+    """
+
+    local_indices: List[int]
+    remote_indices: List[int]
+    local_offsets: List[List[int]]
+    remote_offsets: List[List[int]]
+    sizes: List[List[int]]
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """All ranges of one chunk for one kind of buffer (`kind`: "kv", "aux" or "state:<type>").
+
+    `component` is the state component index for state plans (0 otherwise). `dropped` counts
+    indices the planner left out on purpose (paged state lists of unequal length are cut to the
+    common prefix, as SGLang does); the backend may log it.
+    """
+
+    kind: str
+    transfers: Tuple[BufferTransfer, ...] = ()
+    component: int = 0
+    dropped: int = 0
+    total_bytes: int = field(init=False)
+    num_ranges: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        transfers = tuple(t for t in self.transfers if t.num_ranges)
+        object.__setattr__(self, "transfers", transfers)
+        object.__setattr__(self, "total_bytes", sum(t.total_bytes for t in transfers))
+        object.__setattr__(self, "num_ranges", sum(t.num_ranges for t in transfers))
+
+    @property
+    def empty(self) -> bool:
+        return not self.transfers
+
+    def __len__(self) -> int:
+        return len(self.transfers)
+
+    def __iter__(self):
+        return iter(self.transfers)
+
+    def as_batch_args(self) -> BatchArgs:
+        """Convert to python lists, converting each distinct (shared) array only once."""
+        converted: dict = {}
+
+        def as_list(array: np.ndarray) -> List[int]:
+            # Contiguous int64 arrays over the same memory hold the same values.
+            key = (array.ctypes.data, array.size)
+            if key not in converted:
+                converted[key] = array.tolist()
+            return converted[key]
+
+        return BatchArgs(
+            local_indices=[t.local_index for t in self.transfers],
+            remote_indices=[t.remote_index for t in self.transfers],
+            local_offsets=[as_list(t.local_offsets) for t in self.transfers],
+            remote_offsets=[as_list(t.remote_offsets) for t in self.transfers],
+            sizes=[as_list(t.sizes) for t in self.transfers],
+        )
