@@ -1,0 +1,472 @@
+"""Prefill side: accept decode registrations and room metadata, write KV, report completion.
+
+Threads (all daemon, all stoppable):
+- control:   reads the manager's ZMQ socket (Register, RoomMetadata, Abort).
+- shard-N:   one per SGLANG_MORI_TRANSFER_SHARDS; plans and submits chunks. A room always maps to
+             the same shard, so its chunks are submitted in order.
+- completion: watches every submitted write, enforces deadlines, concludes rooms, drains them
+             and sends abort ACKs only once nothing can still land.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import zmq
+from sglang.srt.disaggregation.base.conn import KVPoll
+
+from sglang_mori import protocol
+from sglang_mori.backend.peers import DecodePeer, PeerRegistry
+from sglang_mori.backend.room_tracker import RoomTracker, RoomTransfer
+from sglang_mori.engine.transfer_engine import IN_PROGRESS, SUCCESS, SubmitError
+from sglang_mori.planning import PlanningError
+
+logger = logging.getLogger(__name__)
+
+# A room that cannot prove quiescence after this many transfer deadlines is given up on: its pages
+# stay poisoned on decode (no ACK), and its in-flight budget is returned to the peer.
+DRAIN_GIVE_UP_DEADLINES = 10
+
+
+@dataclass
+class RoomTarget:
+    """One decode rank's destination for one room (from RoomMetadata)."""
+
+    engine_key: str
+    endpoint: tuple
+    kv_indices: np.ndarray
+    aux_index: Optional[int]
+    state_indices: Optional[list]
+    required_dst_info_num: int
+    decode_prefix_len: Optional[int]
+    is_dummy: bool
+    reject_reason: Optional[str] = None
+
+
+@dataclass
+class Chunk:
+    room: int
+    kv_indices: np.ndarray
+    index_slice: slice
+    is_last: bool
+    aux_index: Optional[int]
+    state_indices: Optional[list]
+    wait_event: object = None
+
+
+class PrefillService:
+    def __init__(self, mgr):
+        self.mgr = mgr
+        self.cfg = mgr.mori_config
+        self.peers = PeerRegistry(self.cfg.peer_fail_fast_s)
+        self.tracker = RoomTracker()
+        self.timeout_s = self.cfg.transfer_timeout_ms / 1000.0
+        self.queues = [queue.Queue(maxsize=self.cfg.max_queued_chunks) for _ in range(self.cfg.transfer_shards)]
+        self.threads: list = []
+        self._inflight_lock = threading.Condition()
+        self._meta_lock = threading.Lock()
+        # One lock per shard, taken by that shard while it checks and submits a room's chunk, and by
+        # the control thread while it handles that room's Abort: an ACK can then never slip in
+        # between "room is still live" and "its writes are tracked".
+        self.room_locks = [threading.Lock() for _ in self.queues]
+
+    # --- lifecycle ----------------------------------------------------------------------
+    def start(self) -> None:
+        self._spawn("mori-control", self._control_loop)
+        for i, q in enumerate(self.queues):
+            self._spawn(f"mori-shard-{i}", self._shard_loop, q)
+        self._spawn("mori-completion", self._completion_loop)
+
+    def _spawn(self, name, target, *args) -> None:
+        t = threading.Thread(target=target, args=args, name=name, daemon=True)
+        t.start()
+        self.threads.append(t)
+
+    def stop(self) -> None:
+        for q in self.queues:
+            try:
+                q.put_nowait(None)
+            except queue.Full:
+                pass
+        self.tracker.notify()
+        for t in self.threads:
+            t.join(timeout=3)
+
+    # --- control socket -----------------------------------------------------------------
+    def _control_loop(self) -> None:
+        sock = self.mgr.server_socket
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        while not self.mgr._stopped:
+            try:
+                if not poller.poll(200):
+                    continue
+                frames = sock.recv_multipart()
+            except zmq.ZMQError:
+                if self.mgr._stopped:
+                    return
+                logger.exception("sglang-mori: control socket error")
+                continue
+            try:
+                self._dispatch(frames)
+            except Exception:  # a bug must not stop the control thread
+                logger.exception("sglang-mori: control message handling failed")
+
+    def _dispatch(self, frames) -> None:
+        try:
+            message = protocol.decode(frames)
+        except protocol.ProtocolError as err:
+            self.mgr.reject_message(err, "prefill control socket")
+            if err.reason == protocol.REJECT_VERSION and err.room is not None:
+                self.mgr.fail_room(err.room, f"decode speaks another protocol: {err.detail}", "protocol")
+            return
+        if isinstance(message, protocol.Register):
+            self._on_register(message)
+        elif isinstance(message, protocol.RoomMetadata):
+            self._on_metadata(message)
+        elif isinstance(message, protocol.Abort):
+            self._on_abort(message)
+        else:
+            self.mgr.reject_message(
+                protocol.ProtocolError(protocol.REJECT_MALFORMED, f"{type(message).__name__} sent to prefill"),
+                "prefill control socket",
+            )
+
+    def _on_register(self, msg: protocol.Register) -> None:
+        mgr = self.mgr
+        try:
+            key = mgr.engine.add_peer(msg.engine_desc)
+            kv = [mgr.engine.unpack_memory(b) for b in msg.kv_descs]
+            aux = [mgr.engine.unpack_memory(b) for b in msg.aux_descs]
+            state = [[mgr.engine.unpack_memory(b) if b else None for b in comp] for comp in msg.state_descs]
+        except Exception as exc:
+            self.mgr.reject_message(
+                protocol.ProtocolError(protocol.REJECT_MALFORMED, f"unusable registration: {exc}"),
+                "prefill control socket",
+            )
+            return
+        peer = DecodePeer(
+            engine_key=key,
+            endpoint=(msg.decode_ip, msg.decode_port),
+            attn_tp_size=msg.attn_tp_size,
+            attn_tp_rank=msg.attn_tp_rank,
+            kv_descs=kv,
+            aux_descs=aux,
+            state_descs=state,
+            layout=None,
+        )
+        try:
+            peer.layout = mgr.planner.accept_peer(msg, kv, aux, state)
+        except PlanningError as exc:
+            peer.rejected = f"decode {msg.decode_ip}:{msg.decode_port} refused at registration: {exc}"
+            logger.error("sglang-mori: %s", peer.rejected)
+        if peer.rejected is None and kv and mgr.kv_descs:
+            try:
+                # First contact now, so it can never raise in the middle of a room's batch.
+                local = next(d for d in mgr.kv_descs if d is not None)
+                mgr.engine.connect(local, kv[0])
+            except Exception as exc:
+                peer.rejected = f"cannot reach decode engine {key}: {exc}"
+                logger.error("sglang-mori: %s", peer.rejected)
+        replaced = self.peers.add(peer)
+        if replaced is not None:
+            self._fail_rooms_of_peer(replaced.engine_key, f"decode engine {replaced.engine_key} was replaced by a restarted engine")
+            mgr.engine.remove_peer(replaced.engine_key)
+        mgr.metrics.set_peers_up(self.peers.up_count())
+        logger.info("sglang-mori: decode peer %s registered from %s:%s (tp %d/%d)%s", key, msg.decode_ip,
+                    msg.decode_port, msg.attn_tp_rank, msg.attn_tp_size,
+                    f" REJECTED: {peer.rejected}" if peer.rejected else "")
+
+    def _on_metadata(self, msg: protocol.RoomMetadata) -> None:
+        mgr = self.mgr
+        room = msg.room
+        if len(msg.kv_indices) % 4:
+            mgr.fail_room(room, f"room {room}: page index list of {len(msg.kv_indices)} bytes is truncated", "protocol")
+            return
+        target = RoomTarget(
+            engine_key=msg.engine_key,
+            endpoint=(msg.decode_ip, msg.decode_port),
+            kv_indices=np.frombuffer(msg.kv_indices, dtype="<i4").astype(np.int64),
+            aux_index=msg.aux_index,
+            state_indices=msg.state_indices,
+            required_dst_info_num=max(1, msg.required_dst_info_num),
+            decode_prefix_len=msg.decode_prefix_len,
+            is_dummy=msg.is_dummy,
+        )
+        if not target.is_dummy:
+            target.reject_reason = self.peers.unusable_reason(msg.engine_key) or mgr.planner.check_destination(
+                self.peers.get(msg.engine_key), target
+            )
+        with self._meta_lock:
+            current = mgr.request_status.get(room)
+            if current is not None and current != KVPoll.Bootstrapping:
+                # A replay, or metadata for a room already in flight: never re-target live writes.
+                mgr.reject_message(
+                    protocol.ProtocolError("replayed", f"metadata for room {room} in state {KVPoll(current).name}", room),
+                    "prefill control socket",
+                )
+                return
+            infos = mgr.transfer_infos.setdefault(room, {})
+            infos[msg.engine_key] = target
+            ready = len(infos) >= target.required_dst_info_num
+        if ready:
+            mgr.req_to_decode_prefix_len[room] = next(
+                (i.decode_prefix_len for i in infos.values() if i.decode_prefix_len), 0
+            )
+            mgr.update_status(room, KVPoll.WaitingForInput)
+
+    def _on_abort(self, msg: protocol.Abort) -> None:
+        from sglang.srt.disaggregation.common.conn import AckTarget
+
+        mgr = self.mgr
+        room = msg.room
+        with self.room_locks[room % len(self.room_locks)]:
+            current = mgr.request_status.get(room)
+            if current is not None and current not in (KVPoll.Success, KVPoll.Failed):
+                mgr.record_failure(room, "Aborted by decode")
+                mgr.update_status(room, KVPoll.Failed)
+            if not mgr.enable_deferred_decode_kv_release or msg.generation is None:
+                return
+            target = AckTarget(msg.decode_ip, msg.decode_port, msg.generation)
+            rt = self.tracker.get(room)
+            if rt is not None and rt.poisoned:
+                return
+            if rt is None or not rt.unfinished():
+                mgr._send_abort_ack(room, target)
+                return
+            mgr.register_deferred_ack_target(room, target)
+        self.tracker.notify()
+
+    # --- submission ---------------------------------------------------------------------
+    def add_transfer_request(self, room, kv_indices, index_slice, is_last_chunk, **kw) -> None:
+        mgr = self.mgr
+        status = mgr.request_status.get(room)
+        if status is None or status == KVPoll.Failed:
+            return
+        chunk = Chunk(
+            room=room,
+            kv_indices=np.asarray(kv_indices, dtype=np.int64),
+            index_slice=index_slice,
+            is_last=is_last_chunk,
+            aux_index=kw.get("aux_index"),
+            state_indices=kw.get("state_indices"),
+            wait_event=kw.get("wait_event"),
+        )
+        q = self.queues[room % len(self.queues)]
+        try:
+            q.put_nowait(chunk)
+        except queue.Full:
+            mgr.fail_room(room, f"transfer queue full ({q.maxsize} chunks, SGLANG_MORI_MAX_QUEUED_CHUNKS)", "backpressure")
+        mgr.metrics.set_queue_depth(sum(x.qsize() for x in self.queues))
+
+    def _shard_loop(self, q: queue.Queue) -> None:
+        while not self.mgr._stopped:
+            chunk = q.get()
+            if chunk is None:
+                return
+            try:
+                with self.room_locks[chunk.room % len(self.room_locks)]:
+                    self._process(chunk)
+            except Exception as exc:
+                logger.exception("sglang-mori: chunk of room %s failed", chunk.room)
+                self.mgr.fail_room(chunk.room, f"internal error while sending KV: {exc!r}")
+
+    def _process(self, chunk: Chunk) -> None:
+        mgr = self.mgr
+        room = chunk.room
+        if mgr.request_status.get(room) in (None, KVPoll.Failed):
+            return
+        infos = mgr.transfer_infos.get(room)
+        if not infos:
+            mgr.fail_room(room, "no destination metadata from decode for this room", "protocol")
+            return
+        for info in infos.values():
+            if info.reject_reason:
+                mgr.fail_room(room, info.reject_reason, "layout_mismatch")
+                return
+        targets = [t for t in infos.values() if not t.is_dummy]
+        if chunk.wait_event is not None:
+            chunk.wait_event.synchronize()  # source KV is ready only after the forward pass
+        rt, fresh = self.tracker.get_or_create(
+            room, [(t.endpoint, t.engine_key, t.aux_index) for t in targets]
+        )
+        if fresh:
+            mgr.update_status(room, KVPoll.Transferring)
+            for t in targets:
+                mgr.send_message(t.endpoint, protocol.TransferStarted(room=room, prefill_rank=mgr._prefill_unique_rank()))
+        deadline = time.monotonic() + self.timeout_s
+        for t in targets:
+            peer = self.peers.get(t.engine_key)
+            reason = self.peers.unusable_reason(t.engine_key)
+            if reason:
+                mgr.fail_room(room, reason, "peer_dead")
+                return
+            try:
+                pairs = mgr.planner.write_pairs(peer, chunk, t)
+            except PlanningError as exc:
+                mgr.fail_room(room, f"room {room}: {exc}", "bad_index")
+                return
+            if not self._acquire_inflight(peer, deadline):
+                mgr.fail_room(room, f"decode engine {peer.engine_key} has {peer.inflight} transfers in flight "
+                              f"(SGLANG_MORI_MAX_INFLIGHT_PER_PEER) and none finished before the deadline", "timeout")
+                return
+            try:
+                handle = mgr.engine.write(peer.engine_key, pairs, deadline=deadline, retry_max=self.cfg.submit_retry_max)
+            except SubmitError as exc:
+                rt.add(exc.handle, deadline)
+                mgr.fail_room(room, f"submitting KV writes to {peer.engine_key} failed: {exc}", "submit_error")
+                self.tracker.notify()
+                return
+            rt.add(handle, deadline)
+            mgr.metrics.transfer_started()
+        rt.chunks += 1
+        if chunk.is_last:
+            rt.aux_index = chunk.aux_index
+            rt.last_submitted = True
+        self.tracker.notify()
+
+    def _acquire_inflight(self, peer: DecodePeer, deadline: float) -> bool:
+        with self._inflight_lock:
+            while peer.inflight >= self.cfg.max_inflight_per_peer:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._inflight_lock.wait(remaining)
+            peer.inflight += 1
+            return True
+
+    def _release_inflight(self, key: str, count: int) -> None:
+        peer = self.peers.get(key)
+        with self._inflight_lock:
+            if peer is not None:
+                peer.inflight = max(0, peer.inflight - count)
+            self._inflight_lock.notify_all()
+
+    # --- completion ---------------------------------------------------------------------
+    def _completion_loop(self) -> None:
+        poll_ms = max(1, min(self.cfg.wait_poll_ms, 5))
+        while not self.mgr._stopped:
+            try:
+                self.tracker.wait_for_work(0.2)
+                rooms = self.tracker.snapshot()
+                pending = next((h for rt in rooms for h in rt.handles if h.result() == IN_PROGRESS), None)
+                if pending is not None:
+                    # Bounded wait inside the engine (GIL released) instead of a busy spin.
+                    self.mgr.engine.wait([pending], poll_ms)
+                now = time.monotonic()
+                for rt in rooms:
+                    self._advance(rt, now)
+                self._handle_peer_failures()
+                self.mgr.metrics.set_inflight(sum(len(rt.unfinished()) for rt in rooms))
+            except Exception:
+                logger.exception("sglang-mori: completion loop error")
+
+    def _advance(self, rt: RoomTransfer, now: float) -> None:
+        mgr = self.mgr
+        room = rt.room
+        for h in rt.handles:
+            if not h.released and h.quiescent():
+                h.released = True
+                self._release_inflight(h.peer_key, 1)
+        if not rt.concluded:
+            self._maybe_conclude(rt, now)
+        unfinished = rt.unfinished()
+        if not rt.concluded:
+            mgr._staging_outstanding[room] = len(unfinished)
+            return
+        if unfinished and now - rt.concluded_at > DRAIN_GIVE_UP_DEADLINES * self.timeout_s:
+            logger.error("sglang-mori: room %s: %d writes never became terminal; its decode pages stay held",
+                         room, len(unfinished))
+            rt.poisoned = True
+            mgr.poison_deferred_ack_room(room)
+            for h in unfinished:
+                if not h.released:
+                    h.released = True
+                    self._release_inflight(h.peer_key, 1)
+            unfinished = []
+        if unfinished:
+            mgr._staging_outstanding[room] = len(unfinished)
+            return
+        self.tracker.remove(room)
+        mgr._staging_outstanding.pop(room, None)
+        if not rt.poisoned:
+            mgr._maybe_ack_drained_abort(room)
+
+    def _maybe_conclude(self, rt: RoomTransfer, now: float) -> None:
+        mgr = self.mgr
+        room = rt.room
+        status = mgr.request_status.get(room)
+        if status is None or status == KVPoll.Failed:
+            # Aborted or failed elsewhere: make sure decode hears about it, then drain.
+            rt.conclude(now)
+            if status == KVPoll.Failed:
+                self._notify_failed(rt)
+            return
+        code, reason = rt.verdict(now)
+        if code == SUCCESS and rt.last_submitted:
+            rt.conclude(now)
+            self._conclude_success(rt)
+        elif code not in (SUCCESS, IN_PROGRESS):
+            rt.conclude(now)
+            if code != -1:
+                for h in rt.handles:
+                    if h.result() not in (SUCCESS, IN_PROGRESS):
+                        self.peers.mark_failed(h.peer_key, reason)
+            mgr.fail_room(room, reason, "timeout" if code == -1 else "peer_dead")
+
+    def _conclude_success(self, rt: RoomTransfer) -> None:
+        mgr = self.mgr
+        room = rt.room
+        aux = self._read_aux(rt.aux_index)
+        if mgr.request_status.get(room) == KVPoll.Failed:
+            return
+        mgr.update_status(room, KVPoll.Success)
+        for endpoint, _key, _dst_aux in rt.targets:
+            mgr.send_message(
+                endpoint,
+                protocol.RoomStatus(room=room, status=int(KVPoll.Success), prefill_rank=mgr._prefill_unique_rank(), aux=aux),
+            )
+        mgr.metrics.transfer_finished(rt.bytes_submitted, time.monotonic() - rt.started_at)
+
+    def _notify_failed(self, rt: RoomTransfer) -> None:
+        mgr = self.mgr
+        with mgr.failure_lock:
+            reason = mgr.failure_records.get(rt.room, "room failed on prefill")
+        for endpoint, _key, _aux in rt.targets:
+            mgr.send_message(
+                endpoint,
+                protocol.RoomStatus(room=rt.room, status=int(KVPoll.Failed), prefill_rank=mgr._prefill_unique_rank(), reason=reason),
+            )
+
+    def _read_aux(self, aux_index: Optional[int]) -> Optional[list]:
+        """This room's aux (metadata) items as bytes, one per aux buffer; they ride on Success."""
+        if aux_index is None:
+            return None
+        args = self.mgr.kv_args
+        return [
+            ctypes.string_at(ptr + aux_index * item_len, item_len)
+            for ptr, item_len in zip(args.aux_data_ptrs, args.aux_item_lens)
+        ]
+
+    # --- peer failure -------------------------------------------------------------------
+    def _handle_peer_failures(self) -> None:
+        for event in self.mgr.engine.pop_peer_failures():
+            key = getattr(event, "remote_engine_key", "")
+            reason = f"peer failure reported by the engine: {getattr(event, 'reason', '?')} {getattr(event, 'detail', '')}"
+            if self.peers.mark_failed(key, reason):
+                logger.error("sglang-mori: decode engine %s failed: %s", key, reason)
+            self._fail_rooms_of_peer(key, reason)
+            self.mgr.metrics.set_peers_up(self.peers.up_count())
+
+    def _fail_rooms_of_peer(self, key: str, reason: str) -> None:
+        for rt in self.tracker.snapshot():
+            if not rt.concluded and any(k == key for _e, k, _a in rt.targets):
+                rt.conclude(time.monotonic())
+                self.mgr.fail_room(rt.room, reason, "peer_dead")
