@@ -20,7 +20,7 @@ import zmq
 from sglang.srt.disaggregation.base.conn import KVPoll
 
 from sglang_mori import protocol
-from sglang_mori.planning import encode_layout
+from sglang_mori.backend.plans import encode_layout
 
 logger = logging.getLogger(__name__)
 
@@ -198,4 +198,5 @@ class DecodeService:
             logger.warning("sglang-mori: %s", reason)
             mgr.record_failure(room_id, reason)
             mgr.update_status(room_id, KVPoll.Failed)
-            mgr.metrics.transfer_failed("timeout")
+            mgr.metrics.failure("timeout")
+            mgr.metrics.request_finished(ok=False)

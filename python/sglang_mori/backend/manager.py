@@ -21,7 +21,7 @@ from sglang_mori import protocol
 from sglang_mori.backend.plans import KVPlanner, local_layout
 from sglang_mori.config import MoriConfig, mori_env_overrides
 from sglang_mori.engine import TransferEngine, load_io_module
-from sglang_mori.metrics import get_transfer_metrics
+from sglang_mori.metrics import create_transfer_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,13 @@ class MoriKVManager(CommonKVManager):
             logger.warning("sglang-mori: %s", warning)
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         self.protocol_rejections: Counter = Counter()
-        self.metrics = get_transfer_metrics()
+        self.metrics = create_transfer_metrics(
+            bool(getattr(server_args, "enable_metrics", False)),
+            engine_type=disaggregation_mode.value,
+            tp_rank=self.attn_tp_rank,
+            pp_rank=self.pp_rank or 0,
+            dp_rank=self.system_dp_rank or 0,
+        )
         self._stopped = False
         self.layout = local_layout(self)
         self.engine = self._start_engine()
@@ -140,7 +146,7 @@ class MoriKVManager(CommonKVManager):
     def reject_message(self, error: protocol.ProtocolError, origin: str) -> None:
         """Count every rejection; log the first of each kind loudly, then every 100th."""
         self.protocol_rejections[error.reason] += 1
-        self.metrics.protocol_rejected(error.reason)
+        self.metrics.failure("protocol")
         count = self.protocol_rejections[error.reason]
         if count == 1 or count % 100 == 0:
             logger.warning(
@@ -190,7 +196,8 @@ class MoriKVManager(CommonKVManager):
             self.record_failure(room, reason)
             return
         logger.warning("sglang-mori: room %s failed: %s", room, reason)
-        self.metrics.transfer_failed(label)
+        self.metrics.failure(label)
+        self.metrics.request_finished(ok=False)
         self.conclude_failure(bootstrap_room=room, failure_reason=reason)
 
     # --- lifecycle ----------------------------------------------------------------------

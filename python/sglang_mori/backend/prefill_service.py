@@ -163,7 +163,7 @@ class PrefillService:
             layout=None,
         )
         try:
-            peer.layout = mgr.planner.accept_peer(msg, kv, aux, state)
+            peer.layout = mgr.planner.accept_peer(key, msg.layout, kv, aux, state)
         except PlanningError as exc:
             peer.rejected = f"decode {msg.decode_ip}:{msg.decode_port} refused at registration: {exc}"
             logger.error("sglang-mori: %s", peer.rejected)
@@ -179,7 +179,10 @@ class PrefillService:
         if replaced is not None:
             self._fail_rooms_of_peer(replaced.engine_key, f"decode engine {replaced.engine_key} was replaced by a restarted engine")
             mgr.engine.remove_peer(replaced.engine_key)
-        mgr.metrics.set_peers_up(self.peers.up_count())
+        if peer.rejected is None:
+            mgr.metrics.peer_up(key)
+        else:
+            mgr.metrics.peer_down(key)
         logger.info("sglang-mori: decode peer %s registered from %s:%s (tp %d/%d)%s", key, msg.decode_ip,
                     msg.decode_port, msg.attn_tp_rank, msg.attn_tp_size,
                     f" REJECTED: {peer.rejected}" if peer.rejected else "")
@@ -321,11 +324,12 @@ class PrefillService:
                 handle = mgr.engine.write(peer.engine_key, pairs, deadline=deadline, retry_max=self.cfg.submit_retry_max)
             except SubmitError as exc:
                 rt.add(exc.handle, deadline)
+                mgr.metrics.transfer_started(peer.engine_key)
                 mgr.fail_room(room, f"submitting KV writes to {peer.engine_key} failed: {exc}", "submit_error")
                 self.tracker.notify()
                 return
             rt.add(handle, deadline)
-            mgr.metrics.transfer_started()
+            mgr.metrics.transfer_started(peer.engine_key)
         rt.chunks += 1
         if chunk.is_last:
             rt.aux_index = chunk.aux_index
@@ -364,7 +368,6 @@ class PrefillService:
                 for rt in rooms:
                     self._advance(rt, now)
                 self._handle_peer_failures()
-                self.mgr.metrics.set_inflight(sum(len(rt.unfinished()) for rt in rooms))
             except Exception:
                 logger.exception("sglang-mori: completion loop error")
 
@@ -373,8 +376,7 @@ class PrefillService:
         room = rt.room
         for h in rt.handles:
             if not h.released and h.quiescent():
-                h.released = True
-                self._release_inflight(h.peer_key, 1)
+                self._release(h, now)
         if not rt.concluded:
             self._maybe_conclude(rt, now)
         unfinished = rt.unfinished()
@@ -388,8 +390,7 @@ class PrefillService:
             mgr.poison_deferred_ack_room(room)
             for h in unfinished:
                 if not h.released:
-                    h.released = True
-                    self._release_inflight(h.peer_key, 1)
+                    self._release(h, now)
             unfinished = []
         if unfinished:
             mgr._staging_outstanding[room] = len(unfinished)
@@ -398,6 +399,15 @@ class PrefillService:
         mgr._staging_outstanding.pop(room, None)
         if not rt.poisoned:
             mgr._maybe_ack_drained_abort(room)
+
+    def _release(self, handle, now: float) -> None:
+        """Return a finished (or given-up) handle's in-flight budget and record its outcome."""
+        handle.released = True
+        self._release_inflight(handle.peer_key, 1)
+        ok = handle.result() == SUCCESS and not handle.unaccounted
+        self.mgr.metrics.transfer_finished(
+            handle.peer_key, handle.nbytes, now - handle.started_at, ok=ok, reason=None if ok else "submit_error"
+        )
 
     def _maybe_conclude(self, rt: RoomTransfer, now: float) -> None:
         mgr = self.mgr
@@ -433,7 +443,7 @@ class PrefillService:
                 endpoint,
                 protocol.RoomStatus(room=room, status=int(KVPoll.Success), prefill_rank=mgr._prefill_unique_rank(), aux=aux),
             )
-        mgr.metrics.transfer_finished(rt.bytes_submitted, time.monotonic() - rt.started_at)
+        mgr.metrics.request_finished(ok=True)
 
     def _notify_failed(self, rt: RoomTransfer) -> None:
         mgr = self.mgr
@@ -463,7 +473,7 @@ class PrefillService:
             if self.peers.mark_failed(key, reason):
                 logger.error("sglang-mori: decode engine %s failed: %s", key, reason)
             self._fail_rooms_of_peer(key, reason)
-            self.mgr.metrics.set_peers_up(self.peers.up_count())
+            self.mgr.metrics.peer_down(key)
 
     def _fail_rooms_of_peer(self, key: str, reason: str) -> None:
         for rt in self.tracker.snapshot():

@@ -62,6 +62,8 @@ class TransferHandle:
     # for, so quiescence can never be proven and pages must not be released early.
     unaccounted: bool = False
     started_at: float = field(default_factory=time.monotonic)
+    # Set by the owner once this handle's in-flight budget has been returned.
+    released: bool = False
 
     def result(self) -> int:
         """Non-blocking: SUCCESS, IN_PROGRESS, or the first failure code of `live` (failure wins)."""

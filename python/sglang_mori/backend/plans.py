@@ -1,0 +1,102 @@
+"""Glue between SGLang's KVArgs, the registered descriptors and `sglang_mori.planning`."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import msgspec
+
+from sglang_mori.engine.transfer_engine import WritePair
+from sglang_mori.planning import InvalidLayoutError, KVLayout, PlanError, TransferPlanner
+from sglang_mori.planning.transfer_plan import TransferPlan
+
+
+def local_layout(mgr) -> KVLayout:
+    return KVLayout.from_kv_args(mgr.kv_args, mgr.attn_tp_size, mgr.attn_tp_rank, bool(mgr.is_mla_backend))
+
+
+def encode_layout(layout: KVLayout) -> bytes:
+    return msgspec.msgpack.encode(layout)
+
+
+def decode_layout(blob: bytes) -> KVLayout:
+    try:
+        return msgspec.msgpack.decode(blob, type=KVLayout)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise InvalidLayoutError(f"unreadable layout from decode: {exc}") from None
+
+
+class KVPlanner:
+    """Per-decode-peer planners for one prefill rank."""
+
+    def __init__(self, mgr):
+        self.mgr = mgr
+        self._planners: dict[str, TransferPlanner] = {}
+
+    def accept_peer(self, key: str, layout_blob: bytes, kv, aux, state) -> KVLayout:
+        """Check a registering decode rank; raise a PlanningError naming both sides' values."""
+        remote = decode_layout(layout_blob)
+        planner = TransferPlanner(self.mgr.layout, remote)
+        if len(kv) != remote.num_kv_buffers:
+            raise InvalidLayoutError(
+                f"decode sent {len(kv)} KV descriptors for a layout of {remote.num_kv_buffers} buffers"
+            )
+        for i, (desc, size) in enumerate(zip(kv, remote.kv_data_lens)):
+            if int(desc.size) != int(size):
+                raise InvalidLayoutError(f"decode KV descriptor {i} is {desc.size} bytes, layout says {size}")
+        if len(aux) != len(remote.aux_item_lens):
+            raise InvalidLayoutError(
+                f"aux buffers: decode registered {len(aux)} descriptors for {len(remote.aux_item_lens)} buffers"
+            )
+        self._planners[key] = planner
+        return remote
+
+    def forget_peer(self, key: str) -> None:
+        self._planners.pop(key, None)
+
+    def check_destination(self, peer, target) -> Optional[str]:
+        """Validate a room's decode indices against the peer's buffers; the reason if invalid."""
+        planner = self._planners.get(peer.engine_key) if peer is not None else None
+        if planner is None:
+            return None
+        caps = planner.decode.kv_capacities()
+        if target.kv_indices.size and caps:
+            low, high = int(target.kv_indices.min()), int(target.kv_indices.max())
+            if low < 0 or high >= min(caps):
+                return (f"decode page index out of range: indices span {low}..{high}, "
+                        f"decode KV buffers hold {min(caps)} pages")
+        if target.aux_index is not None and planner.decode.aux_capacities():
+            if not 0 <= target.aux_index < min(planner.decode.aux_capacities()):
+                return f"decode aux index {target.aux_index} out of range"
+        return None
+
+    def write_pairs(self, peer, chunk, target) -> list:
+        """Every (local region, remote region) write of one chunk to one decode rank."""
+        planner = self._planners[peer.engine_key]
+        dst = target.kv_indices[chunk.index_slice]
+        mgr = self.mgr
+        pairs = _to_pairs(planner.plan_kv(chunk.kv_indices, dst), mgr.kv_descs, peer.kv_descs)
+        if chunk.is_last and chunk.state_indices is not None and target.state_indices is not None:
+            if len(chunk.state_indices) != len(target.state_indices):
+                raise PlanError(
+                    f"state components: prefill sent {len(chunk.state_indices)}, decode expects "
+                    f"{len(target.state_indices)}"
+                )
+            for comp, (src, dst_state) in enumerate(zip(chunk.state_indices, target.state_indices)):
+                if src is None or dst_state is None:
+                    continue
+                plan = planner.plan_state(comp, src, dst_state)
+                pairs += _to_pairs(plan, mgr.state_descs[comp], peer.state_descs[comp])
+        return pairs
+
+
+def _to_pairs(plan: TransferPlan, local_descs, remote_descs) -> list:
+    if plan.empty:
+        return []
+    args = plan.as_batch_args()
+    return [
+        WritePair(local_descs[i], remote_descs[j], lo, ro, sz)
+        for i, j, lo, ro, sz in zip(
+            args.local_indices, args.remote_indices, args.local_offsets, args.remote_offsets, args.sizes
+        )
+    ]
