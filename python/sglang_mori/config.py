@@ -1,0 +1,305 @@
+"""Every SGLANG_MORI_* setting, typed and validated once at start-up.
+
+`MoriConfig.from_env()` reads the environment and raises `ConfigError` naming the variable, the
+value and what is allowed, so a typo stops the server at launch instead of misbehaving later.
+An unset or empty variable takes its default. `KNOBS` is the single table of settings: the code
+reads only what is listed there, and docs/configuration.md is generated from it
+(`python -m sglang_mori.config --markdown`).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import math
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, List, Mapping, Optional, Tuple
+
+
+class ConfigError(ValueError):
+    """An SGLANG_MORI_* variable holds a value we cannot use."""
+
+
+# --- parsers: str -> value, raising ValueError("expected ...") -------------------------------
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+_BOOL_SPELLINGS = "/".join(_TRUE + _FALSE) + " (case-insensitive)"
+
+
+def _parse_int(text: str, low: Optional[int] = None, high: Optional[int] = None,
+               also: Tuple[int, ...] = ()) -> int:
+    if high is not None:
+        expected = f"an integer in {low}..{high}"
+    elif low is not None:
+        expected = f"an integer >= {low}"
+    else:
+        expected = "an integer"
+    if also:
+        expected = f"{' or '.join(str(a) for a in also)}, or {expected}"
+    try:
+        value = int(text, 10)
+    except ValueError:
+        raise ValueError(f"expected {expected}") from None
+    if value in also:
+        return value
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise ValueError(f"expected {expected}")
+    return value
+
+
+def int_at_least(low: int, also: Tuple[int, ...] = ()) -> Callable[[str], int]:
+    return lambda text: _parse_int(text, low, None, also)
+
+
+def int_between(low: int, high: int) -> Callable[[str], int]:
+    return lambda text: _parse_int(text, low, high)
+
+
+def positive_deadline_ms(text: str) -> int:
+    try:
+        value = int(text, 10)
+    except ValueError:
+        raise ValueError("expected an integer > 0 (milliseconds)") from None
+    if value <= 0:
+        raise ValueError(
+            "expected an integer > 0 (milliseconds); the per-chunk transfer deadline cannot be "
+            "disabled, because a transfer that never completes would hold its pages and a worker "
+            "forever. Use a large value (e.g. 600000) for very slow links"
+        )
+    return value
+
+
+def float_at_least_zero(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError("expected a number >= 0 (seconds)") from None
+    if not math.isfinite(value) or value < 0:
+        raise ValueError("expected a finite number >= 0 (seconds)")
+    return value
+
+
+def boolean(text: str) -> bool:
+    lowered = text.lower()
+    if lowered in _TRUE:
+        return True
+    if lowered in _FALSE:
+        return False
+    raise ValueError(f"expected a boolean: one of {_BOOL_SPELLINGS}")
+
+
+def one_of(*choices: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        lowered = text.lower()
+        if lowered not in choices:
+            raise ValueError(f"expected one of {'|'.join(choices)}")
+        return lowered
+
+    return parse
+
+
+def ipv4_host(text: str) -> str:
+    why = (
+        "this host goes into our engine descriptor and is the address peers dial, so it must be "
+        "one IPv4 address of this machine that they can reach"
+    )
+    try:
+        address = ipaddress.IPv4Address(text)
+    except ValueError:
+        raise ValueError(
+            f"expected an IPv4 literal such as 10.0.0.5, or empty for SGLang's local IP (no "
+            f"hostnames, no IPv6); {why}"
+        ) from None
+    if address.is_unspecified or address.is_multicast or text == "255.255.255.255":
+        raise ValueError(f"expected a unicast IPv4 address, not {text} (a wildcard or group); {why}")
+    return str(address)
+
+
+# --- the table ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Knob:
+    name: str  # environment variable
+    field: str  # MoriConfig attribute
+    type: str  # for the docs: int, float, bool, choice, ipv4
+    default: Any
+    meaning: str
+    parse: Callable[[str], Any]
+    allowed: str  # for the docs
+
+
+KNOBS: Tuple[Knob, ...] = (
+    Knob("SGLANG_MORI_ENGINE", "engine", "choice", "mori",
+         "Transfer engine module: `mori` is the real MORI-IO (`mori.io`, ROCm + RDMA NIC); `soft` "
+         "is softio, the same API over TCP from CPU memory (tests, demos). Never falls back.",
+         one_of("mori", "soft"), "mori | soft"),
+    Knob("SGLANG_MORI_QP_PER_TRANSFER", "qp_per_transfer", "int", 4,
+         "RDMA queue pairs per connection used by each transfer (RdmaBackendConfig.qp_per_transfer).",
+         int_at_least(1), ">= 1"),
+    Knob("SGLANG_MORI_POST_BATCH_SIZE", "post_batch_size", "int", -1,
+         "Work requests per ibv_post_send chain (RdmaBackendConfig.post_batch_size); -1 lets MORI-IO "
+         "choose.", int_at_least(1, also=(-1,)), "-1 (auto) or >= 1"),
+    Knob("SGLANG_MORI_NUM_WORKERS", "num_workers", "int", 4,
+         "MORI-IO engine worker threads (RdmaBackendConfig.num_worker_threads).",
+         int_at_least(1), ">= 1"),
+    Knob("SGLANG_MORI_TRANSFER_SHARDS", "transfer_shards", "int", 8,
+         "Our transfer worker threads on the prefill side; a room always maps to one shard. Also "
+         "bounds how many chunks are submitted concurrently.", int_between(1, 256), "1..256"),
+    Knob("SGLANG_MORI_TRANSFER_TIMEOUT_MS", "transfer_timeout_ms", "int", 30000,
+         "Deadline for one chunk transfer (submit, retries and completion). Always on: a transfer "
+         "past it fails its request.", positive_deadline_ms, "> 0 (cannot be disabled)"),
+    Knob("SGLANG_MORI_WAIT_POLL_MS", "wait_poll_ms", "int", 50,
+         "Poll interval of bounded waits on transfer statuses.", int_between(1, 10000), "1..10000"),
+    Knob("SGLANG_MORI_MAX_INFLIGHT_PER_PEER", "max_inflight_per_peer", "int", 64,
+         "Transfer statuses in flight per decode peer; submitting more waits (within the deadline).",
+         int_at_least(1), ">= 1"),
+    Knob("SGLANG_MORI_MAX_QUEUED_CHUNKS", "max_queued_chunks", "int", 4096,
+         "Bound of each transfer shard's queue; a chunk arriving at a full queue fails its request.",
+         int_at_least(1), ">= 1"),
+    Knob("SGLANG_MORI_SUBMIT_RETRY_MAX", "submit_retry_max", "int", 5,
+         "Retries, with backoff and within the deadline, of transient 'SQ full' submit errors.",
+         int_at_least(0), ">= 0"),
+    Knob("SGLANG_MORI_PEER_FAIL_FAST_S", "peer_fail_fast_s", "float", 5.0,
+         "After a peer fails, new requests to it fail at once for this long, unless it registers "
+         "again with a new engine key.", float_at_least_zero, ">= 0 (seconds)"),
+    Knob("SGLANG_MORI_HOST", "host", "ipv4", "",
+         "IPv4 address put in our engine descriptor (what peers dial). Empty: SGLang's local IP.",
+         ipv4_host, "IPv4 literal, or empty"),
+    Knob("SGLANG_MORI_ENABLE_NOTIFICATION", "enable_notification", "bool", False,
+         "MORI-IO target-side completion notifications (RdmaBackendConfig.enable_notification). "
+         "Completion is signalled over our protocol either way.", boolean, _BOOL_SPELLINGS),
+    Knob("SGLANG_MORI_XGMI", "xgmi", "bool", False,
+         "Let MORI-IO create its XGMI backend for peers on the same node (sets "
+         "MORI_DISABLE_AUTO_XGMI=0).", boolean, _BOOL_SPELLINGS),
+)
+
+# --- the config ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MoriConfig:
+    engine: str = "mori"
+    qp_per_transfer: int = 4
+    post_batch_size: int = -1
+    num_workers: int = 4
+    transfer_shards: int = 8
+    transfer_timeout_ms: int = 30000
+    wait_poll_ms: int = 50
+    max_inflight_per_peer: int = 64
+    max_queued_chunks: int = 4096
+    submit_retry_max: int = 5
+    peer_fail_fast_s: float = 5.0
+    host: str = ""
+    enable_notification: bool = False
+    xgmi: bool = False
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> "MoriConfig":
+        """Read every knob; raise ConfigError for the first unusable value."""
+        values = {}
+        for knob in KNOBS:
+            raw = environ.get(knob.name)
+            if raw is None or not raw.strip():
+                continue
+            try:
+                values[knob.field] = knob.parse(raw.strip())
+            except ValueError as exc:
+                raise ConfigError(f"{knob.name}={raw!r}: {exc}") from None
+        return cls(**values)
+
+    def describe(self) -> str:
+        """One line for the start-up log."""
+        return " ".join(f"{k.name}={getattr(self, k.field)!r}" for k in KNOBS)
+
+
+# --- MORI-IO's own variables that silently win over what we pass --------------------------
+
+# MORI-IO variable -> the knob whose value it replaces
+_OVERRIDDEN_BY_MORI = {
+    "MORI_IO_QP_PER_TRANSFER": "SGLANG_MORI_QP_PER_TRANSFER",
+    "MORI_IO_POST_BATCH_SIZE": "SGLANG_MORI_POST_BATCH_SIZE",
+    "MORI_IO_NUM_WORKER_THREADS": "SGLANG_MORI_NUM_WORKERS",
+    "MORI_IO_ENABLE_NOTIFICATION": "SGLANG_MORI_ENABLE_NOTIFICATION",
+}
+# Settings we leave at MORI-IO's defaults; an env value still changes the engine's behaviour.
+_MORI_DEFAULTS_WE_RELY_ON = {
+    "MORI_IO_POLL_CQ_MODE": "polling (MORI-IO default; we do not set it)",
+    "MORI_IO_ENABLE_CHUNKING": "off (MORI-IO default; we do not set it)",
+}
+
+
+def mori_env_overrides(cfg: MoriConfig, environ: Mapping[str, str] = os.environ) -> List[str]:
+    """Warnings for MORI-IO environment variables that override what we configured.
+
+    MORI-IO applies its MORI_IO_* variables after the config we pass, so they win silently.
+    """
+    by_name = {k.name: k for k in KNOBS}
+    warnings = []
+    for mori_var, knob_name in _OVERRIDDEN_BY_MORI.items():
+        if mori_var in environ:
+            knob = by_name[knob_name]
+            warnings.append(
+                f"{mori_var}={environ[mori_var]!r} is set and overrides our configured "
+                f"{knob_name}={getattr(cfg, knob.field)!r} (MORI-IO lets its environment "
+                f"variables win); unset {mori_var} to use {knob_name}"
+            )
+    for mori_var, ours in _MORI_DEFAULTS_WE_RELY_ON.items():
+        if mori_var in environ:
+            warnings.append(
+                f"{mori_var}={environ[mori_var]!r} is set and overrides our configured value "
+                f"{ours}; unset it unless you mean to tune MORI-IO directly"
+            )
+    if "MORI_DISABLE_AUTO_XGMI" in environ:
+        value = environ["MORI_DISABLE_AUTO_XGMI"]
+        effect = "enables" if value == "0" else "disables"
+        warnings.append(
+            f"MORI_DISABLE_AUTO_XGMI={value!r} is set and {effect} auto-XGMI (inverted: only '0' "
+            f"enables it); our configured SGLANG_MORI_XGMI={cfg.xgmi!r}"
+            + (" sets it to '0' at start-up" if cfg.xgmi else " leaves it as is")
+        )
+    return warnings
+
+
+# --- docs ---------------------------------------------------------------------------------
+
+def markdown_table() -> str:
+    def cell(text: str) -> str:
+        return str(text).replace("|", "\\|")
+
+    lines = [
+        "| Variable | Type | Default | Allowed | Meaning |",
+        "|---|---|---|---|---|",
+    ]
+    for k in KNOBS:
+        default = k.default
+        if isinstance(default, bool):
+            default = str(default).lower()
+        elif default == "":
+            default = "(empty)"
+        lines.append(
+            f"| `{k.name}` | {k.type} | `{cell(default)}` | {cell(k.allowed)} | {cell(k.meaning)} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv == ["--markdown"]:
+        sys.stdout.write(markdown_table())
+        return 0
+    if not argv:
+        try:
+            print(MoriConfig.from_env().describe())
+        except ConfigError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        for warning in mori_env_overrides(MoriConfig.from_env()):
+            print(f"warning: {warning}", file=sys.stderr)
+        return 0
+    print("usage: python -m sglang_mori.config [--markdown]", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
