@@ -1,0 +1,209 @@
+"""Multi-process PD KV-transfer harness: SGLang's real disaggregation classes (ours through the
+plugin, or SGLang's Mooncake) in separate processes on CPU tensors, driven like the schedulers
+drive them, with byte-exact checks on decode.
+
+    from sglang_mori.testing.pd_harness import HarnessConfig, KVLayout, run_transfer
+    result = run_transfer(HarnessConfig(backend="mori", prefill_tp=2, decode_tp=1, rooms=64))
+    assert result.all_succeeded(64) and result.byte_exact(), result.summary()
+
+Processes: one bootstrap server, one per prefill TP rank, one per decode TP rank. The orchestrator
+(the caller's process) never imports SGLang. Optional hooks let a test act on the running system:
+`on_ready(ReadyInfo)` runs after every worker is up and before "go"; `during(ReadyInfo)` runs on a
+thread while the rooms transfer. Every worker is stopped (by PID, escalating to SIGKILL) when the
+run ends, whatever happened.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import multiprocessing.connection as mpc
+import os
+import signal
+import socket
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+from sglang_mori.testing.pd_harness_config import AuxBufferSpec, HarnessConfig, KVLayout, RoomShape
+from sglang_mori.testing.pd_harness_results import HarnessResult, RankReport, ReadyInfo
+from sglang_mori.testing.pd_harness_sglang import write_model_dir
+
+__all__ = [
+    "AuxBufferSpec",
+    "HarnessConfig",
+    "HarnessResult",
+    "KVLayout",
+    "ReadyInfo",
+    "RoomShape",
+    "run_transfer",
+]
+
+VERIFY_MARGIN_S = 60.0  # after the transfer deadline, time for decode's byte checks
+STOP_GRACE_S = 5.0
+
+Hook = Callable[[ReadyInfo], None]
+
+
+class HarnessError(RuntimeError):
+    pass
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _context(method: str):
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(["sglang_mori.testing.pd_harness_preload"])
+    return ctx
+
+
+class _Worker:
+    def __init__(self, ctx, name: str, role: str, rank: int, cfg, model_dir: str, port: int):
+        from sglang_mori.testing.pd_harness_worker import worker_main
+
+        self.name, self.role, self.rank = name, role, rank
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(
+            target=worker_main, args=(role, rank, cfg, model_dir, port, child), name=f"pd-harness-{name}"
+        )
+        self.proc.start()
+        child.close()
+        self.ready: Optional[dict] = None
+        self.report: Optional[RankReport] = None
+
+    def stop(self) -> None:
+        try:
+            self.conn.send(("stop",))
+        except (OSError, EOFError):
+            pass
+
+    def reap(self, deadline: float) -> None:
+        self.proc.join(max(0.0, deadline - time.monotonic()))
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            if not self.proc.is_alive():
+                break
+            try:
+                os.kill(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            self.proc.join(STOP_GRACE_S)
+        self.conn.close()
+
+
+def _collect(workers: List[_Worker], kind: str, deadline: float) -> None:
+    """Wait for message `kind` from every worker in the list; raise on error/death/deadline."""
+    waiting = {w.conn: w for w in workers}
+    while waiting:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            names = ", ".join(w.name for w in waiting.values())
+            raise HarnessError(f"no {kind!r} from {names} before the deadline")
+        for conn in mpc.wait(list(waiting), timeout=min(left, 1.0)):
+            w = waiting[conn]
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                raise HarnessError(f"worker {w.name} died (exit code {w.proc.exitcode})") from None
+            if msg[0] == "error":
+                raise HarnessError(f"worker {w.name} failed:\n{msg[1]}")
+            if msg[0] == kind:
+                setattr(w, "ready" if kind == "ready" else "report", msg[1])
+                del waiting[conn]
+        for conn, w in list(waiting.items()):
+            if not w.proc.is_alive() and not conn.poll():
+                raise HarnessError(f"worker {w.name} exited (code {w.proc.exitcode}) before {kind!r}")
+
+
+def _ping_all(workers: List[_Worker], timeout: float) -> Dict[str, bool]:
+    alive = {}
+    for w in workers:
+        ok = False
+        try:
+            w.conn.send(("ping",))
+            end = time.monotonic() + timeout
+            while time.monotonic() < end and w.conn.poll(max(0.0, end - time.monotonic())):
+                msg = w.conn.recv()
+                if msg[0] == "pong":
+                    ok = True
+                    break
+        except (OSError, EOFError):
+            ok = False
+        alive[w.name] = ok and w.proc.is_alive()
+    return alive
+
+
+def run_transfer(cfg: HarnessConfig, *, on_ready: Optional[Hook] = None, during: Optional[Hook] = None) -> HarnessResult:
+    """Run one harness session to completion and return what every rank reported.
+
+    Never raises for transfer problems (those are in the result); raises ValueError for an invalid
+    config. Start-up failures, lost workers and missed deadlines land in `result.error`.
+    """
+    cfg.validate()
+    ctx = _context(cfg.start_method)
+    workers: List[_Worker] = []
+    result = HarnessResult(ranks=[])
+    hook_error: List[BaseException] = []
+    with tempfile.TemporaryDirectory(prefix="pd-harness-") as tmp:
+        model_dir = str(write_model_dir(cfg, Path(tmp) / "model"))
+        port = _free_port(cfg.host)
+        try:
+            boot = _Worker(ctx, "bootstrap", "bootstrap", 0, cfg, model_dir, port)
+            workers.append(boot)
+            decode = [_Worker(ctx, f"decode{r}", "decode", r, cfg, model_dir, port) for r in range(cfg.decode_tp)]
+            workers += decode
+            start_deadline = time.monotonic() + cfg.startup_timeout_s
+            # Prefill managers register with the bootstrap server in their constructor.
+            _collect([boot], "ready", start_deadline)
+            prefill = [_Worker(ctx, f"prefill{r}", "prefill", r, cfg, model_dir, port) for r in range(cfg.prefill_tp)]
+            workers += prefill
+            _collect(prefill + decode, "ready", start_deadline)
+            result.ready = ReadyInfo(
+                bootstrap_addr=f"{cfg.host}:{port}",
+                prefill_endpoints=[tuple(w.ready["endpoint"]) for w in prefill],
+                decode_endpoints=[tuple(w.ready["endpoint"]) for w in decode],
+                pids={w.name: w.ready["pid"] for w in workers},
+            )
+            if on_ready is not None:
+                on_ready(result.ready)
+            t0 = time.monotonic()
+            for w in prefill + decode:
+                w.conn.send(("go", t0))
+            thread = None
+            if during is not None:
+                thread = threading.Thread(target=_guard(during, result.ready, hook_error), daemon=True)
+                thread.start()
+            _collect(prefill + decode, "report", t0 + cfg.transfer_timeout_s + VERIFY_MARGIN_S)
+            result.wall_s = time.monotonic() - t0
+            if thread is not None:
+                thread.join(cfg.transfer_timeout_s)
+                if thread.is_alive():
+                    raise HarnessError("the 'during' hook did not return before the deadline")
+            if hook_error:
+                raise HarnessError(f"the 'during' hook raised: {hook_error[0]!r}") from hook_error[0]
+            result.alive_at_end = _ping_all(workers, 10.0)
+        except HarnessError as exc:
+            result.error = str(exc)
+        finally:
+            for w in workers:
+                w.stop()
+            end = time.monotonic() + STOP_GRACE_S
+            for w in workers:
+                w.reap(end)
+        result.ranks = [w.report for w in workers if w.report is not None]
+    return result
+
+
+def _guard(fn: Hook, info: ReadyInfo, errors: List[BaseException]) -> Callable[[], None]:
+    def run() -> None:
+        try:
+            fn(info)
+        except BaseException as exc:  # reported by the orchestrator, not lost on the thread
+            errors.append(exc)
+
+    return run

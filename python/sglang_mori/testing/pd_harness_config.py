@@ -1,0 +1,139 @@
+"""Configuration of the multi-process PD transfer harness (see pd_harness.py).
+
+Plain dataclasses, picklable, so the same object is handed to every worker process; each process
+derives what it needs (its head range, pool sizes, the room plan) from it deterministically.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Tuple
+
+# torch dtype names we accept; the harness only moves bytes, so any fixed-width dtype works.
+DTYPE_SIZES = {"bfloat16": 2, "float16": 2, "float32": 4, "int8": 1, "uint8": 1}
+AUX_DTYPE_SIZES = {"int32": 4, "float32": 4, "int64": 8}
+
+
+@dataclass(frozen=True)
+class AuxBufferSpec:
+    """One metadata buffer, like a field of SGLang's MetadataBuffers: [slots, width] of dtype."""
+
+    dtype: str = "int32"
+    width: int = 16
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape of the KV pool of one rank, as SGLang would register it.
+
+    MHA: per layer one K and one V buffer of [slots, heads_per_rank, head_dim]; kv_data_ptrs is
+    [K0..Kn-1, V0..Vn-1]. MLA: one buffer per layer of [slots, 1, head_dim], the same on every TP
+    rank (MLA latent KV is not split by head).
+    """
+
+    num_layers: int = 2
+    total_kv_heads: int = 4
+    head_dim: int = 16
+    dtype: str = "bfloat16"
+    page_size: int = 1
+    mla: bool = False
+    aux: Tuple[AuxBufferSpec, ...] = (
+        AuxBufferSpec("int32", 16),
+        AuxBufferSpec("float32", 16),
+        AuxBufferSpec("int64", 8),
+    )
+    # Mamba-like state: per state tensor one item of `state_item_bytes` per request slot. Empty
+    # tuple = no state component (kv_args.state_types == []).
+    state_item_bytes: Tuple[int, ...] = ()
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_SIZES[self.dtype]
+
+    def heads_per_rank(self, tp_size: int) -> int:
+        if self.mla:
+            return 1
+        return self.total_kv_heads // tp_size
+
+    def head_bytes(self) -> int:
+        return self.head_dim * self.itemsize
+
+
+@dataclass(frozen=True)
+class RoomShape:
+    """How many tokens each request carries and how it is sent."""
+
+    min_tokens: int = 1
+    max_tokens: int = 64
+    # send() calls per room (page groups); the last one carries aux and state. A room with fewer
+    # pages than chunks gets one chunk per page.
+    chunks: int = 1
+    # Add a trailing send() with no pages that only carries state/aux (SGLang does this when the
+    # last prefill chunk adds no new full page: should_send_kv_chunk(0, last_chunk=True)).
+    empty_last_chunk: bool = False
+
+
+@dataclass
+class HarnessConfig:
+    """Everything one harness run needs. Field defaults give a small MHA 1->1 run."""
+
+    backend: str = "mori"  # "mori" (our plugin) or "mooncake" (SGLang's, TCP) to validate the harness
+    layout: KVLayout = field(default_factory=KVLayout)
+    prefill_tp: int = 1
+    decode_tp: int = 1
+    rooms: int = 64
+    shape: RoomShape = field(default_factory=RoomShape)
+    # Rooms open at once on each side; None = all of them at the start (one burst).
+    max_inflight: Optional[int] = None
+    seed: int = 1234
+    # Decode pages never given to any room, checked to stay zero.
+    spare_decode_pages: int = 16
+    # Extra environment for every worker (applied before SGLang is imported there).
+    env: Dict[str, str] = field(default_factory=dict)
+    host: str = "127.0.0.1"
+    # Deadlines (seconds): worker start-up (imports + manager construction), all rooms terminal,
+    # the whole run including teardown.
+    startup_timeout_s: float = 120.0
+    transfer_timeout_s: float = 120.0
+    # SGLang's own bootstrap/waiting timeouts inside the workers, so a lost room fails instead of
+    # hanging; they must stay below transfer_timeout_s to be observed.
+    sglang_timeout_s: float = 60.0
+    # Verify bytes on decode after the transfers (benchmarks may turn it off).
+    verify: bool = True
+    # "forkserver" shares one pre-imported SGLang between all workers of a session (fast);
+    # "spawn" gives every worker a fresh interpreter.
+    start_method: str = "forkserver"
+    log_level: str = "WARNING"
+
+    def validate(self) -> None:
+        lay = self.layout
+        if self.backend not in ("mori", "mooncake"):
+            raise ValueError(f"backend must be 'mori' or 'mooncake', got {self.backend!r}")
+        if lay.dtype not in DTYPE_SIZES:
+            raise ValueError(f"unsupported dtype {lay.dtype!r}; one of {sorted(DTYPE_SIZES)}")
+        for spec in lay.aux:
+            if spec.dtype not in AUX_DTYPE_SIZES:
+                raise ValueError(f"unsupported aux dtype {spec.dtype!r}")
+        if self.prefill_tp < 1 or self.decode_tp < 1:
+            raise ValueError("TP sizes must be >= 1")
+        big, small = max(self.prefill_tp, self.decode_tp), min(self.prefill_tp, self.decode_tp)
+        if big % small:
+            raise ValueError("one TP size must divide the other (SGLang's rank mapping needs it)")
+        if not lay.mla and lay.total_kv_heads % big:
+            raise ValueError(f"{lay.total_kv_heads} KV heads do not split over TP {big}")
+        if lay.state_item_bytes and self.prefill_tp != self.decode_tp:
+            # SGLang reslices Mamba state across TP only with per-tensor dim metadata; the harness
+            # keeps state to the equal-TP case where each rank's state goes to the same rank.
+            raise ValueError("state buffers need prefill_tp == decode_tp")
+        if self.rooms < 1:
+            raise ValueError("rooms must be >= 1")
+        if not (1 <= self.shape.min_tokens <= self.shape.max_tokens):
+            raise ValueError("need 1 <= min_tokens <= max_tokens")
+        if self.shape.chunks < 1:
+            raise ValueError("chunks must be >= 1")
+        if self.start_method not in ("forkserver", "spawn"):
+            raise ValueError("start_method must be 'forkserver' or 'spawn'")
+
+    def replace(self, **changes) -> "HarnessConfig":
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,121 @@
+"""Prefill side of a harness run: one KVSender per room, driven in the order SGLang's prefill
+scheduler uses (disaggregation/prefill.py):
+
+1. construct the sender (bootstrap queue);
+2. poll until WaitingForInput, then `pop_decode_prefix_len()` and `init(num_pages, aux_index)`
+   (finalize_bootstrap);
+3. per prefill chunk: honour `get_max_transfer_tokens()` by splitting into segments, ask
+   `should_send_kv_chunk(n_pages, last)`, then `send(page_indices, state_indices on the very last
+   segment only, num_kv_tokens=...)` (send_kv_chunk);
+4. poll until Success or Failed; on Success `get_transfer_metric()` and `clear()`, on Failed
+   `failure_exception()` (which clears) and keep its text (process_disagg_prefill_inflight_queue).
+
+What the harness leaves out: the TP all-reduce of poll results (each rank here acts on its own
+polls; statuses can only converge later, never earlier) and the forward passes between chunks.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, List
+
+import numpy as np
+
+from sglang_mori.testing.pd_harness_loop import RoomState, drive
+from sglang_mori.testing.pd_harness_plan import Plan
+from sglang_mori.testing.pd_harness_pool import RankPool
+from sglang_mori.testing.pd_harness_results import FAILED, SUCCESS, WAITING_FOR_INPUT, RoomOutcome
+
+
+def run_prefill_rooms(
+    pool: RankPool,
+    plan: Plan,
+    mgr,
+    sender_cls,
+    bootstrap_addr: str,
+    clock: Callable[[], float],
+    deadline: float,
+) -> List[RoomOutcome]:
+    cfg = pool.cfg
+    ps = cfg.layout.page_size
+
+    def open_room(room) -> RoomState:
+        st = RoomState(room, clock())
+        st.sender = sender_cls(
+            mgr=mgr,
+            bootstrap_addr=bootstrap_addr,
+            bootstrap_room=room.room,
+            req_has_disagg_prefill_dp_rank=False,
+        )
+        st.phase = "bootstrap"
+        st.next_chunk = 0
+        return st
+
+    def fail(st: RoomState) -> None:
+        try:
+            st.sender.failure_exception()
+            msg = "failure_exception() returned without raising"
+        except Exception as exc:  # the scheduler catches everything here too
+            msg = f"{type(exc).__name__}: {exc}"
+        st.finish(FAILED, clock(), msg)
+
+    def send_chunk(st: RoomState) -> None:
+        room = st.plan
+        first, end = room.chunks[st.next_chunk]
+        last_chunk = st.next_chunk == len(room.chunks) - 1
+        pages = room.prefill_pages[first:end]
+        max_tokens = st.sender.get_max_transfer_tokens()
+        step = len(pages) if not max_tokens else max(1, max_tokens // ps)
+        segments = [pages[i : i + step] for i in range(0, len(pages), step)] or [pages]
+        tokens_before = first * ps
+        for k, seg in enumerate(segments):
+            seg_last = last_chunk and k == len(segments) - 1
+            seg_tokens = max(0, min(tokens_before + len(seg) * ps, room.tokens) - tokens_before)
+            tokens_before += len(seg) * ps
+            if not st.sender.should_send_kv_chunk(len(seg), seg_last):
+                continue
+            state = pool.state_indices(room.prefill_state) if seg_last else None
+            st.sender.send(np.asarray(seg, dtype=np.int32), state, num_kv_tokens=seg_tokens)
+        st.next_chunk += 1
+        if last_chunk:
+            st.outcome.t_sent = clock()
+            st.phase = "inflight"
+
+    def step_room(st: RoomState) -> bool:
+        if st.phase == "bootstrap":
+            poll = st.sender.poll()
+            st.outcome.last_poll = int(poll)
+            if poll == WAITING_FOR_INPUT:
+                st.outcome.t_ready = clock()
+                st.sender.pop_decode_prefix_len()  # no prefix cache here: always 0 pages skipped
+                st.sender.init(st.plan.num_pages, st.plan.prefill_aux)
+                st.phase = "sending"
+                return True
+            if poll == FAILED:
+                fail(st)
+                return True
+            return False
+        if st.phase == "sending":
+            send_chunk(st)
+            return True
+        poll = st.sender.poll()
+        st.outcome.last_poll = int(poll)
+        if poll == SUCCESS:
+            metric = st.sender.get_transfer_metric()
+            st.outcome.transfer_bytes = getattr(metric, "transfer_total_bytes", None)
+            st.sender.clear()
+            st.finish(SUCCESS, clock())
+            return True
+        if poll == FAILED:
+            fail(st)
+            return True
+        return False
+
+    def expire_room(st: RoomState) -> None:
+        st.sender.abort()  # what the scheduler does to a request it gives up on
+
+    return drive(plan.rooms, open_room, step_room, expire_room, cfg.max_inflight, deadline)
+
+
+def now_since(t0: float) -> Callable[[], float]:
+    return lambda: time.monotonic() - t0

@@ -1,0 +1,142 @@
+"""Entry point of every harness worker process: the bootstrap server, one prefill TP rank or one
+decode TP rank.
+
+Control protocol over the multiprocessing pipe (orchestrator <-> worker):
+    worker -> ("ready", {...})     set up and listening
+    orch   -> ("go", t0)           start the rooms; t0 is the shared monotonic time origin
+    worker -> ("report", RankReport)
+    orch   -> ("ping",)            worker answers ("pong", pid) while it serves the pipe
+    orch   -> ("stop",)            worker exits
+    worker -> ("error", traceback) anything raised in the worker
+Every wait here has a deadline; the worker leaves with os._exit so that non-daemon threads of a
+backend can never keep it alive after "stop".
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+import urllib.request
+
+from sglang_mori.testing.pd_harness_config import HarnessConfig
+from sglang_mori.testing.pd_harness_results import RankReport
+
+# How long a worker serves pings after its report before leaving on its own.
+LINGER_S = 600.0
+
+
+def worker_main(role: str, rank: int, cfg: HarnessConfig, model_dir: str, bootstrap_port: int, conn) -> None:
+    code = 0
+    try:
+        if role == "bootstrap":
+            _run_bootstrap(cfg, model_dir, bootstrap_port, conn)
+        else:
+            _run_rank(role, rank, cfg, model_dir, bootstrap_port, conn)
+    except BaseException:
+        code = 1
+        try:
+            conn.send(("error", traceback.format_exc()))
+        except Exception:
+            pass
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _serve_until_stop(conn, deadline: float) -> None:
+    while time.monotonic() < deadline:
+        if not conn.poll(0.5):
+            continue
+        msg = conn.recv()
+        if msg[0] == "stop":
+            return
+        if msg[0] == "ping":
+            conn.send(("pong", os.getpid()))
+
+
+def _wait_go(conn, deadline: float) -> float:
+    while time.monotonic() < deadline:
+        if conn.poll(0.5):
+            msg = conn.recv()
+            if msg[0] == "go":
+                return msg[1]
+            if msg[0] == "stop":
+                raise SystemExit(0)
+            if msg[0] == "ping":
+                conn.send(("pong", os.getpid()))
+    raise TimeoutError("no 'go' from the orchestrator before the start-up deadline")
+
+
+def _run_bootstrap(cfg: HarnessConfig, model_dir: str, port: int, conn) -> None:
+    from sglang_mori.testing.pd_harness_sglang import kv_classes, setup_process
+
+    setup_process(cfg, model_dir, "bootstrap", 0, port)
+    server_cls = kv_classes(cfg.backend)[4]
+    server = server_cls(host=cfg.host, port=port)
+    url = f"http://{cfg.host}:{port}/health"
+    deadline = time.monotonic() + cfg.startup_timeout_s
+    while True:  # the server starts on its own thread; wait until it answers
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    break
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"bootstrap server on {url} did not come up")
+        time.sleep(0.05)
+    conn.send(("ready", {"pid": os.getpid(), "class": f"{type(server).__module__}.{type(server).__name__}"}))
+    _serve_until_stop(conn, time.monotonic() + cfg.startup_timeout_s + cfg.transfer_timeout_s + LINGER_S)
+
+
+def _run_rank(side: str, rank: int, cfg: HarnessConfig, model_dir: str, port: int, conn) -> None:
+    from sglang_mori.testing.pd_harness_sglang import kv_classes, setup_process
+
+    server_args = setup_process(cfg, model_dir, side, rank, port)
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    from sglang_mori.testing.pd_harness_decode import run_decode_rooms
+    from sglang_mori.testing.pd_harness_plan import build_plan
+    from sglang_mori.testing.pd_harness_pool import RankPool
+    from sglang_mori.testing.pd_harness_prefill import run_prefill_rooms
+    from sglang_mori.testing.pd_harness_verify import verify_decode
+
+    kv_args_cls, mgr_cls, sender_cls, receiver_cls, _ = kv_classes(cfg.backend)
+    plan = build_plan(cfg)
+    pool = RankPool(cfg, plan, side, rank)
+    if side == "prefill":
+        pool.fill_prefill()
+    mode = DisaggregationMode.PREFILL if side == "prefill" else DisaggregationMode.DECODE
+    mgr = mgr_cls(pool.kv_args(kv_args_cls), mode, server_args, cfg.layout.mla)
+    conn.send(
+        (
+            "ready",
+            {
+                "pid": os.getpid(),
+                "endpoint": (mgr.local_ip, mgr.rank_port),
+                "class": f"{type(mgr).__module__}.{type(mgr).__name__}",
+            },
+        )
+    )
+    t0 = _wait_go(conn, time.monotonic() + cfg.startup_timeout_s)
+
+    def clock() -> float:
+        return time.monotonic() - t0
+
+    deadline = t0 + cfg.transfer_timeout_s
+    addr = f"{cfg.host}:{port}"
+    report = RankReport(side=side, rank=rank, pid=os.getpid())
+    if side == "prefill":
+        report.rooms = run_prefill_rooms(pool, plan, mgr, sender_cls, addr, clock, deadline)
+    else:
+        report.rooms = run_decode_rooms(pool, plan, mgr, receiver_cls, addr, clock, deadline)
+    done = [o.t_done for o in report.rooms if o.t_done is not None]
+    report.t_last_done = max(done) if done else None
+    if side == "decode" and cfg.verify:
+        verify_decode(pool, plan, report.rooms, report)
+    conn.send(("report", report))
+    # Stay up (manager threads keep serving) until the orchestrator has every report.
+    _serve_until_stop(conn, time.monotonic() + LINGER_S)
