@@ -1,0 +1,75 @@
+"""Registered local memory: raw host pointers turned into writable memoryviews.
+
+Every region is viewed through one memoryview built once at registration, so the data path can
+slice it (no copy) and hand the slice straight to sendmsg/recv_into. GPU-typed registrations are
+accepted because SGLang registers its KV pools as GPU memory; on this CPU-only engine the pointer
+must still be host memory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+from .descriptors import MemoryDesc
+from .enums import MemoryLocationType
+
+
+class Region:
+    __slots__ = ("id", "ptr", "size", "view", "loc")
+
+    def __init__(self, mem_id: int, ptr: int, size: int, loc: MemoryLocationType):
+        self.id = mem_id
+        self.ptr = ptr
+        self.size = size
+        self.loc = loc
+        buffer = (ctypes.c_ubyte * size).from_address(ptr)
+        self.view = memoryview(buffer).cast("B")
+
+
+class LocalMemory:
+    """The engine's memory pool: ids come from a per-engine counter starting at 0, like MORI."""
+
+    def __init__(self, engine_key: str):
+        self._engine_key = engine_key
+        self._next_id = 0
+        self._lock = threading.Lock()
+        self._regions: dict[int, Region] = {}
+
+    def register(self, ptr: int, size: int, device_id: int, mem_loc) -> MemoryDesc:
+        ptr, size, device_id = int(ptr), int(size), int(device_id)
+        if size < 0 or ptr < 0:
+            raise TypeError("register_memory: ptr and size must be non-negative integers")
+        if size == 0:
+            # ibv_reg_mr aborts on a zero-length region; fail loudly instead.
+            raise RuntimeError("register_memory: size 0 cannot be registered")
+        if ptr == 0:
+            raise RuntimeError("register_memory: null pointer")
+        loc = MemoryLocationType(mem_loc)
+        with self._lock:
+            mem_id = self._next_id
+            self._next_id = (self._next_id + 1) & 0xFFFFFFFF
+            self._regions[mem_id] = Region(mem_id, ptr, size, loc)
+        return MemoryDesc._make(self._engine_key, mem_id, device_id, ptr, size, loc)
+
+    def deregister(self, desc: MemoryDesc) -> None:
+        with self._lock:
+            self._regions.pop(desc.id, None)
+
+    def get(self, mem_id: int) -> Region | None:
+        return self._regions.get(mem_id)
+
+    def require(self, desc: MemoryDesc) -> Region:
+        """The local side of a transfer must be a live registration of this engine."""
+        region = self._regions.get(desc._id)
+        if region is None or desc._engine_key != self._engine_key:
+            raise _LocalRegionError(f"local memory {desc._id} is not registered with this engine")
+        return region
+
+    def clear(self) -> None:
+        with self._lock:
+            self._regions.clear()
+
+
+class _LocalRegionError(Exception):
+    """Raised inside submit; turned into a failed status, never seen by callers."""

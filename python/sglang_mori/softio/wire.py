@@ -1,0 +1,181 @@
+"""Byte format of the softio data and control connections, and zero-copy socket helpers.
+
+Every connection starts with a HELLO naming its kind (lane or control), the initiator's engine key
+and the target key it expects. After that both directions carry fixed 32-byte frame headers:
+
+    op u8 | flags u8 | pad u16 | region u32 | offset u64 | size u64 | tag u64     (little endian)
+
+WRITE is followed by `size` payload bytes that the target receives straight into the region;
+READ asks the target to send a READ_RESP with `size` bytes; a SIGNALED frame is answered by an ACK
+carrying its tag. One header per merged range: payload pieces of a gathered range follow the
+header back to back.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+HEADER = struct.Struct("<BBHIQQQ")
+HEADER_SIZE = HEADER.size  # 32
+
+# initiator -> target
+OP_WRITE = 1
+OP_READ = 2
+OP_NOTIFY = 3  # region = lane index, offset = transfer uid, size = number of lanes
+OP_ASK_MR = 4  # control connection: region = memory id
+# target -> initiator
+OP_ACK = 0x81
+OP_READ_RESP = 0x82
+OP_MR_INFO = 0x84  # size = registered length, tag = 1 if the region exists
+
+FLAG_SIGNALED = 1
+
+MAGIC = b"SOFTIO\x01\x00"
+HELLO = struct.Struct("<8sBBHHH")  # magic, kind, lane, pad, initiator key len, target key len
+HELLO_REPLY = struct.Struct("<8sBxH")  # magic, status, own key len
+KIND_LANE = 1
+KIND_CONTROL = 2
+HELLO_OK = 0
+HELLO_WRONG_TARGET = 1
+MAX_KEY_BYTES = 4096
+
+IOV_MAX = 1024  # Linux limit on buffers per sendmsg
+# Payloads at most this large are received through the staging buffer (one recv may bring many
+# small frames); larger ones go straight from the socket into the destination memory.
+SMALL_PAYLOAD = 64 * 1024
+STAGING_BYTES = 1024 * 1024
+
+
+class ProtocolError(Exception):
+    """The peer sent something that is not a softio frame; the connection must be dropped."""
+
+
+def pack_header(op: int, flags: int, region: int, offset: int, size: int, tag: int) -> bytes:
+    return HEADER.pack(op, flags, 0, region, offset, size, tag)
+
+
+def tune_socket(sock: socket.socket, buffer_bytes: int) -> None:
+    """Low latency for headers and ACKs, large buffers for bulk payloads."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if buffer_bytes > 0:
+        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, opt, buffer_bytes)
+            except OSError:
+                pass
+
+
+def abort_socket(sock: socket.socket) -> None:
+    """Close with RST (SO_LINGER 0), as a dying process or a broken QP would look to the peer."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    except OSError:
+        pass
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    try:
+        sock.close()
+    except OSError:
+        pass
+
+
+def send_buffers(sock: socket.socket, buffers: list) -> None:
+    """sendmsg the buffers in order, without copying them, until every byte is out."""
+    if len(buffers) == 1:
+        sock.sendall(buffers[0])
+        return
+    index, count = 0, len(buffers)
+    while index < count:
+        chunk = buffers[index:index + IOV_MAX]
+        sent = sock.sendmsg(chunk)
+        for buf in chunk:
+            length = len(buf)
+            if sent >= length:
+                sent -= length
+                index += 1
+                continue
+            # Partial send: keep the unsent tail of this buffer and go on from there.
+            buffers[index] = memoryview(buf)[sent:]
+            break
+
+
+def recv_exact(sock: socket.socket, size: int) -> bytes:
+    """Small blocking read used by handshakes and the control connection."""
+    data = bytearray(size)
+    view = memoryview(data)
+    got = 0
+    while got < size:
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise EOFError("connection closed by peer")
+        got += n
+    return bytes(data)
+
+
+class FrameReader:
+    """Buffered reader of frame headers that lands large payloads directly in their destination."""
+
+    __slots__ = ("_sock", "_buf", "_view", "_start", "_end")
+
+    def __init__(self, sock: socket.socket, staging_bytes: int = STAGING_BYTES):
+        self._sock = sock
+        self._buf = bytearray(staging_bytes)
+        self._view = memoryview(self._buf)
+        self._start = 0
+        self._end = 0
+
+    def _fill(self) -> None:
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif len(self._buf) - self._end < SMALL_PAYLOAD + HEADER_SIZE:
+            # Compact: move the unread tail to the front so a header and a small payload fit.
+            tail = self._end - self._start
+            self._view[:tail] = self._view[self._start:self._end]
+            self._start, self._end = 0, tail
+        n = self._sock.recv_into(self._view[self._end:])
+        if n == 0:
+            raise EOFError("connection closed by peer")
+        self._end += n
+
+    def read_header(self) -> tuple:
+        while self._end - self._start < HEADER_SIZE:
+            self._fill()
+        fields = HEADER.unpack_from(self._buf, self._start)
+        self._start += HEADER_SIZE
+        return fields
+
+    def read_into(self, dst: memoryview) -> None:
+        need = len(dst)
+        avail = self._end - self._start
+        if avail:
+            take = avail if avail < need else need
+            dst[:take] = self._view[self._start:self._start + take]
+            self._start += take
+            if take == need:
+                return
+            dst = dst[take:]
+            need -= take
+        if need <= SMALL_PAYLOAD:
+            while self._end - self._start < need:
+                self._fill()
+            dst[:] = self._view[self._start:self._start + need]
+            self._start += need
+            return
+        sock = self._sock
+        got = 0
+        while got < need:
+            n = sock.recv_into(dst[got:])
+            if n == 0:
+                raise EOFError("connection closed by peer")
+            got += n
+
+    def discard(self, size: int) -> None:
+        """Skip a payload (used only when draining before a clean close)."""
+        scratch = memoryview(bytearray(min(size, SMALL_PAYLOAD) or 1))
+        while size > 0:
+            step = min(size, len(scratch))
+            self.read_into(scratch[:step])
+            size -= step
