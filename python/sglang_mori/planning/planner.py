@@ -55,6 +55,8 @@ class TransferPlanner:
         self.decode = decode
         self.kv_pairs: Tuple[Tuple[int, int], ...] = map_kv_buffers(prefill, decode)
         base_slice = mha_head_slice(prefill, decode)
+        # Which heads move (MHA with different TP sizes), else None. Its head_bytes is a
+        # placeholder: each buffer pair gets its own byte geometry below (K and V may differ).
         self.head_slice: Optional[HeadSlice] = base_slice
         # One geometry key per KV pair; pairs with the same key share one set of arrays.
         self._kv_geometry: List[Hashable] = []
