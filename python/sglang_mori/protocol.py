@@ -118,6 +118,10 @@ def decode(frames: list[bytes]) -> AnyMessage:
         message = _decoder.decode(frames[1])
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise ProtocolError(REJECT_MALFORMED, str(exc)) from None
+    except UnicodeDecodeError as exc:  # msgspec raises it as is for a str that is not UTF-8
+        raise ProtocolError(REJECT_MALFORMED, f"invalid UTF-8 in a string: {exc}") from None
+    except RecursionError:  # deeply nested arrays/maps in a field msgspec skips or walks
+        raise ProtocolError(REJECT_MALFORMED, "nesting too deep") from None
     room = getattr(message, "room", None)
     if message.version != PROTOCOL_VERSION:
         raise ProtocolError(
