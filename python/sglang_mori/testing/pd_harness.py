@@ -152,22 +152,25 @@ def run_transfer(cfg: HarnessConfig, *, on_ready: Optional[Hook] = None, during:
     with tempfile.TemporaryDirectory(prefix="pd-harness-") as tmp:
         model_dir = str(write_model_dir(cfg, Path(tmp) / "model"))
         port = _free_port(cfg.host)
+        t_start = time.monotonic()
         try:
+            # All at once: on two cores the imports dominate start-up, and a prefill manager that
+            # registers before the bootstrap server listens retries on its own (SGLang's
+            # _register_topology_row backs off from 1 s).
             boot = _Worker(ctx, "bootstrap", "bootstrap", 0, cfg, model_dir, port)
             workers.append(boot)
             decode = [_Worker(ctx, f"decode{r}", "decode", r, cfg, model_dir, port) for r in range(cfg.decode_tp)]
-            workers += decode
-            start_deadline = time.monotonic() + cfg.startup_timeout_s
-            # Prefill managers register with the bootstrap server in their constructor.
-            _collect([boot], "ready", start_deadline)
             prefill = [_Worker(ctx, f"prefill{r}", "prefill", r, cfg, model_dir, port) for r in range(cfg.prefill_tp)]
-            workers += prefill
-            _collect(prefill + decode, "ready", start_deadline)
+            workers += decode + prefill
+            _collect(workers, "ready", time.monotonic() + cfg.startup_timeout_s)
+            result.phase_s["all_ready"] = time.monotonic() - t_start
             result.ready = ReadyInfo(
                 bootstrap_addr=f"{cfg.host}:{port}",
                 prefill_endpoints=[tuple(w.ready["endpoint"]) for w in prefill],
                 decode_endpoints=[tuple(w.ready["endpoint"]) for w in decode],
                 pids={w.name: w.ready["pid"] for w in workers},
+                decode_registrations=[w.ready.get("registration") for w in decode],
+                manager_classes={w.name: w.ready.get("class", "") for w in workers},
             )
             if on_ready is not None:
                 on_ready(result.ready)

@@ -67,11 +67,11 @@ class RoomShape:
     min_tokens: int = 1
     max_tokens: int = 64
     # send() calls per room (page groups); the last one carries aux and state. A room with fewer
-    # pages than chunks gets one chunk per page.
+    # pages than chunks gets one chunk per page. Every chunk has at least one page: in SGLang the
+    # last chunk always holds the page of the last prompt token, and the Common sender decides
+    # "last" by page count (curr_idx == num_kv_indices), so a trailing empty send would be a
+    # second "last" chunk that no scheduler path produces for a plain pool.
     chunks: int = 1
-    # Add a trailing send() with no pages that only carries state/aux (SGLang does this when the
-    # last prefill chunk adds no new full page: should_send_kv_chunk(0, last_chunk=True)).
-    empty_last_chunk: bool = False
 
 
 @dataclass

@@ -68,13 +68,10 @@ def _runs_in_random_order(rng: np.random.Generator, num_pages: int) -> np.ndarra
     return np.concatenate([runs[i] for i in order]) if runs else pages
 
 
-def _chunks(num_pages: int, chunks: int, empty_last: bool) -> Tuple[Tuple[int, int], ...]:
+def _chunks(num_pages: int, chunks: int) -> Tuple[Tuple[int, int], ...]:
     n = max(1, min(chunks, num_pages))
     bounds = np.linspace(0, num_pages, n + 1).round().astype(int)
-    out = [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
-    if empty_last:
-        out.append((num_pages, num_pages))
-    return tuple(out)
+    return tuple((int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:]))
 
 
 def build_plan(cfg: HarnessConfig) -> Plan:
@@ -107,7 +104,7 @@ def build_plan(cfg: HarnessConfig) -> Plan:
                 tokens=int(tokens[i]),
                 prefill_pages=prefill_seq[pos : pos + n].copy(),
                 decode_pages=decode_seq[pos : pos + n].copy(),
-                chunks=_chunks(n, shape.chunks, shape.empty_last_chunk),
+                chunks=_chunks(n, shape.chunks),
                 prefill_aux=int(p_aux[i]),
                 decode_aux=int(d_aux[i]),
                 prefill_state=int(p_state[i]),

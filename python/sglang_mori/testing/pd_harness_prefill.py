@@ -65,7 +65,7 @@ def run_prefill_rooms(
         last_chunk = st.next_chunk == len(room.chunks) - 1
         pages = room.prefill_pages[first:end]
         max_tokens = st.sender.get_max_transfer_tokens()
-        step = len(pages) if not max_tokens else max(1, max_tokens // ps)
+        step = max(1, len(pages) if not max_tokens else max_tokens // ps)
         segments = [pages[i : i + step] for i in range(0, len(pages), step)] or [pages]
         tokens_before = first * ps
         for k, seg in enumerate(segments):

@@ -72,6 +72,10 @@ class ReadyInfo:
     prefill_endpoints: List[tuple]  # (ip, zmq rank_port) per prefill TP rank
     decode_endpoints: List[tuple]
     pids: Dict[str, int]  # "bootstrap", "prefill0", "decode1", ...
+    # Per decode rank: the frames it sends a prefill rank to register (None if the backend has no
+    # such message), so fuzz tests can replay a genuine message.
+    decode_registrations: List[Optional[List[bytes]]] = field(default_factory=list)
+    manager_classes: Dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -81,6 +85,7 @@ class HarnessResult:
     error: Optional[str] = None  # orchestrator-level failure (start-up, deadline, lost worker)
     wall_s: float = 0.0  # from "go" to the last report
     alive_at_end: Dict[str, bool] = field(default_factory=dict)  # worker answered a final ping
+    phase_s: Dict[str, float] = field(default_factory=dict)  # start-up milestones, from launch
 
     def side(self, side: str) -> List[RankReport]:
         return [r for r in self.ranks if r.side == side]
@@ -127,7 +132,8 @@ class HarnessResult:
 
     def summary(self) -> str:
         """One paragraph for assertion messages and logs."""
-        lines = [f"error={self.error!r} wall={self.wall_s:.2f}s"]
+        phases = " ".join(f"{k}={v:.1f}s" for k, v in self.phase_s.items())
+        lines = [f"error={self.error!r} wall={self.wall_s:.2f}s {phases}"]
         for rep in self.ranks:
             counts: Dict[str, int] = {}
             for o in rep.rooms:

@@ -70,6 +70,15 @@ def _wait_go(conn, deadline: float) -> float:
     raise TimeoutError("no 'go' from the orchestrator before the start-up deadline")
 
 
+def _registration_frames(mgr):
+    """The frames this decode manager sends to register with a prefill rank, for replay tests;
+    None for backends without a registration message (CommonKVManager raises NotImplementedError)."""
+    try:
+        return [bytes(f) for f in mgr.build_receiver_registration_message()]
+    except NotImplementedError:
+        return None
+
+
 def _run_bootstrap(cfg: HarnessConfig, model_dir: str, port: int, conn) -> None:
     from sglang_mori.testing.pd_harness_sglang import kv_classes, setup_process
 
@@ -118,6 +127,7 @@ def _run_rank(side: str, rank: int, cfg: HarnessConfig, model_dir: str, port: in
                 "pid": os.getpid(),
                 "endpoint": (mgr.local_ip, mgr.rank_port),
                 "class": f"{type(mgr).__module__}.{type(mgr).__name__}",
+                "registration": _registration_frames(mgr) if side == "decode" else None,
             },
         )
     )

@@ -1,0 +1,33 @@
+"""Helpers for the integration tests (imported by conftest.py and by tests): a config with the
+suite's deadlines, and the full success contract of a harness run."""
+
+from __future__ import annotations
+
+import os
+
+from sglang_mori.testing.pd_harness import HarnessConfig, HarnessResult
+
+IN_PRIVATE_NETNS = os.environ.get("SGLANG_MORI_IN_NETNS") == "1"
+
+# Short SGLang-side timeouts: a lost room must fail well inside the harness deadline, not hang.
+BASE = dict(startup_timeout_s=120.0, transfer_timeout_s=90.0, sglang_timeout_s=45.0)
+
+
+def config(backend: str = "mori", **kw) -> HarnessConfig:
+    return HarnessConfig(backend=backend, **{**BASE, **kw})
+
+
+def assert_clean(result: HarnessResult, cfg: HarnessConfig) -> None:
+    """Every room Success on every rank of both sides, every byte where it belongs, every worker
+    still answering at the end."""
+    summary = result.summary()
+    assert result.error is None, summary
+    assert len(result.side("prefill")) == cfg.prefill_tp, summary
+    assert len(result.side("decode")) == cfg.decode_tp, summary
+    assert result.all_succeeded(cfg.rooms), summary
+    for rep in result.ranks:
+        assert [o.index for o in rep.rooms] == list(range(cfg.rooms)), summary
+        assert all(o.failure is None for o in rep.rooms), summary
+    assert result.byte_exact(), summary
+    assert all(r.checked_bytes > 0 for r in result.side("decode")), summary
+    assert result.alive_at_end and all(result.alive_at_end.values()), result.alive_at_end
