@@ -1,0 +1,198 @@
+"""HTTP calls to SGLang servers and the router, with the timings the tests and benchmarks report.
+
+Only `requests` and the standard library: these run in the test process, the demo and the benchmark.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterator, List, Optional, Sequence
+from urllib.parse import urlparse
+
+import requests
+
+
+def sampling(max_new_tokens: int, ignore_eos: bool = False) -> Dict:
+    # Greedy: the only setting under which PD and standalone outputs must be token-identical.
+    return {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": ignore_eos}
+
+
+@dataclass
+class Generation:
+    """One /generate result; timings in seconds, measured at the client."""
+
+    status: int
+    output_ids: List[int] = field(default_factory=list)
+    text: str = ""
+    meta: Dict = field(default_factory=dict)
+    error: str = ""
+    e2e_s: float = 0.0
+    ttft_s: Optional[float] = None  # streaming only: request sent -> first token chunk
+    itl_s: List[float] = field(default_factory=list)  # streaming only: gaps between token chunks
+    chunks: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and not self.error
+
+    @property
+    def finish_type(self) -> Optional[str]:
+        reason = self.meta.get("finish_reason")
+        return reason.get("type") if isinstance(reason, dict) else reason
+
+
+def generate(url: str, text: str, max_new_tokens: int, timeout_s: float = 120.0,
+             ignore_eos: bool = False, extra: Optional[Dict] = None) -> Generation:
+    payload = {"text": text, "sampling_params": sampling(max_new_tokens, ignore_eos), **(extra or {})}
+    start = time.monotonic()
+    try:
+        r = requests.post(f"{url}/generate", json=payload, timeout=timeout_s)
+    except requests.RequestException as exc:
+        return Generation(status=0, error=f"{type(exc).__name__}: {exc}", e2e_s=time.monotonic() - start)
+    elapsed = time.monotonic() - start
+    if r.status_code != 200:
+        return Generation(status=r.status_code, error=r.text[:2000], e2e_s=elapsed)
+    body = r.json()
+    return Generation(status=200, output_ids=body.get("output_ids", []), text=body.get("text", ""),
+                      meta=body.get("meta_info", {}), e2e_s=elapsed)
+
+
+def _sse_events(resp: requests.Response) -> Iterator[str]:
+    """The data payloads of a server-sent-event stream, as SGLang and the router send them."""
+    for line in resp.iter_lines(decode_unicode=False):
+        if line.startswith(b"data:"):
+            yield line[5:].strip().decode("utf-8", errors="replace")
+
+
+def generate_stream(url: str, text: str, max_new_tokens: int, timeout_s: float = 120.0,
+                    ignore_eos: bool = False) -> Generation:
+    """Streaming /generate; SGLang sends cumulative output_ids in every chunk."""
+    payload = {"text": text, "stream": True, "sampling_params": sampling(max_new_tokens, ignore_eos)}
+    start = time.monotonic()
+    result = Generation(status=0)
+    last_token_t = None
+    try:
+        with requests.post(f"{url}/generate", json=payload, timeout=timeout_s, stream=True) as r:
+            result.status = r.status_code
+            if r.status_code != 200:
+                result.error = r.text[:2000]
+                return result
+            for data in _sse_events(r):
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    result.error = json.dumps(chunk["error"])[:2000]
+                    break
+                now = time.monotonic()
+                ids = chunk.get("output_ids", [])
+                if len(ids) > len(result.output_ids):
+                    if last_token_t is None:
+                        result.ttft_s = now - start
+                    else:
+                        result.itl_s.append(now - last_token_t)
+                    last_token_t = now
+                result.output_ids = ids
+                result.text = chunk.get("text", result.text)
+                result.meta = chunk.get("meta_info", result.meta)
+                result.chunks += 1
+    except requests.RequestException as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    result.e2e_s = time.monotonic() - start
+    return result
+
+
+def chat(url: str, content: str, max_tokens: int, timeout_s: float = 120.0) -> Dict:
+    payload = {"model": "default", "messages": [{"role": "user", "content": content}],
+               "max_tokens": max_tokens, "temperature": 0.0}
+    r = requests.post(f"{url}/v1/chat/completions", json=payload, timeout=timeout_s)
+    r.raise_for_status()
+    return r.json()
+
+
+def chat_stream(url: str, content: str, max_tokens: int, timeout_s: float = 120.0) -> Dict:
+    """Streaming chat; returns the concatenated content, the finish reason and the chunk count."""
+    payload = {"model": "default", "messages": [{"role": "user", "content": content}],
+               "max_tokens": max_tokens, "temperature": 0.0, "stream": True}
+    parts: List[str] = []
+    finish, chunks, done = None, 0, False
+    with requests.post(f"{url}/v1/chat/completions", json=payload, timeout=timeout_s, stream=True) as r:
+        r.raise_for_status()
+        for data in _sse_events(r):
+            if data == "[DONE]":
+                done = True
+                break
+            chunks += 1
+            for choice in json.loads(data).get("choices", []):
+                parts.append(choice.get("delta", {}).get("content") or "")
+                finish = choice.get("finish_reason") or finish
+    return {"content": "".join(parts), "finish_reason": finish, "chunks": chunks, "done": done}
+
+
+def generate_many(url: str, prompts: Sequence[str], max_new_tokens: int, concurrency: int,
+                  timeout_s: float = 300.0, stream: bool = False, ignore_eos: bool = False
+                  ) -> List[Generation]:
+    """All prompts at once (up to `concurrency` in flight); results in prompt order."""
+    fn = generate_stream if stream else generate
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        futures = [pool.submit(fn, url, p, max_new_tokens, timeout_s, ignore_eos) for p in prompts]
+        return [f.result() for f in futures]
+
+
+def open_stream_and_hang_up(url: str, text: str, max_new_tokens: int,
+                            hang_up_when: Callable[[bytes], bool], timeout_s: float = 60.0) -> bytes:
+    """Send a streaming /generate on a raw socket and close it abruptly, like a client that goes away.
+
+    `hang_up_when(received_so_far)` is polled about every 20 ms; the socket is reset as soon as it
+    returns True (e.g. once a `data:` event arrived, or once a server reports the request queued).
+    Returns what was received before hanging up.
+    """
+    parsed = urlparse(url)
+    body = json.dumps({"text": text, "stream": True,
+                       "sampling_params": sampling(max_new_tokens, ignore_eos=True)}).encode()
+    head = (f"POST /generate HTTP/1.1\r\nHost: {parsed.hostname}:{parsed.port}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    received = b""
+    sock = socket.create_connection((parsed.hostname, parsed.port), timeout=timeout_s)
+    try:
+        sock.sendall(head + body)
+        sock.settimeout(0.02)
+        deadline = time.monotonic() + timeout_s
+        while not hang_up_when(received):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"hang-up condition not met in {timeout_s} s; got {received[:300]!r}")
+            try:
+                data = sock.recv(65536)
+            except socket.timeout:
+                continue
+            if not data:
+                raise ConnectionError(f"server closed the stream early: {received[:500]!r}")
+            received += data
+    finally:
+        # SO_LINGER 0: close with a reset, the harshest way a client can disappear.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()
+    return received
+
+
+def get_json(url: str, timeout_s: float = 5.0) -> Dict:
+    r = requests.get(url, timeout=timeout_s)
+    r.raise_for_status()
+    return r.json()
+
+
+def requests_in_server(url: str) -> int:
+    """Requests a server holds in any queue (running, waiting, PD bootstrap/transfer), from /v1/loads."""
+    total = 0
+    for load in get_json(f"{url}/v1/loads?include=all")["loads"]:
+        total += load.get("num_running_reqs", 0) + load.get("num_waiting_reqs", 0)
+        disagg = load.get("disaggregation") or {}
+        total += sum(disagg.get(k, 0) for k in (
+            "prefill_bootstrap_queue_reqs", "prefill_inflight_queue_reqs",
+            "decode_prealloc_queue_reqs", "decode_transfer_queue_reqs", "decode_retracted_queue_reqs"))
+    return total

@@ -1,0 +1,151 @@
+"""Standalone and prefill-decode (PD) deployments of real SGLang servers on this host.
+
+A deployment owns its processes: `start()` launches them, `wait_ready()` polls their health
+endpoints against a deadline, `stop()` tears everything down (idempotent, also after a failure).
+Logs go to one file per process under `log_dir`; `tails()` returns the end of each for reports.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import requests
+
+from sglang_mori.testing import launch
+from sglang_mori.testing.procs import ManagedProcess, wait_until
+
+Progress = Optional[Callable[[str, float], None]]
+
+
+def http_ok(url: str, timeout_s: float = 2.0) -> bool:
+    try:
+        return requests.get(url, timeout=timeout_s).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+class Deployment:
+    """A set of named processes started and stopped together."""
+
+    def __init__(self, log_dir: Path):
+        self.log_dir = Path(log_dir)
+        self.procs: Dict[str, ManagedProcess] = {}
+
+    def _spawn(self, name: str, argv: List[str], env: Dict[str, str]) -> ManagedProcess:
+        proc = ManagedProcess(name, argv, env, self.log_dir / f"{name}.log").start()
+        self.procs[name] = proc
+        return proc
+
+    def _wait_http(self, name: str, url: str, deadline_s: float, progress: Progress) -> float:
+        proc = self.procs[name]
+        cb = (lambda elapsed: progress(name, elapsed)) if progress else None
+        try:
+            return wait_until(lambda: http_ok(url), deadline_s, name, alive=proc.alive, progress=cb)
+        except (TimeoutError, RuntimeError) as exc:
+            raise RuntimeError(f"{exc}\n--- {name} log tail ---\n{proc.tail()}") from exc
+
+    def stop(self) -> None:
+        # Router first, so no new traffic reaches servers that are going away.
+        for name in sorted(self.procs, key=lambda n: n != "router"):
+            self.procs[name].stop()
+
+    def tails(self, lines: int = 60) -> str:
+        return "\n".join(
+            f"--- {name} ({proc.log_path}) ---\n{proc.tail(lines)}" for name, proc in self.procs.items()
+        )
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+class Standalone(Deployment):
+    """One ordinary (non-disaggregated) SGLang server: the reference for PD outputs."""
+
+    def __init__(self, opts: launch.ServerOptions, log_dir: Path, ports: Optional[set] = None,
+                 name: str = "standalone"):
+        super().__init__(log_dir)
+        self.opts = opts
+        self.name = name
+        (self.port,) = launch.pick_free_ports(1, ports)
+        self.url = f"http://{launch.HOST}:{self.port}"
+
+    def start(self) -> "Standalone":
+        env = launch.base_env(None, self.opts.extra_env)
+        self._spawn(self.name, launch.standalone_argv(self.opts, self.port), env)
+        return self
+
+    def wait_ready(self, deadline_s: float = 300.0, progress: Progress = None) -> None:
+        self._wait_http(self.name, f"{self.url}/health", deadline_s, progress)
+
+
+class PDDeployment(Deployment):
+    """Prefill server + decode server + sglang_router in PD mode, all on 127.0.0.1."""
+
+    def __init__(self, opts: launch.ServerOptions, backend: str, log_dir: Path,
+                 ports: Optional[set] = None, env: Optional[Dict[str, str]] = None):
+        super().__init__(log_dir)
+        if backend not in launch.BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}; one of {launch.BACKENDS}")
+        self.opts = opts
+        self.backend = backend
+        self.env = launch.base_env(backend, {**opts.extra_env, **(env or {})})
+        (self.prefill_port, self.bootstrap_port, self.decode_port, self.router_port,
+         self.metrics_port) = launch.pick_free_ports(5, ports)
+        self.prefill_url = f"http://{launch.HOST}:{self.prefill_port}"
+        self.decode_url = f"http://{launch.HOST}:{self.decode_port}"
+        self.router_url = f"http://{launch.HOST}:{self.router_port}"
+
+    # -- servers -------------------------------------------------------------------------------
+    def start_servers(self) -> "PDDeployment":
+        self.start_prefill()
+        self._spawn("decode", launch.decode_argv(self.opts, self.decode_port, self.backend), self.env)
+        return self
+
+    def start_prefill(self) -> None:
+        argv = launch.prefill_argv(self.opts, self.prefill_port, self.bootstrap_port, self.backend)
+        self._spawn("prefill", argv, self.env)
+
+    def wait_prefill(self, deadline_s: float = 300.0, progress: Progress = None) -> float:
+        return self._wait_http("prefill", f"{self.prefill_url}/health", deadline_s, progress)
+
+    def wait_servers(self, deadline_s: float = 300.0, progress: Progress = None) -> None:
+        start = time.monotonic()
+        self.wait_prefill(deadline_s, progress)
+        remaining = deadline_s - (time.monotonic() - start)
+        self._wait_http("decode", f"{self.decode_url}/health", remaining, progress)
+
+    # -- router --------------------------------------------------------------------------------
+    def start_router(self) -> None:
+        argv = launch.router_argv(self.router_port, self.prefill_port, self.bootstrap_port,
+                                  self.decode_port, self.metrics_port)
+        self._spawn("router", argv, self.env)
+
+    def wait_router(self, deadline_s: float = 120.0, progress: Progress = None) -> None:
+        # /readiness turns 200 once the router sees healthy prefill and decode workers.
+        self._wait_http("router", f"{self.router_url}/readiness", deadline_s, progress)
+
+    def start(self) -> "PDDeployment":
+        self.start_servers()
+        return self
+
+    def wait_ready(self, deadline_s: float = 300.0, progress: Progress = None) -> None:
+        start = time.monotonic()
+        self.wait_servers(deadline_s, progress)
+        self.start_router()
+        self.wait_router(max(30.0, deadline_s - (time.monotonic() - start)), progress)
+
+    # -- fault injection -----------------------------------------------------------------------
+    def kill_prefill(self) -> None:
+        """SIGKILL the prefill server's whole process group: a crash, no clean shutdown."""
+        self.procs["prefill"].kill_hard()
+
+    def restart_prefill(self, deadline_s: float = 300.0, progress: Progress = None) -> float:
+        """A new prefill server on the same HTTP and bootstrap ports; returns its start-up time."""
+        self.procs["prefill"].stop()
+        self.start_prefill()
+        return self.wait_prefill(deadline_s, progress)

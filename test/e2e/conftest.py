@@ -1,0 +1,118 @@
+"""Fixtures for end-to-end tests: real SGLang servers on CPU with a tiny local model.
+
+One standalone server (the reference) and one PD deployment (prefill + decode + router) are started
+once per session, in parallel, and stopped at the end whatever happens. Start-up costs 45-60 s on
+the 2-core host, so every test shares them; the one test that kills the prefill server brings a new
+one up on the same ports before it ends, and runs last.
+
+Backend: SGLANG_MORI_E2E_BACKEND, default `mori` (our plugin on the softio engine). `mooncake_tcp`
+runs the same tests over SGLang's Mooncake backend, which is how the harness itself was validated.
+On failure, the tail of every server log is attached to the report; full logs stay under the
+session's tmp dir (path printed in the report).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import List
+
+import pytest
+
+from sglang_mori.testing import launch
+from sglang_mori.testing.deployment import Deployment, PDDeployment, Standalone
+from sglang_mori.testing.failure_env import FAILURE_ENV
+from sglang_mori.testing.tiny_model import build_tiny_model
+
+BACKEND = os.environ.get("SGLANG_MORI_E2E_BACKEND", "mori")
+CHUNKED_PREFILL = 64
+
+_ACTIVE: List[Deployment] = []
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "restarts_prefill: kills and restarts the shared prefill server; runs last")
+
+
+def pytest_collection_modifyitems(config, items):
+    # Stable sort: the destructive test goes after every test that expects an untouched deployment.
+    items.sort(key=lambda item: item.get_closest_marker("restarts_prefill") is not None)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and _ACTIVE:
+        logs = "\n".join(d.tails(40) for d in _ACTIVE)
+        report.sections.append(("server logs (tail)", logs))
+
+
+def _check_plugin_serves_mori() -> None:
+    """`mori` must resolve to our classes; otherwise SGLang's own backend (no `mori` module) runs."""
+    code = (
+        "from sglang.srt.plugins import load_plugins; load_plugins();"
+        "from sglang.srt.disaggregation.utils import get_kv_class, TransferBackend, KVClassType;"
+        "c = get_kv_class(TransferBackend.MORI, KVClassType.MANAGER); print(c.__module__)"
+    )
+    env = launch.base_env(None)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
+    module = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    if proc.returncode != 0 or not module.startswith("sglang_mori"):
+        pytest.fail(
+            "SGLANG_MORI_E2E_BACKEND=mori but the sglang_mori plugin does not serve "
+            f"TransferBackend.MORI (got {module or 'an error'}):\n{proc.stderr[-3000:]}\n"
+            "Set SGLANG_MORI_E2E_BACKEND=mooncake_tcp to run the harness over Mooncake/TCP.",
+            pytrace=False,
+        )
+
+
+@pytest.fixture(scope="session")
+def e2e_backend() -> str:
+    if BACKEND not in ("mori", "mooncake_tcp"):
+        pytest.fail(f"SGLANG_MORI_E2E_BACKEND={BACKEND!r}: use mori or mooncake_tcp", pytrace=False)
+    if BACKEND == "mori":
+        _check_plugin_serves_mori()
+    return BACKEND
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def server_options(tiny_model) -> launch.ServerOptions:
+    return launch.ServerOptions(model_dir=tiny_model, chunked_prefill_size=CHUNKED_PREFILL)
+
+
+@pytest.fixture(scope="session")
+def deployments(e2e_backend, server_options, tmp_path_factory):
+    """Start the standalone server and the PD deployment together; stop both at session end."""
+    log_dir = tmp_path_factory.mktemp("e2e-logs")
+    ports: set = set()
+    standalone = Standalone(server_options, log_dir, ports)
+    pd = PDDeployment(server_options, e2e_backend, log_dir, ports, env=FAILURE_ENV)
+    _ACTIVE.extend([standalone, pd])
+    try:
+        standalone.start()
+        pd.start()
+        standalone.wait_ready(300)
+        pd.wait_ready(300)
+        yield standalone, pd
+    finally:
+        _ACTIVE.clear()
+        pd.stop()
+        standalone.stop()
+        print(f"\ne2e server logs: {log_dir}")
+
+
+@pytest.fixture(scope="session")
+def standalone(deployments) -> Standalone:
+    return deployments[0]
+
+
+@pytest.fixture(scope="session")
+def pd(deployments) -> PDDeployment:
+    return deployments[1]
