@@ -1,0 +1,209 @@
+"""PeerRegistry: registration, replacement on restart, rejection, fail-fast window, up count."""
+
+import importlib.util
+import sys
+import threading
+import types
+from pathlib import Path
+
+import pytest
+
+import sglang_mori
+
+
+def load_backend_module(name):
+    """backend/<name>.py without running backend/__init__.py, which imports all of SGLang (~10 s)."""
+    modname = f"_unit_sglang_mori_backend_{name}"
+    if modname not in sys.modules:
+        path = Path(sglang_mori.__file__).parent / "backend" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(modname, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[modname] = module  # dataclasses looks the module up while building classes
+        spec.loader.exec_module(module)
+    return sys.modules[modname]
+
+
+peers = load_backend_module("peers")
+DecodePeer, PeerRegistry = peers.DecodePeer, peers.PeerRegistry
+
+FAIL_FAST_S = 5.0
+
+
+class Clock:
+    """Stands in for the `time` module inside backend/peers.py."""
+
+    def __init__(self, now=1000.0):
+        self.now = now
+
+    def monotonic(self):
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    c = Clock()
+    monkeypatch.setattr(peers, "time", types.SimpleNamespace(monotonic=c.monotonic))
+    return c
+
+
+def peer(key, port=17000, ip="127.0.0.1", **kw):
+    return DecodePeer(engine_key=key, endpoint=(ip, port), attn_tp_size=1, attn_tp_rank=0,
+                      kv_descs=[b"kv"], aux_descs=[b"aux"], state_descs=[], layout=None, **kw)
+
+
+def test_add_and_get():
+    reg = PeerRegistry(FAIL_FAST_S)
+    a, b = peer("a", 1), peer("b", 2)
+    assert reg.add(a) is None
+    assert reg.add(b) is None
+    assert reg.get("a") is a and reg.get("b") is b
+    assert reg.get("c") is None
+    assert sorted(reg.keys()) == ["a", "b"]
+    assert reg.unusable_reason("a") is None
+    assert reg.up_count() == 2
+
+
+def test_restart_same_endpoint_new_key_replaces_old():
+    reg = PeerRegistry(FAIL_FAST_S)
+    old = peer("decode-pid1", 17000)
+    new = peer("decode-pid2", 17000)
+    reg.add(old)
+    assert reg.add(new) is old
+    assert reg.get("decode-pid2") is new
+    assert reg.get("decode-pid1") is None
+    assert reg.keys() == ["decode-pid2"]
+    assert reg.up_count() == 1
+    # Rooms still bound to the old key fail with a reason naming it.
+    reason = reg.unusable_reason("decode-pid1")
+    assert reason == "decode engine decode-pid1 has not registered with this prefill rank"
+    assert reg.unusable_reason("decode-pid2") is None
+
+
+def test_restart_replaces_a_failed_peer_with_a_usable_one(clock):
+    reg = PeerRegistry(FAIL_FAST_S)
+    reg.add(peer("old", 17000))
+    reg.mark_failed("old", "peer unreachable")
+    assert reg.up_count() == 0
+    assert reg.add(peer("new", 17000)).failed_reason == "peer unreachable"
+    assert reg.unusable_reason("new") is None
+    assert reg.up_count() == 1
+
+
+def test_same_key_reregistering_is_not_a_replacement():
+    reg = PeerRegistry(FAIL_FAST_S)
+    first, again = peer("k", 17000), peer("k", 17000)
+    reg.add(first)
+    assert reg.add(again) is None
+    assert reg.get("k") is again
+    assert reg.keys() == ["k"]
+
+
+def test_same_port_other_host_is_a_different_endpoint():
+    reg = PeerRegistry(FAIL_FAST_S)
+    assert reg.add(peer("a", 17000, ip="127.0.0.1")) is None
+    assert reg.add(peer("b", 17000, ip="127.0.0.2")) is None
+    assert sorted(reg.keys()) == ["a", "b"]
+
+
+def test_unregistered_reason():
+    reg = PeerRegistry(FAIL_FAST_S)
+    assert reg.unusable_reason("ghost") == "decode engine ghost has not registered with this prefill rank"
+
+
+def test_rejected_peer():
+    reg = PeerRegistry(FAIL_FAST_S)
+    reg.add(peer("r", rejected="layout mismatch: page_size 16 vs 64"))
+    reg.add(peer("ok", 17001))
+    assert reg.unusable_reason("r") == "layout mismatch: page_size 16 vs 64"
+    assert reg.unusable_reason("ok") is None
+    assert reg.up_count() == 1
+
+
+def test_rejection_outlives_the_fail_fast_window(clock):
+    reg = PeerRegistry(FAIL_FAST_S)
+    reg.add(peer("r", rejected="bad layout"))
+    reg.mark_failed("r", "boom")
+    clock.now += FAIL_FAST_S * 10
+    assert reg.unusable_reason("r") == "bad layout"
+    assert reg.up_count() == 0
+
+
+def test_mark_failed_returns_news():
+    reg = PeerRegistry(FAIL_FAST_S)
+    reg.add(peer("a"))
+    assert reg.mark_failed("a", "first") is True
+    assert reg.mark_failed("a", "second") is False
+    assert reg.get("a").failed_reason == "second"
+    assert reg.mark_failed("unknown", "x") is False
+    assert reg.keys() == ["a"]
+
+
+def test_recently_failed_peer_is_unusable(clock):
+    reg = PeerRegistry(FAIL_FAST_S)
+    reg.add(peer("a"))
+    reg.mark_failed("a", "RDMA error on QP 3")
+    assert reg.get("a").failed_at == clock.now
+    assert reg.unusable_reason("a") == "decode engine a failed recently: RDMA error on QP 3"
+    assert reg.up_count() == 0
+
+
+def test_fail_fast_window_expires(clock):
+    reg = PeerRegistry(FAIL_FAST_S)
+    reg.add(peer("a"))
+    reg.add(peer("b", 17001))
+    reg.mark_failed("a", "peer unreachable")
+    assert reg.up_count() == 1
+
+    clock.now += FAIL_FAST_S - 0.001
+    assert reg.unusable_reason("a") == "decode engine a failed recently: peer unreachable"
+    assert reg.up_count() == 1
+
+    clock.now += 0.001  # exactly fail_fast_s after the failure: the window is over
+    assert reg.unusable_reason("a") is None
+    p = reg.get("a")
+    assert (p.failed_reason, p.failed_at) == (None, None)
+    assert reg.up_count() == 2
+    # A new failure is news again and opens a new window.
+    assert reg.mark_failed("a", "again") is True
+    assert reg.unusable_reason("a") == "decode engine a failed recently: again"
+
+
+def test_repeated_failure_restarts_the_window(clock):
+    reg = PeerRegistry(FAIL_FAST_S)
+    reg.add(peer("a"))
+    reg.mark_failed("a", "first")
+    clock.now += 4.0
+    reg.mark_failed("a", "second")
+    clock.now += 4.0  # 8 s after the first failure, 4 s after the second
+    assert reg.unusable_reason("a") == "decode engine a failed recently: second"
+    clock.now += 1.0
+    assert reg.unusable_reason("a") is None
+
+
+def test_zero_window_never_fails_fast(clock):
+    reg = PeerRegistry(0.0)
+    reg.add(peer("a"))
+    reg.mark_failed("a", "x")
+    assert reg.unusable_reason("a") is None
+
+
+def test_concurrent_adds_keep_one_key_per_endpoint():
+    reg = PeerRegistry(FAIL_FAST_S)
+    n_threads, per_thread = 8, 50
+    barrier = threading.Barrier(n_threads)
+
+    def worker(t):
+        barrier.wait(timeout=10)
+        for i in range(per_thread):
+            reg.add(peer(f"t{t}-{i}", 17000 + i % 4))
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(n_threads)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=10)
+    assert not any(th.is_alive() for th in threads)
+    keys = reg.keys()
+    assert len(keys) == 4
+    assert sorted(reg.get(k).endpoint[1] for k in keys) == [17000, 17001, 17002, 17003]
+    assert reg.up_count() == 4
