@@ -25,6 +25,7 @@
 #   --python PATH        interpreter with sglang, sglang-router and sglang-mori (default python3)
 #   --dry-run            print the commands (with their environment) and exit
 #   --detach             exit after the health wait and leave the processes running
+#   --no-warmup          skip the one-token request through the router that ends the wait
 #   --stop               stop the processes recorded in LOG_DIR/pids (only those)
 set -euo pipefail
 
@@ -34,7 +35,7 @@ REPO_DIR="$(dirname "$SCRIPT_DIR")"
 MODE=node ROLE="" MODEL="" HOST=127.0.0.1 PORT=30000 BOOT_PORT=8998 ROUTER_PORT=8000
 PREFILL_GPUS="" DECODE_GPUS="" GPUS="" IB_DEVICE="" XGMI="" TP=""
 SERVER_ARGS="" PREFILL_ARGS="" DECODE_ARGS="" ROUTER_ARGS=""
-LOG_DIR=./pd-logs HEALTH_TIMEOUT="" PYTHON="${PYTHON:-}" DRY_RUN=0 DETACH=0 STOP=0 CPU_DEMO=0
+LOG_DIR=./pd-logs HEALTH_TIMEOUT="" PYTHON="${PYTHON:-}" DRY_RUN=0 DETACH=0 STOP=0 CPU_DEMO=0 WARMUP=1
 PREFILL_ADDRS=() DECODE_ADDRS=()
 
 die() { echo "launch_pd.sh: $*" >&2; exit 2; }
@@ -67,6 +68,7 @@ while [ $# -gt 0 ]; do
     --cpu-demo) CPU_DEMO=1 ;;
     --dry-run) DRY_RUN=1 ;;
     --detach) DETACH=1 ;;
+    --no-warmup) WARMUP=0 ;;
     --stop) STOP=1 ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown option $1 (see --help)" ;;
@@ -277,6 +279,20 @@ for p in "${PLAN[@]}"; do
   done
   echo "healthy: $name $url"
 done
+
+# The router can report healthy before it has admitted its workers: prove the whole path with one
+# one-token request through it (same deadline), so "ready" means a request would succeed.
+if { [ "$MODE" = node ] || [ "$ROLE" = router ]; } && [ "$WARMUP" = 1 ]; then
+  until curl -fsS -o /dev/null --max-time 60 -H 'Content-Type: application/json' \
+      -d '{"text": "warm up", "sampling_params": {"max_new_tokens": 1, "temperature": 0}}' \
+      "http://$HOST:$ROUTER_PORT/generate" 2>/dev/null; do
+    if [ "$(date +%s)" -ge "$deadline" ]; then
+      echo "no request succeeded through the router within ${HEALTH_TIMEOUT}s; see $LOG_DIR/*.log" >&2; exit 1
+    fi
+    sleep 2
+  done
+  echo "ready: a request went through router -> prefill -> decode"
+fi
 
 echo
 echo "endpoints:"

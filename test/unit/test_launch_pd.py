@@ -5,6 +5,8 @@ import shlex
 import subprocess
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "launch_pd.sh"
 
@@ -137,3 +139,65 @@ def test_stop_without_pid_file(tmp_path):
     r = subprocess.run(["bash", str(SCRIPT), "--stop", "--log-dir", str(tmp_path)],
                        capture_output=True, text=True, timeout=30)
     assert r.returncode == 2 and "nothing recorded" in r.stderr
+
+
+# ---- the real thing on this machine --------------------------------------------------------------
+def _free_base():
+    """Ports p, p+1000 (servers), b (bootstrap), r, r+1 (router, its metrics), all free on loopback."""
+    import random
+    import socket
+
+    rng = random.Random()
+    for _ in range(50):
+        p, b, r = rng.randrange(20000, 28000, 10), rng.randrange(29000, 29900), rng.randrange(30000, 30900, 2)
+        try:
+            for port in (p, p + 1000, b, r, r + 1):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return p, b, r
+    raise RuntimeError("no free ports")
+
+
+@pytest.mark.e2e
+def test_cpu_demo_serves_through_the_mori_backend(tmp_path):
+    import json
+    import sys
+    import urllib.request
+
+    port, boot, router = _free_base()
+    logs = tmp_path / "logs"
+    base = ["bash", str(SCRIPT), "--log-dir", str(logs)]
+    start = subprocess.run(base + ["--cpu-demo", "--detach", "--port", str(port), "--bootstrap-port",
+                                   str(boot), "--router-port", str(router), "--health-timeout", "400"],
+                           capture_output=True, text=True, timeout=600, cwd=REPO)
+    try:
+        assert start.returncode == 0, start.stdout + start.stderr
+        assert f"router  http://127.0.0.1:{router}" in start.stdout
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{router}/v1/completions", method="POST",
+            headers={"Content-Type": "application/json"},
+            data=json.dumps({"model": "default", "prompt": "the quick river", "max_tokens": 6,
+                             "temperature": 0}).encode())
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            out = json.loads(resp.read())
+        assert out["usage"]["completion_tokens"] == 6
+        # The KV went through our backend on the software engine, not SGLang's built-in mori.
+        prefill_log = (logs / "prefill0.log").read_text()
+        assert "sglang-mori prefill tp0: engine=soft" in prefill_log
+        doctor = subprocess.run([sys.executable, "-m", "sglang_mori.cli.main", "doctor", "--bootstrap",
+                                 f"127.0.0.1:{boot}"], capture_output=True, text=True, timeout=120,
+                                env={**__import__("os").environ, "SGLANG_MORI_ENGINE": "soft"})
+        assert any(line.startswith("ok") and "bootstrap" in line for line in doctor.stdout.splitlines())
+        bench = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_goodput.py"),
+                                "--base-url", f"http://127.0.0.1:{router}", "--rates", "2",
+                                "--num-requests", "4", "--input-words", "20", "--output-tokens", "8",
+                                "--ttft-slo", "5", "--itl-slo", "1", "--out-dir", str(tmp_path / "gp")],
+                               capture_output=True, text=True, timeout=300)
+        assert bench.returncode == 0, bench.stdout + bench.stderr
+        row = json.loads((tmp_path / "gp" / "goodput.json").read_text())["rows"][0]
+        assert row["ok"] == 4 and row["errors"] == 0
+    finally:
+        stop = subprocess.run(base + ["--stop"], capture_output=True, text=True, timeout=120)
+        assert stop.returncode == 0, stop.stderr
