@@ -212,7 +212,7 @@ class PrefillService:
             if current is not None and current != KVPoll.Bootstrapping:
                 # A replay, or metadata for a room already in flight: never re-target live writes.
                 mgr.reject_message(
-                    protocol.ProtocolError("replayed", f"metadata for room {room} in state {KVPoll(current).name}", room),
+                    protocol.ProtocolError("replayed", f"metadata for room {room} in KVPoll state {int(current)}", room),
                     "prefill control socket",
                 )
                 return
