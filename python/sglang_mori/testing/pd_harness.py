@@ -96,9 +96,24 @@ class _Worker:
         self.conn.close()
 
 
-def _collect(workers: List[_Worker], kind: str, deadline: float) -> None:
-    """Wait for message `kind` from every worker in the list; raise on error/death/deadline."""
+def _collect(
+    workers: List[_Worker],
+    kind: str,
+    deadline: float,
+    progress: Optional[Dict[str, dict]] = None,
+    lost: Optional[List[str]] = None,
+) -> None:
+    """Wait for message `kind` from every worker in the list; raise on error/deadline, and on a
+    death unless `lost` is given (then the dead worker's name is appended and the rest awaited).
+    Progress messages met on the way update `progress`."""
     waiting = {w.conn: w for w in workers}
+
+    def died(w: _Worker, why: str) -> None:
+        if lost is None:
+            raise HarnessError(why)
+        lost.append(w.name)
+        del waiting[w.conn]
+
     while waiting:
         left = deadline - time.monotonic()
         if left <= 0:
@@ -109,15 +124,19 @@ def _collect(workers: List[_Worker], kind: str, deadline: float) -> None:
             try:
                 msg = conn.recv()
             except (EOFError, OSError):
-                raise HarnessError(f"worker {w.name} died (exit code {w.proc.exitcode})") from None
+                w.proc.join(1.0)
+                died(w, f"worker {w.name} died (exit code {w.proc.exitcode})")
+                continue
             if msg[0] == "error":
                 raise HarnessError(f"worker {w.name} failed:\n{msg[1]}")
-            if msg[0] == kind:
+            if msg[0] == "progress" and progress is not None:
+                progress[w.name] = msg[1]
+            elif msg[0] == kind:
                 setattr(w, "ready" if kind == "ready" else "report", msg[1])
                 del waiting[conn]
         for conn, w in list(waiting.items()):
             if not w.proc.is_alive() and not conn.poll():
-                raise HarnessError(f"worker {w.name} exited (code {w.proc.exitcode}) before {kind!r}")
+                died(w, f"worker {w.name} exited (code {w.proc.exitcode}) before {kind!r}")
 
 
 def _ping_all(workers: List[_Worker], timeout: float) -> Dict[str, bool]:
@@ -174,14 +193,18 @@ def run_transfer(cfg: HarnessConfig, *, on_ready: Optional[Hook] = None, during:
             )
             if on_ready is not None:
                 on_ready(result.ready)
-            t0 = time.monotonic()
+            t0 = result.ready.t0 = time.monotonic()
             for w in prefill + decode:
                 w.conn.send(("go", t0))
             thread = None
             if during is not None:
                 thread = threading.Thread(target=_guard(during, result.ready, hook_error), daemon=True)
                 thread.start()
-            _collect(prefill + decode, "report", t0 + cfg.transfer_timeout_s + VERIFY_MARGIN_S)
+            lost = result.lost_workers
+            _collect(
+                prefill + decode, "report", t0 + cfg.transfer_timeout_s + VERIFY_MARGIN_S,
+                progress=result.ready.progress, lost=lost,
+            )  # fmt: skip
             result.wall_s = time.monotonic() - t0
             if thread is not None:
                 thread.join(cfg.transfer_timeout_s)
@@ -189,7 +212,9 @@ def run_transfer(cfg: HarnessConfig, *, on_ready: Optional[Hook] = None, during:
                     raise HarnessError("the 'during' hook did not return before the deadline")
             if hook_error:
                 raise HarnessError(f"the 'during' hook raised: {hook_error[0]!r}") from hook_error[0]
-            result.alive_at_end = _ping_all(workers, 10.0)
+            result.alive_at_end = _ping_all([w for w in workers if w.name not in lost], 10.0)
+            if lost:
+                result.error = f"workers died before reporting: {', '.join(lost)}"
         except HarnessError as exc:
             result.error = str(exc)
         finally:

@@ -89,8 +89,11 @@ class HarnessConfig:
     seed: int = 1234
     # Decode pages never given to any room, checked to stay zero.
     spare_decode_pages: int = 16
-    # Extra environment for every worker (applied before SGLang is imported there).
+    # Extra environment for every worker (applied before SGLang is imported there), and per side
+    # on top of it (e.g. softio fault injection on prefill only).
     env: Dict[str, str] = field(default_factory=dict)
+    prefill_env: Dict[str, str] = field(default_factory=dict)
+    decode_env: Dict[str, str] = field(default_factory=dict)
     host: str = "127.0.0.1"
     # Deadlines (seconds): worker start-up (imports + manager construction), all rooms terminal,
     # the whole run including teardown.

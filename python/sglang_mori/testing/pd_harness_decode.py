@@ -32,6 +32,7 @@ def run_decode_rooms(
     bootstrap_addr: str,
     clock: Callable[[], float],
     deadline: float,
+    on_pass=None,
 ) -> List[RoomOutcome]:
     last_ensure = [0.0]
 
@@ -91,4 +92,4 @@ def run_decode_rooms(
     def expire_room(st: RoomState) -> None:
         st.receiver.abort()
 
-    return drive(plan.rooms, open_room, step_room, expire_room, pool.cfg.max_inflight, deadline)
+    return drive(plan.rooms, open_room, step_room, expire_room, pool.cfg.max_inflight, deadline, on_pass)

@@ -43,6 +43,7 @@ def drive(
     expire_room: Callable[[RoomState], None],
     max_inflight: Optional[int],
     deadline: float,
+    on_pass: Optional[Callable[[List[RoomState], List[RoomState]], None]] = None,
 ) -> List[RoomOutcome]:
     """Run every room to a terminal state or to `deadline` (time.monotonic()); outcomes by index."""
     pending = deque(rooms)
@@ -57,6 +58,8 @@ def drive(
                 progressed = step_room(st) or progressed
         finished.extend(st for st in active if st.done)
         active = [st for st in active if not st.done]
+        if on_pass is not None:
+            on_pass(active, finished)
         if time.monotonic() > deadline:
             for st in active:
                 st.outcome.failure = f"no terminal status before the deadline (phase {st.phase})"

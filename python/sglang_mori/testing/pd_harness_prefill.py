@@ -35,6 +35,7 @@ def run_prefill_rooms(
     bootstrap_addr: str,
     clock: Callable[[], float],
     deadline: float,
+    on_pass=None,
 ) -> List[RoomOutcome]:
     cfg = pool.cfg
     ps = cfg.layout.page_size
@@ -114,7 +115,7 @@ def run_prefill_rooms(
     def expire_room(st: RoomState) -> None:
         st.sender.abort()  # what the scheduler does to a request it gives up on
 
-    return drive(plan.rooms, open_room, step_room, expire_room, cfg.max_inflight, deadline)
+    return drive(plan.rooms, open_room, step_room, expire_room, cfg.max_inflight, deadline, on_pass)
 
 
 def now_since(t0: float) -> Callable[[], float]:

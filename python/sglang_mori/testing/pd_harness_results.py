@@ -8,6 +8,7 @@ loading SGLang. Times are `time.monotonic()` seconds relative to the moment the 
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -76,6 +77,19 @@ class ReadyInfo:
     # such message), so fuzz tests can replay a genuine message.
     decode_registrations: List[Optional[List[bytes]]] = field(default_factory=list)
     manager_classes: Dict[str, str] = field(default_factory=dict)
+    # Latest room counts per worker name ({"open", "ready", "sent", "done"}), kept current by the
+    # orchestrator while the rooms run; read it from a `during` hook.
+    progress: Dict[str, Dict[str, int]] = field(default_factory=dict)
+    t0: Optional[float] = None  # time.monotonic() of "go"; room times are relative to it
+
+    def wait_progress(self, worker: str, key: str, at_least: int, timeout_s: float) -> bool:
+        """Poll until progress[worker][key] >= at_least; False if the deadline passes first."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.progress.get(worker, {}).get(key, 0) >= at_least:
+                return True
+            time.sleep(0.01)
+        return False
 
 
 @dataclass
@@ -86,6 +100,7 @@ class HarnessResult:
     wall_s: float = 0.0  # from "go" to the last report
     alive_at_end: Dict[str, bool] = field(default_factory=dict)  # worker answered a final ping
     phase_s: Dict[str, float] = field(default_factory=dict)  # start-up milestones, from launch
+    lost_workers: List[str] = field(default_factory=list)  # died before sending their report
 
     def side(self, side: str) -> List[RankReport]:
         return [r for r in self.ranks if r.side == side]

@@ -18,8 +18,9 @@ from typing import Dict
 from sglang_mori.testing.pd_harness_config import HarnessConfig
 
 
-def worker_env(cfg: HarnessConfig) -> Dict[str, str]:
-    """Environment every worker runs with; cfg.env overrides it."""
+def worker_env(cfg: HarnessConfig, side: str) -> Dict[str, str]:
+    """Environment of a worker of `side` ('prefill', 'decode', 'bootstrap'); cfg.env and then
+    cfg.<side>_env override the defaults."""
     timeout = str(int(cfg.sglang_timeout_s))
     env = {
         # get_local_ip_auto() honours it: managers and engines bind loopback, not the NIC.
@@ -34,6 +35,7 @@ def worker_env(cfg: HarnessConfig) -> Dict[str, str]:
     else:
         env["SGLANG_MORI_ENGINE"] = "soft"
     env.update(cfg.env)
+    env.update({"prefill": cfg.prefill_env, "decode": cfg.decode_env}.get(side, {}))
     return env
 
 
@@ -63,7 +65,7 @@ def write_model_dir(cfg: HarnessConfig, path: Path) -> Path:
 def setup_process(cfg: HarnessConfig, model_dir: str, mode: str, tp_rank: int, bootstrap_port: int):
     """Prepare this process to host a KV manager (mode 'prefill'/'decode') or the bootstrap server
     (mode 'bootstrap'); returns the published ServerArgs."""
-    os.environ.update(worker_env(cfg))
+    os.environ.update(worker_env(cfg, mode))
     logging.basicConfig(level=getattr(logging, cfg.log_level, logging.WARNING))
     from sglang.srt.plugins import load_plugins
 

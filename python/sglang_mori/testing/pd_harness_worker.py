@@ -4,6 +4,7 @@ decode TP rank.
 Control protocol over the multiprocessing pipe (orchestrator <-> worker):
     worker -> ("ready", {...})     set up and listening
     orch   -> ("go", t0)           start the rooms; t0 is the shared monotonic time origin
+    worker -> ("progress", counts)  room counts during the run (open/ready/sent/done)
     worker -> ("report", RankReport)
     orch   -> ("ping",)            worker answers ("pong", pid) while it serves the pipe
     orch   -> ("stop",)            worker exits
@@ -68,6 +69,34 @@ def _wait_go(conn, deadline: float) -> float:
             if msg[0] == "ping":
                 conn.send(("pong", os.getpid()))
     raise TimeoutError("no 'go' from the orchestrator before the start-up deadline")
+
+
+class _Progress:
+    """Streams room counts to the orchestrator (at most every INTERVAL_S, and on change only), so
+    a test hook can act at a known point of the run, e.g. once every room's KV has been sent."""
+
+    INTERVAL_S = 0.05
+
+    def __init__(self, conn):
+        self.conn, self.last, self.sent_at, self.pending = conn, None, 0.0, None
+
+    def __call__(self, active, finished) -> None:
+        states = list(active) + list(finished)
+        counts = {
+            "open": len(states),
+            "ready": sum(st.outcome.t_ready is not None for st in states),
+            "sent": sum(st.outcome.t_sent is not None for st in states),
+            "done": len(finished),
+        }
+        if counts != self.last:
+            self.pending = counts
+        if self.pending is not None and time.monotonic() - self.sent_at >= self.INTERVAL_S:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.pending is not None:
+            self.conn.send(("progress", self.pending))
+            self.last, self.pending, self.sent_at = self.pending, None, time.monotonic()
 
 
 def _registration_frames(mgr):
@@ -139,10 +168,12 @@ def _run_rank(side: str, rank: int, cfg: HarnessConfig, model_dir: str, port: in
     deadline = t0 + cfg.transfer_timeout_s
     addr = f"{cfg.host}:{port}"
     report = RankReport(side=side, rank=rank, pid=os.getpid())
+    progress = _Progress(conn)
     if side == "prefill":
-        report.rooms = run_prefill_rooms(pool, plan, mgr, sender_cls, addr, clock, deadline)
+        report.rooms = run_prefill_rooms(pool, plan, mgr, sender_cls, addr, clock, deadline, progress)
     else:
-        report.rooms = run_decode_rooms(pool, plan, mgr, receiver_cls, addr, clock, deadline)
+        report.rooms = run_decode_rooms(pool, plan, mgr, receiver_cls, addr, clock, deadline, progress)
+    progress.flush()
     done = [o.t_done for o in report.rooms if o.t_done is not None]
     report.t_last_done = max(done) if done else None
     if side == "decode" and cfg.verify:
