@@ -5,9 +5,13 @@ The backend makes one ``TransferMetrics`` per KV manager and calls it at a handf
     m = create_transfer_metrics(enabled, engine_type="prefill", tp_rank=0)
     t0 = m.transfer_started(peer_key)                 # a chunk of a room is submitted to a peer
     m.transfer_finished(peer_key, nbytes, time.monotonic() - t0, ok=False, reason="timeout")
-    m.request_finished(ok=True)                       # a room reached Success or Failed
-    m.failure("bad_index")                            # a failure outside a transfer
+    m.request_finished(ok=False, reason="peer_dead")  # a room reached Success or Failed
     m.retry("submit_error"); m.set_queue_depth(n); m.peer_up(key); m.peer_down(key)
+
+Failures are counted at two levels that never overlap: ``sglang_mori_transfer_failures_total``
+(each failed transfer, from ``transfer_finished``) and ``sglang_mori_failures_total`` (each failed
+request, from ``request_finished(ok=False, reason=...)`` or ``failure(reason)``; call one of the two
+per failed request). A room whose transfer failed therefore shows once in each.
 
 Why it looks the way it does:
 
@@ -103,7 +107,10 @@ class _Collectors:
             "Submit-to-completion time of successful transfers.",
             RANK_LABELS, buckets=LATENCY_BUCKETS_S, **kw)
         self.failures = Counter(
-            PREFIX + "failures", "Failed transfers and requests by reason.",
+            PREFIX + "failures", "KV requests (rooms) that failed, by reason.",
+            RANK_LABELS + ("reason",), **kw)
+        self.transfer_failures = Counter(
+            PREFIX + "transfer_failures", "Transfers that failed, by reason.",
             RANK_LABELS + ("reason",), **kw)
         self.retries = Counter(
             PREFIX + "retries", "Transfer submissions retried, by reason.",
@@ -180,18 +187,21 @@ class TransferMetrics:
             self._c.latency.labels(*self._labels).observe(max(0.0, float(seconds)))
         else:
             self._c.transfers.labels(*self._labels, "failed").inc()
-            self.failure(reason)
+            self._c.transfer_failures.labels(*self._labels, normalize_reason(reason)).inc()
 
     def failure(self, reason: Optional[str]) -> None:
-        """Count one failure; ``transfer_finished(ok=False)`` calls this itself."""
+        """Count one failed request by reason (use this or ``request_finished``'s reason, not both)."""
         self._c.failures.labels(*self._labels, normalize_reason(reason)).inc()
 
     def retry(self, reason: Optional[str]) -> None:
         self._c.retries.labels(*self._labels, normalize_reason(reason)).inc()
 
-    def request_finished(self, ok: bool) -> None:
-        """A room reached Success (ok) or Failed; its failure reason goes through ``failure``."""
+    def request_finished(self, ok: bool, reason: Optional[str] = None) -> None:
+        """A room reached Success (ok) or Failed. With ``reason``, a failure is also counted by
+        reason; without, the caller counts it with ``failure(reason)``."""
         self._c.requests.labels(*self._labels, "ok" if ok else "failed").inc()
+        if not ok and reason is not None:
+            self.failure(reason)
 
     # ---- queues and peers --------------------------------------------------------------------
     def set_queue_depth(self, n: int) -> None:
@@ -246,7 +256,7 @@ class NullTransferMetrics:
     def retry(self, reason: Optional[str]) -> None:
         pass
 
-    def request_finished(self, ok: bool) -> None:
+    def request_finished(self, ok: bool, reason: Optional[str] = None) -> None:
         pass
 
     def set_queue_depth(self, n: int) -> None:

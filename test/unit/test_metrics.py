@@ -62,7 +62,12 @@ def test_failed_transfer_counts_reason_not_bytes(reg):
     m.transfer_started("p")
     m.transfer_finished("p", 1 << 20, 5.0, ok=False, reason="timeout")
     assert value(reg, "sglang_mori_transfers_total", outcome="failed") == 1
+    assert value(reg, "sglang_mori_transfer_failures_total", reason="timeout") == 1
+    # A failed transfer is not a failed request: the request level is counted separately, once.
+    assert value(reg, "sglang_mori_failures_total", reason="timeout") == 0
+    m.request_finished(False, reason="timeout")
     assert value(reg, "sglang_mori_failures_total", reason="timeout") == 1
+    assert value(reg, "sglang_mori_requests_total", outcome="failed") == 1
     assert value(reg, "sglang_mori_transfer_bytes_total") == 0
     assert value(reg, "sglang_mori_transfer_latency_seconds_count") == 0
     assert value(reg, "sglang_mori_inflight_transfers") == 0
@@ -88,7 +93,8 @@ def test_requests_queue_and_peers(reg):
     m = make(reg)
     assert value(reg, "sglang_mori_requests_total", outcome="ok") == 0  # pre-touched series
     m.request_finished(True)
-    m.request_finished(False)
+    m.request_finished(False)  # reason counted separately by failure(): not here
+    assert value(reg, "sglang_mori_failures_total", reason="other") == 0
     m.set_queue_depth(7)
     assert value(reg, "sglang_mori_requests_total", outcome="ok") == 1
     assert value(reg, "sglang_mori_requests_total", outcome="failed") == 1
@@ -221,6 +227,6 @@ def test_prometheus_multiprocess_mode(tmp_path):
         assert get("sglang_mori_queue_depth", rank) == [rank + 5.0]
         assert get("sglang_mori_peers_up", rank) == [1.0]
         assert get("sglang_mori_transfer_bytes_total", rank) == [1000.0 * (rank + 1)]
-    assert sum(get("sglang_mori_failures_total", reason="timeout")) == 2
+    assert sum(get("sglang_mori_transfer_failures_total", reason="timeout")) == 2
     assert sum(get("sglang_mori_transfer_latency_seconds_count")) == 2
     assert all("pid" not in lab for _, lab, _ in samples)
