@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang_mori.softio.batch_plan import (MAX_MSG_SIZE, PlanError, _merge_python, plan_frames,
-                                           split_post_batches)
+from sglang_mori.softio.batch_plan import (MAX_MSG_SIZE, PlanError, _merge_python, _plan_numpy,
+                                           plan_frames, split_post_batches)
 from sglang_mori.softio.enums import StatusCode
 
 SOFTIO_ONLY = True
@@ -49,8 +49,9 @@ def test_numpy_and_python_planners_agree_and_move_the_right_bytes(batch, max_sge
     lo, ro, sz = batch
     size = 3 * (len(sz) + 4)
     python = _merge_python(lo, ro, sz, max_sge)
-    vectorised = plan_frames(np.array(lo), np.array(ro), np.array(sz), size, size, max_sge)
+    vectorised = _plan_numpy(np.array(lo), np.array(ro), np.array(sz), size, size, max_sge)
     assert vectorised == python
+    assert plan_frames(lo, ro, sz, size, size, max_sge) == python
     assert all(len(pieces(f)) <= max_sge for f in python)
     assert [f[0] for f in python] == sorted(f[0] for f in python)
     assert all(f[1] == sum(p[1] for p in pieces(f)) for f in python)
@@ -88,7 +89,7 @@ def test_negative_values_are_type_errors_like_pybind():
     with pytest.raises(TypeError):
         plan_frames([-1], [0], [1], 10, 10)
     with pytest.raises(TypeError):
-        plan_frames(np.array([0] * 60), np.array([-1] * 60), np.array([1] * 60), 10, 10)
+        plan_frames(np.array([0] * 200), np.array([-1] * 200), np.array([1] * 200), 10, 10)
 
 
 def test_oversized_merged_range_needs_chunking():
@@ -105,3 +106,14 @@ def test_post_batches_spread_over_lanes_and_respect_the_send_queue():
     assert split_post_batches(5, 4, -1, 8192) == [(0, 2), (2, 4), (4, 5)]
     assert split_post_batches(5, 1, 2, 8192) == [(0, 2), (2, 4), (4, 5)]
     assert split_post_batches(6, 1, -1, 4) == [(0, 4), (4, 6)]
+
+
+def test_invalid_large_batches_take_the_numpy_path():
+    n = 200
+    lo, ro, sz = np.arange(n) * 10, np.arange(n) * 10, np.full(n, 10)
+    with pytest.raises(PlanError, match="length out of range"):
+        plan_frames(lo, ro, sz, 10 * n, 10 * n - 1)
+    sz[7] = 1 << 32
+    with pytest.raises(PlanError, match="UINT32_MAX"):
+        plan_frames(lo, ro, sz, 1 << 40, 1 << 40)
+    assert plan_frames(lo, ro, np.full(n, 10), 10 * n, 10 * n) == [(0, 10 * n, 0)]

@@ -256,3 +256,46 @@ def test_invalid_fault_environment_is_rejected(io, monkeypatch):
     monkeypatch.setenv("SGLANG_MORI_SOFTIO_FAULTS", '[{"kind": "explode"}]')
     with pytest.raises(RuntimeError, match="SGLANG_MORI_SOFTIO_FAULTS"):
         io.IOEngine("bad-faults", io.IOEngineConfig("127.0.0.1", 0))
+
+
+def test_kill_engine_after_frames_from_the_environment(io, initiator):
+    env = {"SGLANG_MORI_SOFTIO_FAULTS": json.dumps([{"kind": "kill_engine_after", "frames": 3}])}
+    dying = EnginePeer("softio", qp=1, env=env, role="dies-after-3-frames")
+    try:
+        # Our engine is the target here: the peer writes six scattered pages into our memory.
+        target, tmem = initiator.local(12 * PAGE)
+        target[:] = FILL
+        dying.call("register_remote", initiator.engine.get_engine_desc().pack())
+        source, blob = dying.register(12 * PAGE)
+        source.array[:] = np.arange(12 * PAGE, dtype=np.uint64).astype(np.uint8)
+        lo, ro, sz = scattered(6)
+        code, message = dying.call("batch_write", (io.MemoryDesc.unpack(blob).id, tmem.pack(),
+                                                   lo, ro, sz, WAIT_MS))
+        assert code == io.StatusCode.ERR_RDMA_OP and "kill_engine_after" in message
+        wait_until(lambda: all(np.array_equal(target[r:r + PAGE], source.array[r:r + PAGE])
+                               for r in ro[:3]), 10, "the three frames sent before dying")
+        # The lane is ordered and was reset right after frame 3: nothing else ever left.
+        assert all((target[r:r + PAGE] == FILL).all() for r in ro[3:])
+        code, _ = dying.call("batch_write", (io.MemoryDesc.unpack(blob).id, tmem.pack(), [0],
+                                             [0], [16], WAIT_MS))
+        assert code == io.StatusCode.ERR_RDMA_OP  # a dead engine stays dead
+    finally:
+        dying.close()
+
+
+def test_a_later_status_can_complete_before_an_earlier_one(io, make_initiator, shared_peer):
+    initiator = make_initiator(qp=2)
+    initiator.connect(shared_peer)
+    local, lmem = initiator.local(2 * PAGE)
+    remote, rmem = initiator.remote(shared_peer, 2 * PAGE, FILL)
+    engine = initiator.engine
+    first_uid = engine.allocate_transfer_uid()
+    faults.stall_lane(engine, first_uid % 2)
+    first = engine.write(lmem, 0, rmem, 0, PAGE, first_uid)
+    second = engine.write(lmem, PAGE, rmem, PAGE, PAGE, engine.allocate_transfer_uid())
+    assert second.WaitFor(WAIT_MS) == io.StatusCode.SUCCESS
+    assert first.Code() == io.StatusCode.IN_PROGRESS  # the later one finished first
+    assert (remote[:PAGE] == FILL).all()
+    faults.resume_lane(engine)
+    assert first.WaitFor(WAIT_MS) == io.StatusCode.SUCCESS
+    assert np.array_equal(remote, local)

@@ -15,7 +15,7 @@ from .enums import StatusCode
 
 UINT32_MAX = 0xFFFFFFFF
 MAX_MSG_SIZE = 1 << 31  # port max_msg_sz of common RDMA NICs; a merged WR may not exceed it
-_NUMPY_THRESHOLD = 48  # below this many entries plain Python is faster than numpy
+_NUMPY_THRESHOLD = 128  # below this many entries plain Python is faster than numpy
 
 
 class PlanError(Exception):
@@ -53,7 +53,7 @@ def plan_frames(local_offsets, remote_offsets, sizes, local_len: int, remote_len
                         "lengths of local offsets, remote offsets or sizes mismatch")
     if n == 0:
         return []
-    if n >= _NUMPY_THRESHOLD or isinstance(sizes, np.ndarray):
+    if n >= _NUMPY_THRESHOLD:
         frames = _plan_numpy(local_offsets, remote_offsets, sizes, local_len, remote_len, max_sge)
     else:
         lo, ro, sz = _as_int_list(local_offsets), _as_int_list(remote_offsets), _as_int_list(sizes)
@@ -123,7 +123,7 @@ def _plan_numpy(local_offsets, remote_offsets, sizes, local_len, remote_len, max
     if ((lo + sz) > local_len).any() or ((ro + sz) > remote_len).any():
         raise PlanError(StatusCode.ERR_INVALID_ARGS, "length out of range")
     if (ro[1:] < ro[:-1]).any():
-        order = np.argsort(ro, kind="stable")
+        order = np.argsort(ro)  # order among equal remote offsets is undefined in MORI too
         lo, ro, sz = lo[order], ro[order], sz[order]
     # Runs of entries contiguous on both sides become single pieces.
     remote_next = ro[1:] == ro[:-1] + sz[:-1]

@@ -53,9 +53,13 @@ class IOEngine:
         self._core = EngineCore(key, config)
 
     def __del__(self):
+        # Like the C++ destructor: stop serving and close every connection.
         core = getattr(self, "_core", None)
         if core is not None:
-            core.shutdown()
+            try:
+                core.shutdown()
+            except Exception:  # noqa: BLE001 - never raise from a finalizer (interpreter exit)
+                pass
 
     def get_engine_desc(self):
         return self._core.desc

@@ -6,7 +6,8 @@ objects naming a function of this module and its keyword arguments, e.g.
 
     [{"kind": "set_latency", "ms": 20}, {"kind": "stall_lane", "lane": 0}]
 
-kill_engine and kill_peer act at once and so are only available as calls.
+kill_engine and kill_peer act at once and so are only available as calls; kill_engine_after
+is their deferred form for other processes.
 
 Every fault acts on the engine it is set on, at the place a real NIC or QP would misbehave:
 lanes are indexed 0..qp_per_transfer-1; `peer=None` means any peer.
@@ -40,11 +41,13 @@ class FaultPlan:
         self.latency_s = 0.0
         self.bandwidth = 0.0  # bytes per second, 0 = unlimited
         self._pace_next = 0.0
+        self._kill_after: int | None = None  # frames this engine may still send before dying
 
     def _refresh(self) -> None:
         self.active = bool(self._stalled or self._fail or self._sq_full_seconds is not None
                            or self._sq_full_until is not None or self._partial
-                           or self.latency_s > 0 or self.bandwidth > 0)
+                           or self.latency_s > 0 or self.bandwidth > 0
+                           or self._kill_after is not None)
         self._cond.notify_all()
 
     # ---- arming (under the condition's lock) ---------------------------------------------------
@@ -88,8 +91,16 @@ class FaultPlan:
                 self.bandwidth = max(0.0, bandwidth)
             self._refresh()
 
+    def kill_after(self, frames: int) -> None:
+        if frames < 1:
+            raise ValueError("kill_engine_after: frames must be >= 1")
+        with self._cond:
+            self._kill_after = frames
+            self._refresh()
+
     def clear(self) -> None:
         with self._cond:
+            self._kill_after = None
             self._stalled.clear()
             self._fail.clear()
             self._sq_full_seconds = self._sq_full_until = self.sq_backoff_override_s = None
@@ -144,10 +155,21 @@ class FaultPlan:
             self._refresh()
             return after
 
-    def wait_changed(self, seconds: float) -> None:
-        """Block the SQ-full caller for a while; woken early if the plan changes."""
+    def kill_budget(self, frames: int) -> int | None:
+        """How many of the next `frames` may still leave before kill_engine_after fires.
+
+        None: no kill armed (send everything). A number not above `frames`: send that many,
+        then the engine must die; the budget is then spent.
+        """
         with self._cond:
-            self._cond.wait(seconds)
+            if self._kill_after is None:
+                return None
+            if self._kill_after > frames:
+                self._kill_after -= frames
+                return None
+            # Spent: 0 stays armed so that every other lane of the dying engine sends nothing.
+            allowed, self._kill_after = self._kill_after, 0
+            return allowed
 
     def pace(self, nbytes: int) -> None:
         """Bandwidth cap shared by all lanes of the engine: sleep until this chunk's slot."""
@@ -234,6 +256,15 @@ def kill_engine(engine) -> None:
     _core(engine).abort_all("fault injection: kill_engine")
 
 
+def kill_engine_after(engine, frames: int) -> None:
+    """kill_engine as soon as this engine has sent `frames` data frames (reads or writes).
+
+    Meant for engines in other processes (SGLANG_MORI_SOFTIO_FAULTS): the engine dies in the
+    middle of its own traffic, deterministically, without a control channel to the test.
+    """
+    _core(engine).faults.kill_after(frames)
+
+
 _ENV_KINDS = {
     "stall_lane": stall_lane,
     "fail_lane": fail_lane,
@@ -241,6 +272,7 @@ _ENV_KINDS = {
     "partial_post": partial_post,
     "set_latency": set_latency,
     "set_bandwidth": set_bandwidth,
+    "kill_engine_after": kill_engine_after,
 }
 
 

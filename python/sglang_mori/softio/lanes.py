@@ -179,6 +179,11 @@ class Lane:
                     self.break_lane("injected lane failure (fault injection: fail_lane)",
                                     PeerFailureReason.LOCAL_QP_ERROR, batch)
                     return
+                if batch.op != OP_NOTIFY:
+                    dying = faults.kill_budget(len(batch.frames))
+                    if dying is not None:
+                        self._die_after(batch, dying)
+                        return
             if batch.not_before:
                 delay = batch.not_before - time.monotonic()
                 if delay > 0:
@@ -194,6 +199,21 @@ class Lane:
             except OSError as exc:
                 self.break_lane(f"send failed: {exc}", PeerFailureReason.PEER_UNREACHABLE)
                 return
+
+    def _die_after(self, batch: PostBatch, frames: int) -> None:
+        """kill_engine_after: send only the first `frames` frames of the batch, then die."""
+        if frames:
+            head = PostBatch(batch.op, batch.frames[:frames], batch.local_view, batch.remote_id,
+                             False, 0, None)
+            buffers = self._frame(head)
+            try:
+                if buffers is not None:
+                    wire.send_buffers(self.sock, buffers)
+            except OSError:
+                pass
+        reason = "fault injection: kill_engine_after"
+        self.break_lane(reason, PeerFailureReason.LOCAL_DEVICE_FATAL, batch, report=False)
+        self.peer.backend.core.abort_all(reason)
 
     def _frame(self, batch: PostBatch) -> list | None:
         """Header and payload buffers of a batch; registers what the receiver must expect."""

@@ -66,7 +66,7 @@ class RemotePeer:
         try:
             own = self.backend.core.key.encode()
             target = self.key.encode()
-            sock.sendall(wire.HELLO.pack(wire.MAGIC, kind, lane, 0, len(own), len(target))
+            sock.sendall(wire.HELLO.pack(wire.MAGIC, kind, lane & 0xFF, 0, len(own), len(target))
                          + own + target)
             magic, status, key_len = wire.HELLO_REPLY.unpack(
                 wire.recv_exact(sock, wire.HELLO_REPLY.size))
