@@ -43,7 +43,7 @@ def batches(draw):
     return local, remote, sizes
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(batches(), st.integers(1, 4))
 def test_numpy_and_python_planners_agree_and_move_the_right_bytes(batch, max_sge):
     lo, ro, sz = batch

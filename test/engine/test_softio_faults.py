@@ -178,7 +178,7 @@ def test_peer_killed_mid_transfer(io, make_initiator, make_peer):
     local, lmem = initiator.local(4 << 20)
     remote, rmem = initiator.remote(peer, 4 << 20, FILL)
     engine = initiator.engine
-    faults.set_bandwidth(engine, 4e6)  # about one second of transfer
+    faults.set_bandwidth(engine, 1e6)  # seconds of transfer: it cannot finish before the kill
     status = engine.write(lmem, 0, rmem, 0, 4 << 20, engine.allocate_transfer_uid())
     wait_until(lambda: (remote != FILL).any(), 10, "the first bytes to land")
     peer.kill()

@@ -225,27 +225,34 @@ class Lane:
         view = batch.local_view
         remote_id = batch.remote_id
         frames = batch.frames
-        last = len(frames) - 1
         buffers = []
+        append = buffers.append
         expect = []
-        for k, (remote, total, local) in enumerate(frames):
-            signaled = k == last and batch.signaled
-            if op == OP_WRITE:
-                if signaled:
-                    self._tag += 1
-                    expect.append((self._tag, None, batch))
-                buffers.append(pack(OP_WRITE, FLAG_SIGNALED if signaled else 0, 0, remote_id,
-                                    remote, total, self._tag if signaled else 0))
+        if op == OP_WRITE:
+            header_at = 0
+            for remote, total, local in frames:
+                header_at = len(buffers)
+                append(pack(OP_WRITE, 0, 0, remote_id, remote, total, 0))
                 if type(local) is int:
                     if total:
-                        buffers.append(view[local:local + total])
+                        append(view[local:local + total])
                 else:
                     for lo, length in local:
-                        buffers.append(view[lo:lo + length])
-            else:  # OP_READ: every frame is answered; only the signaled one completes the batch
+                        append(view[lo:lo + length])
+            if batch.signaled:
+                # Re-issue the last frame's header with the signal: its ACK completes the batch.
                 self._tag += 1
-                expect.append((self._tag, (total, local, view), batch if signaled else None))
-                buffers.append(pack(OP_READ, 0, 0, remote_id, remote, total, self._tag))
+                remote, total, _ = frames[-1]
+                buffers[header_at] = pack(OP_WRITE, FLAG_SIGNALED, 0, remote_id, remote,
+                                          total, self._tag)
+                expect.append((self._tag, None, batch))
+        else:  # OP_READ: every frame is answered; only the last of a signaled batch completes it
+            last = len(frames) - 1
+            for k, (remote, total, local) in enumerate(frames):
+                self._tag += 1
+                done = batch if (k == last and batch.signaled) else None
+                expect.append((self._tag, (total, local, view), done))
+                append(pack(OP_READ, 0, 0, remote_id, remote, total, self._tag))
         with self._state:
             if self.broken is not None:
                 reason = self.broken
