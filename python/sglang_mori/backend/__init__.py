@@ -1,8 +1,23 @@
-"""SGLang-facing classes for `--disaggregation-transfer-backend mori`."""
+"""SGLang-facing classes for `--disaggregation-transfer-backend mori`.
 
-from sglang_mori.backend.bootstrap import MoriKVBootstrapServer
-from sglang_mori.backend.manager import MoriKVManager
-from sglang_mori.backend.receiver import MoriKVReceiver
-from sglang_mori.backend.sender import MoriKVSender
+Exports resolve lazily: importing a helper module of this package (peers, room_tracker) must not
+pull in all of SGLang, which takes seconds.
+"""
 
-__all__ = ["MoriKVBootstrapServer", "MoriKVManager", "MoriKVReceiver", "MoriKVSender"]
+import importlib
+
+_EXPORTS = {
+    "MoriKVBootstrapServer": "sglang_mori.backend.bootstrap",
+    "MoriKVManager": "sglang_mori.backend.manager",
+    "MoriKVReceiver": "sglang_mori.backend.receiver",
+    "MoriKVSender": "sglang_mori.backend.sender",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
