@@ -66,10 +66,6 @@ class LocalMemory:
             raise _LocalRegionError(f"local memory {desc._id} is not registered with this engine")
         return region
 
-    def clear(self) -> None:
-        with self._lock:
-            self._regions.clear()
-
 
 class _LocalRegionError(Exception):
     """Raised inside submit; turned into a failed status, never seen by callers."""

@@ -171,11 +171,3 @@ class FrameReader:
             if n == 0:
                 raise EOFError("connection closed by peer")
             got += n
-
-    def discard(self, size: int) -> None:
-        """Skip a payload (used only when draining before a clean close)."""
-        scratch = memoryview(bytearray(min(size, SMALL_PAYLOAD) or 1))
-        while size > 0:
-            step = min(size, len(scratch))
-            self.read_into(scratch[:step])
-            size -= step
