@@ -184,7 +184,7 @@ server_cmd() {  # kind name port bootstrap gpus -> "ENV=... python -m sglang.lau
   [ "$kind" = prefill ] && args+=(--disaggregation-bootstrap-port "$boot")
   [ -n "$IB_DEVICE" ] && args+=(--disaggregation-ib-device "$IB_DEVICE")
   if [ "$CPU_DEMO" = 1 ]; then
-    # The CPU recipe (docs/research/sglang_cpu_feasibility.md): no CUDA/HIP kernels, a small KV pool,
+    # The CPU recipe (reasons in python/sglang_mori/testing/launch.py): no CUDA/HIP kernels, a small KV pool,
     # no overlap scheduling on prefill (it records CUDA events), decode retraction backup in a tensor.
     args+=(--device cpu --attention-backend torch_native --max-total-tokens 8192)
     [ "$kind" = prefill ] && args+=(--disable-overlap-schedule)
