@@ -17,7 +17,7 @@ pytestmark = pytest.mark.manual
 
 
 def test_conformance_suite_on_real_mori(tmp_path):
-    require_node(gpus=1)
+    require_node(gpus=1, rdma=True)  # the suite builds RDMA engines on CPU memory
     env = dict(os.environ, SGLANG_MORI_MANUAL_E2E="1")
     env.pop("MORI_DISABLE_AUTO_XGMI", None)  # RDMA only, as the suite's conformance cases assume
     r = subprocess.run([sys.executable, "-m", "pytest", str(REPO / "test" / "engine"), "-v", "-rA",
