@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import gzip
+import importlib.util
 import os
 import sys
 from dataclasses import dataclass, field
@@ -15,6 +16,17 @@ DEFAULT_LIB_DIRS = (
     "/opt/rocm/lib", "/opt/rocm/lib64", "/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib",
     "/usr/local/lib", "/usr/local/lib/x86_64-linux-gnu",
 )
+
+
+def _torch_lib_dir() -> Optional[str]:
+    """torch's lib/ directory, found without importing torch (slow, and may be broken)."""
+    try:
+        spec = importlib.util.find_spec("torch")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.origin:
+        return None
+    return os.path.join(os.path.dirname(spec.origin), "lib")
 
 
 @dataclass
@@ -35,6 +47,9 @@ class HostView:
             dirs.append(os.path.join(self.env["ROCM_PATH"], "lib"))
         dirs += sorted(glob.glob("/opt/rocm-*/lib"))
         dirs += DEFAULT_LIB_DIRS
+        torch_lib = _torch_lib_dir()  # ROCm builds of torch bundle the HIP runtime there
+        if torch_lib:
+            dirs.append(torch_lib)
         return [Path(d) for d in dict.fromkeys(dirs)]
 
     def find_library(self, stem: str) -> Optional[Path]:
