@@ -3,9 +3,10 @@
 Two processes. The target process registers a buffer with a softio engine and also runs a plain
 socket receiver into the same kind of buffer; the initiator writes batches of equal-sized,
 non-contiguous entries (nothing merges) of 4 KiB to 64 MiB with `IOEngine.batch_write`, and the
-same bytes with a minimal framed sendmsg/recv_into loop. Sizes are measured back to back (softio,
-then raw) in one run, and the landed bytes are checked against the source after each size.
-One batch is outstanding at a time, as in MORI's own benchmark.
+same bytes with a minimal framed sendmsg/recv_into loop. The two alternate batch by batch in one
+run and the median batch time counts, so load on a shared machine hits both alike; the landed
+bytes are checked against the source after each size. One batch is outstanding at a time, as in
+MORI's own benchmark.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import argparse
 import hashlib
 import multiprocessing as mp
 import socket
+import statistics
 import struct
 import threading
 import time
@@ -34,7 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-entries", type=int, default=1024)
     parser.add_argument("--qp", type=int, default=2, help="softio qp_per_transfer (lanes)")
     parser.add_argument("--iters", type=int, default=30, help="max timed batches per size")
-    parser.add_argument("--seconds", type=float, default=1.0, help="max timed seconds per size")
+    parser.add_argument("--seconds", type=float, default=2.0,
+                        help="max timed seconds per size (both sides together)")
     parser.add_argument("--host", default="127.0.0.1")
 
 
@@ -111,14 +114,19 @@ def _tune(sock: socket.socket) -> None:
 
 # ---- initiator ----------------------------------------------------------------------------------
 
-def _time_loop(one_batch, iters: int, seconds: float) -> float:
-    """Seconds per batch: one warm-up, then up to `iters` batches or `seconds` of them."""
-    one_batch()
-    done, start = 0, time.perf_counter()
-    while done < iters and (done == 0 or time.perf_counter() - start < seconds):
-        one_batch()
-        done += 1
-    return (time.perf_counter() - start) / done
+def _time_pair(first, second, iters: int, seconds: float) -> tuple[float, float]:
+    """Median seconds per batch of two loops, interleaved batch by batch (after a warm-up of
+    each), so that load changes on a shared machine hit both sides alike."""
+    first()
+    second()
+    times_a, times_b = [], []
+    start = time.perf_counter()
+    while len(times_a) < iters and (not times_a or time.perf_counter() - start < seconds):
+        for fn, out in ((first, times_a), (second, times_b)):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    return statistics.median(times_a), statistics.median(times_b)
 
 
 def run(args) -> int:
@@ -148,8 +156,8 @@ def run(args) -> int:
         _tune(raw)
         src_view = memoryview(src).cast("B")
 
-        print(f"softio qp_per_transfer={args.qp}; batch of non-contiguous entries, "
-              f"one batch in flight; GB/s = 1e9 bytes/s")
+        print(f"softio qp_per_transfer={args.qp}; batch of non-contiguous entries, one batch in "
+              f"flight; median of interleaved batches; GB/s = 1e9 bytes/s")
         print(f"{'entry':>8} {'entries':>7} {'softio GB/s':>12} {'raw GB/s':>9} {'ratio':>6}")
         worst_large = None
         for size in sizes:
@@ -171,8 +179,7 @@ def run(args) -> int:
                 if raw.recv(1) != b"k":
                     raise RuntimeError("raw receiver closed")
 
-            t_soft = _time_loop(softio_batch, args.iters, args.seconds)
-            t_raw = _time_loop(raw_batch, args.iters, args.seconds)
+            t_soft, t_raw = _time_pair(softio_batch, raw_batch, args.iters, args.seconds)
             expected = hashlib.sha256()
             for off in offsets:
                 expected.update(src_view[off:off + size])

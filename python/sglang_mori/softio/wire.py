@@ -45,6 +45,7 @@ IOV_MAX = 1024  # Linux limit on buffers per sendmsg
 # small frames); larger ones go straight from the socket into the destination memory.
 SMALL_PAYLOAD = 64 * 1024
 STAGING_BYTES = 1024 * 1024
+_AFTER_LARGE_LIMIT = 4096
 
 
 class ProtocolError(Exception):
@@ -118,7 +119,7 @@ def recv_exact(sock: socket.socket, size: int) -> bytes:
 class FrameReader:
     """Buffered reader of frame headers that lands large payloads directly in their destination."""
 
-    __slots__ = ("_sock", "_buf", "_view", "_start", "_end")
+    __slots__ = ("_sock", "_buf", "_view", "_start", "_end", "_limit")
 
     def __init__(self, sock: socket.socket, staging_bytes: int = STAGING_BYTES):
         self._sock = sock
@@ -126,6 +127,10 @@ class FrameReader:
         self._view = memoryview(self._buf)
         self._start = 0
         self._end = 0
+        # Bytes one recv may stage. Large after small frames (many frames per syscall); small
+        # after a large payload, so the next header does not drag payload through the staging
+        # buffer (that would cost a second copy).
+        self._limit = staging_bytes
 
     def _fill(self) -> None:
         if self._start == self._end:
@@ -135,7 +140,7 @@ class FrameReader:
             tail = self._end - self._start
             self._view[:tail] = self._view[self._start:self._end]
             self._start, self._end = 0, tail
-        n = self._sock.recv_into(self._view[self._end:])
+        n = self._sock.recv_into(self._view[self._end:self._end + self._limit])
         if n == 0:
             raise EOFError("connection closed by peer")
         self._end += n
@@ -159,11 +164,13 @@ class FrameReader:
             dst = dst[take:]
             need -= take
         if need <= SMALL_PAYLOAD:
+            self._limit = len(self._buf)
             while self._end - self._start < need:
                 self._fill()
             dst[:] = self._view[self._start:self._start + need]
             self._start += need
             return
+        self._limit = _AFTER_LARGE_LIMIT
         sock = self._sock
         got = 0
         while got < need:
