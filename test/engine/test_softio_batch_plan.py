@@ -12,6 +12,7 @@ from sglang_mori.softio.batch_plan import (MAX_MSG_SIZE, PlanError, _merge_pytho
 from sglang_mori.softio.enums import StatusCode
 
 SOFTIO_ONLY = True
+pytestmark = pytest.mark.timeout(120)
 
 
 def pieces(frame):
