@@ -89,7 +89,7 @@ def check_ports(host: HostView, ports: List[Port]) -> List[CheckResult]:
     include, exclude = selected_devices(host.env)
     if not ports:
         return [CheckResult("rdma devices", Status.ABSENT, "no device in /sys/class/infiniband",
-                            "single node: MORI_DISABLE_AUTO_XGMI=0 (XGMI); multi-node needs RDMA "
+                            "single node: SGLANG_MORI_XGMI=1 (XGMI); multi-node needs RDMA "
                             "NICs with their drivers loaded")]
     results = []
     names = {p.device for p in ports}
