@@ -182,7 +182,7 @@ server_cmd() {  # kind name port bootstrap gpus -> "ENV=... python -m sglang.lau
          --disaggregation-mode "$kind" --disaggregation-transfer-backend mori)
   [ "$CPU_DEMO" = 1 ] || args+=(--tp-size "$tp")
   [ "$kind" = prefill ] && args+=(--disaggregation-bootstrap-port "$boot")
-  [ -n "$IB_DEVICE" ] && args+=(--disaggregation-ib-device "$IB_DEVICE")
+  [ -n "$IB_DEVICE" ] && args+=(--disaggregation-ib-device "$(q "$IB_DEVICE")")
   if [ "$CPU_DEMO" = 1 ]; then
     # The CPU recipe (reasons in python/sglang_mori/testing/launch.py): no CUDA/HIP kernels, a small KV pool,
     # no overlap scheduling on prefill (it records CUDA events), decode retraction backup in a tensor.

@@ -107,6 +107,15 @@ def test_multi_node_roles():
     assert flag(rargv, "--decode") == "http://10.0.0.2:30000" and flag(rargv, "--host") == "10.0.0.3"
 
 
+def test_per_gpu_nic_mapping_and_paths_survive_quoting():
+    mapping = '{"0": "mlx5_0", "1": "mlx5_1"}'
+    p = plan("--role", "prefill", "--model-path", "/models/my model", "--host", "10.0.0.1",
+             "--gpus", "0,1", "--ib-device", mapping)
+    argv = p["prefill0"][2]
+    assert flag(argv, "--disaggregation-ib-device") == mapping
+    assert flag(argv, "--model-path") == "/models/my model"
+
+
 def test_cpu_demo_recipe():
     p = plan("--cpu-demo")
     _, env, argv = p["prefill0"]
