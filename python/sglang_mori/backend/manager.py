@@ -72,8 +72,15 @@ class MoriKVManager(CommonKVManager):
     def _start_engine(self) -> TransferEngine:
         cfg = self.mori_config
         if self.kv_args.ib_device:
-            # MORI-IO picks RDMA devices from this variable; SGLang passes --disaggregation-ib-device.
-            os.environ.setdefault("MORI_RDMA_DEVICES", self.kv_args.ib_device)
+            # MORI-IO picks RDMA devices from this variable. --disaggregation-ib-device is either a
+            # device list or a per-GPU mapping (JSON or a file): resolve it for this rank's GPU.
+            from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
+                get_ib_devices_for_gpu,
+            )
+
+            devices = get_ib_devices_for_gpu(self.kv_args.ib_device, self.kv_args.gpu_id)
+            if devices:
+                os.environ["MORI_RDMA_DEVICES"] = devices.replace(" ", "")
         if cfg.xgmi:
             os.environ["MORI_DISABLE_AUTO_XGMI"] = "0"  # inverted: only "0" enables auto-XGMI
         io = load_io_module(cfg.engine)

@@ -25,7 +25,13 @@ from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang_mori import protocol
 from sglang_mori.backend.peers import DecodePeer, PeerRegistry
 from sglang_mori.backend.room_tracker import RoomTracker, RoomTransfer
-from sglang_mori.engine.transfer_engine import IN_PROGRESS, SUCCESS, SubmitError
+from sglang_mori.engine.transfer_engine import (
+    ERR_BAD_STATE,
+    ERR_INVALID_ARGS,
+    IN_PROGRESS,
+    SUCCESS,
+    SubmitError,
+)
 from sglang_mori.planning import PlanningError
 
 logger = logging.getLogger(__name__)
@@ -404,10 +410,17 @@ class PrefillService:
         """Return a finished (or given-up) handle's in-flight budget and record its outcome."""
         handle.released = True
         self._release_inflight(handle.peer_key, 1)
-        ok = handle.result() == SUCCESS and not handle.unaccounted
-        self.mgr.metrics.transfer_finished(
-            handle.peer_key, handle.nbytes, now - handle.started_at, ok=ok, reason=None if ok else "submit_error"
-        )
+        code = handle.result()
+        ok = code == SUCCESS and not handle.unaccounted
+        if ok:
+            reason = None
+        elif handle.unaccounted or code in (ERR_INVALID_ARGS, ERR_BAD_STATE):
+            reason = "submit_error"
+        elif code == IN_PROGRESS:
+            reason = "timeout"  # given up on while still running
+        else:
+            reason = "peer_dead"  # an asynchronous transport error (ERR_RDMA_OP and friends)
+        self.mgr.metrics.transfer_finished(handle.peer_key, handle.nbytes, now - handle.started_at, ok=ok, reason=reason)
 
     def _maybe_conclude(self, rt: RoomTransfer, now: float) -> None:
         mgr = self.mgr
