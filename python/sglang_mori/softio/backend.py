@@ -7,7 +7,6 @@ on both serves this engine's memory to peers and carries this engine's transfers
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 
@@ -16,8 +15,6 @@ from .memory import _LocalRegionError
 from .peers import PeerBook
 from .session import SoftSession
 from .target import TargetServer
-
-logger = logging.getLogger("sglang_mori.softio")
 
 SOCKET_BUFFER_ENV = "SGLANG_MORI_SOFTIO_SOCKET_BUFFER"
 DEFAULT_SOCKET_BUFFER = 4 * 1024 * 1024

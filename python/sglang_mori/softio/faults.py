@@ -9,8 +9,9 @@ objects naming a function of this module and its keyword arguments, e.g.
 kill_engine and kill_peer act at once and so are only available as calls; kill_engine_after
 is their deferred form for other processes.
 
-Every fault acts on the engine it is set on, at the place a real NIC or QP would misbehave:
-lanes are indexed 0..qp_per_transfer-1; `peer=None` means any peer.
+Every fault acts on the engine it is set on, on the traffic that engine initiates (its lanes,
+indexed 0..qp_per_transfer-1, as a misbehaving QP or NIC would); `peer=None` means any peer.
+To make a target look dead or stuck, set kill_* on the target, or stall_lane on the initiator.
 """
 
 from __future__ import annotations
