@@ -175,3 +175,15 @@ def test_config_rejects_impossible_layouts():
         HarnessConfig(layout=KVLayout(state_item_bytes=(8,)), prefill_tp=2).validate()
     with pytest.raises(ValueError):
         HarnessConfig(backend="nixl").validate()
+
+
+def test_recheck_catches_a_write_after_release():
+    from sglang_mori.testing.pd_harness_verify import late_writes, snapshot_room
+
+    cfg = _cfg()
+    plan, _, dst, _ = _transferred(cfg)
+    snaps = {i: snapshot_room(dst, plan.rooms[i]) for i in (2, 3)}
+    assert late_writes(dst, plan, snaps) == {}
+    dst.kv[1][plan.rooms[3].decode_pages[-1] * cfg.layout.page_size] += 1  # lands after release
+    dst.state[0][plan.rooms[2].decode_state] ^= 0xFF
+    assert sorted(late_writes(dst, plan, snaps)) == [2, 3]

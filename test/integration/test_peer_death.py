@@ -1,10 +1,16 @@
-"""A peer process dies in the middle of a transfer: the survivor fails the cut-off rooms, with a
-reason, within its transfer deadline (not SGLang's 300 s waiting timeout), keeps serving, and on
-decode no byte lands outside the rooms' own pages.
+"""A peer dies in the middle of a transfer: the survivor fails the cut-off rooms, with a reason,
+within its detection deadline (not SGLang's 300 s waiting timeout), keeps serving, and on decode
+no byte lands outside the rooms' own pages, nor in a failed room's pages after decode released
+them.
 
 Writes are held in flight with softio fault injection (every lane of the prefill engine stalled,
 or its bandwidth capped), and the kill happens once the prefill has called send() for every room
-(progress streamed by the harness), so the cut always falls mid-transfer.
+(progress streamed by the harness), so the cut falls mid-transfer.
+
+"Prefill dies" kills the prefill scheduler process and the bootstrap server: in SGLang both live
+in the prefill server (the bootstrap server in its launcher), and decode's heartbeat probes it.
+A room whose metadata reached the prefill but whose transfer had not started yet is failed by that
+heartbeat; one whose transfer had started, by our decode deadline (TransferStarted + timeout).
 """
 
 from __future__ import annotations
@@ -20,6 +26,14 @@ from sglang_mori.testing.pd_harness import KVLayout, RoomShape, run_transfer
 from sglang_mori.testing.pd_harness_results import FAILED, SUCCESS, TIMED_OUT
 
 ROOMS = 24
+HEARTBEAT_S, HEARTBEAT_MISSES = 2.0, 2  # SGLang clamps the interval to >= 2 s
+# Decode holds a failed room's pages until every prefill rank acks the abort, or this long.
+RELEASE_TIMEOUT_S = 4.0
+FAST_FAILURE_ENV = {
+    "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": str(HEARTBEAT_S),
+    "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": str(HEARTBEAT_MISSES),
+    "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": str(RELEASE_TIMEOUT_S),
+}
 LAYOUT = KVLayout(num_layers=2, total_kv_heads=4, head_dim=32, page_size=16)
 SHAPE = RoomShape(min_tokens=16, max_tokens=96, chunks=2)
 SLACK_S = 10.0  # scheduling noise on a loaded 2-core host
@@ -29,11 +43,12 @@ def _faults(*items) -> str:
     return json.dumps(list(items))
 
 
-def _kill_when_all_sent(victim: str, killed: dict):
+def _kill_when_all_sent(victims, killed: dict):
     def hook(info) -> None:
         assert info.wait_progress("prefill0", "sent", ROOMS, 60.0), info.progress
         killed["t"] = time.monotonic() - info.t0
-        os.kill(info.pids[victim], signal.SIGKILL)
+        for victim in victims:
+            os.kill(info.pids[victim], signal.SIGKILL)
 
     return hook
 
@@ -49,20 +64,25 @@ def test_prefill_killed_mid_transfer_fails_decode_rooms_by_deadline():
             "SGLANG_MORI_TRANSFER_TIMEOUT_MS": "120000",  # prefill must not time out on its own first
         },
         decode_env={"SGLANG_MORI_TRANSFER_TIMEOUT_MS": str(decode_timeout_ms)},
+        env=FAST_FAILURE_ENV,
     )
     killed: dict = {}
-    result = run_transfer(cfg, during=_kill_when_all_sent("prefill0", killed))
+    result = run_transfer(cfg, during=_kill_when_all_sent(["prefill0", "bootstrap"], killed))
     summary = result.summary()
     assert result.lost_workers == ["prefill0"], summary
     (dec,) = result.side("decode")
     assert [o.status for o in dec.rooms] == [FAILED] * ROOMS, summary
-    bound = killed["t"] + decode_timeout_ms / 1000 + 5.0 + SLACK_S
+    heartbeat = HEARTBEAT_S * (HEARTBEAT_MISSES + 1) + 5.0  # misses + one probe's (2+3) s timeout
+    bound = killed["t"] + max(decode_timeout_ms / 1000 + 5.0, heartbeat) + SLACK_S
     for o in dec.rooms:
         assert o.failure, summary
         assert o.t_done <= bound, f"room#{o.index} failed at {o.t_done:.1f}s, bound {bound:.1f}s"
-    # Nothing succeeded, so the checker only guards the pages no room owns: still zero.
-    assert dec.verified and dec.mismatch_count == 0, summary
-    assert result.alive_at_end == {"bootstrap": True, "decode0": True}, result.alive_at_end
+        # No prefill is left to ack the abort: pages are released by SGLang's release timeout.
+        assert o.release == "timeout", (o.index, o.release)
+    # Nothing succeeded, so the checker guards the pages no room owns (still zero) and the
+    # released rooms' pages (unchanged since release).
+    assert dec.verified and dec.mismatch_count == 0 and dec.rechecked and not dec.late_writes, summary
+    assert result.alive_at_end.get("decode0") is True, result.alive_at_end
 
 
 def test_decode_killed_mid_transfer_fails_prefill_rooms_by_deadline():
@@ -78,7 +98,7 @@ def test_decode_killed_mid_transfer_fails_prefill_rooms_by_deadline():
         },
     )
     killed: dict = {}
-    result = run_transfer(cfg, during=_kill_when_all_sent("decode0", killed))
+    result = run_transfer(cfg, during=_kill_when_all_sent(["decode0"], killed))
     summary = result.summary()
     assert result.lost_workers == ["decode0"], summary
     (pre,) = result.side("prefill")

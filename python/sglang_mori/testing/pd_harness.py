@@ -76,6 +76,7 @@ class _Worker:
         child.close()
         self.ready: Optional[dict] = None
         self.report: Optional[RankReport] = None
+        self.rechecked: Optional[dict] = None
 
     def stop(self) -> None:
         try:
@@ -132,7 +133,7 @@ def _collect(
             if msg[0] == "progress" and progress is not None:
                 progress[w.name] = msg[1]
             elif msg[0] == kind:
-                setattr(w, "ready" if kind == "ready" else "report", msg[1])
+                setattr(w, kind, msg[1])
                 del waiting[conn]
         for conn, w in list(waiting.items()):
             if not w.proc.is_alive() and not conn.poll():
@@ -212,6 +213,14 @@ def run_transfer(cfg: HarnessConfig, *, on_ready: Optional[Hook] = None, during:
                     raise HarnessError("the 'during' hook did not return before the deadline")
             if hook_error:
                 raise HarnessError(f"the 'during' hook raised: {hook_error[0]!r}") from hook_error[0]
+            # Every prefill rank has concluded every room: a failed room released on decode must
+            # not have changed since its release.
+            survivors = [w for w in decode if w.name not in lost]
+            for w in survivors:
+                w.conn.send(("recheck",))
+            _collect(survivors, "rechecked", time.monotonic() + VERIFY_MARGIN_S)
+            for w in survivors:
+                w.report.late_writes, w.report.rechecked = w.rechecked, True
             result.alive_at_end = _ping_all([w for w in workers if w.name not in lost], 10.0)
             if lost:
                 result.error = f"workers died before reporting: {', '.join(lost)}"

@@ -86,6 +86,14 @@ class HarnessConfig:
     shape: RoomShape = field(default_factory=RoomShape)
     # Rooms open at once on each side; None = all of them at the start (one burst).
     max_inflight: Optional[int] = None
+    # Plan indices to abort: on prefill right after the room's last send() (an AbortReq for an
+    # in-flight request), on decode while still pre-allocating (after init, before send_metadata).
+    prefill_abort: Tuple[int, ...] = ()
+    decode_abort: Tuple[int, ...] = ()
+    # When prefill aborts: "sent" (right after the last send(); its writes may not be submitted
+    # yet) or "first_success" (once any room of this rank succeeded, so the aborted rooms' writes
+    # are typically in flight, e.g. under a softio bandwidth cap).
+    prefill_abort_trigger: str = "sent"
     seed: int = 1234
     # Decode pages never given to any room, checked to stay zero.
     spare_decode_pages: int = 16
@@ -133,6 +141,10 @@ class HarnessConfig:
             raise ValueError("rooms must be >= 1")
         if not (1 <= self.shape.min_tokens <= self.shape.max_tokens):
             raise ValueError("need 1 <= min_tokens <= max_tokens")
+        if any(not 0 <= i < self.rooms for i in (*self.prefill_abort, *self.decode_abort)):
+            raise ValueError("abort indices must name rooms of the plan")
+        if self.prefill_abort_trigger not in ("sent", "first_success"):
+            raise ValueError("prefill_abort_trigger must be 'sent' or 'first_success'")
         if self.shape.chunks < 1:
             raise ValueError("chunks must be >= 1")
         if self.start_method not in ("forkserver", "spawn"):

@@ -6,22 +6,37 @@ scheduler uses (disaggregation/decode.py, DecodePreallocQueue and DecodeTransfer
    RETRY_S like `_ensure_prefill_info`, then `init(prefill_dp_rank=0)` (a DP-1 prefill);
 3. poll until WaitingForInput, then `send_metadata(page_indices, aux_index, state_indices,
    decode_prefix_len=0)` (`_send_kv_metadata`, no prefix cache);
-4. poll until Success (then `clear()`) or Failed (then `failure_exception()`, which clears).
+4. poll until Success (then `clear()`) or Failed. Failed before send_metadata: just
+   `failure_exception()`. Failed after it, as `pop_transferred` does:
+   `failure_exception()`, then with deferred KV release on (SGLang's default)
+   `ensure_abort_notified(force_arm=True)` and hold the room's pages until
+   `mgr.is_abort_release_safe(room, len(bootstrap_infos))` or the release timeout, then
+   `clear_deferred_abort_state(room)` and `clear()` (`resolve_deferred_releases`/`_do_release`).
+   The pages are snapshotted at release so a write landing after it can be caught later.
 
-As on prefill, the TP all-reduce of poll results is left out.
+Rooms listed in cfg.decode_abort are aborted while still in the pre-allocation queue (after
+`init`, before `send_metadata`), like an AbortReq there. As on prefill, the TP all-reduce of poll
+results is left out.
 """
 
 from __future__ import annotations
 
+import os
 import time
-from typing import Callable, List
+from typing import Callable, Dict, List
 
 from sglang_mori.testing.pd_harness_loop import RoomState, drive
 from sglang_mori.testing.pd_harness_plan import Plan
 from sglang_mori.testing.pd_harness_pool import RankPool
 from sglang_mori.testing.pd_harness_results import FAILED, SUCCESS, WAITING_FOR_INPUT, RoomOutcome
+from sglang_mori.testing.pd_harness_verify import snapshot_room
 
 RETRY_S = 0.05
+
+
+def _release_timeout_s() -> float:
+    # SGLang's SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT (default 30 s).
+    return float(os.environ.get("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT", "30"))
 
 
 def run_decode_rooms(
@@ -33,8 +48,12 @@ def run_decode_rooms(
     clock: Callable[[], float],
     deadline: float,
     on_pass=None,
+    snapshots: Dict[int, object] = None,
 ) -> List[RoomOutcome]:
+    """Run every room; `snapshots` (if given) receives the pages of every released failed room."""
     last_ensure = [0.0]
+    abort = set(pool.cfg.decode_abort)
+    release_timeout = _release_timeout_s()
 
     def open_room(room) -> RoomState:
         st = RoomState(room, clock())
@@ -48,7 +67,39 @@ def run_decode_rooms(
             msg = "failure_exception() returned without raising"
         except Exception as exc:
             msg = f"{type(exc).__name__}: {exc}"
-        st.finish(FAILED, clock(), msg)
+        out = st.outcome
+        out.status, out.failure, out.t_done = FAILED, msg, clock()
+        if st.phase != "transfer":
+            # Still pre-allocating (no pages handed out, no metadata sent): the scheduler just
+            # drops the request (_update_handshake_waiters); nothing to hold.
+            st.done = True
+            return
+        rcv = st.receiver
+        st.required_acks = 0
+        if getattr(mgr, "enable_deferred_decode_kv_release", False):
+            if not rcv.abort_notified:
+                rcv.ensure_abort_notified(force_arm=True)
+            if rcv.abort_notified:
+                st.required_acks = len(getattr(rcv, "bootstrap_infos", None) or [])
+        st.release_deadline = time.monotonic() + release_timeout
+        st.phase = "release"
+
+    def release(st: RoomState) -> bool:
+        room = st.plan.room
+        if mgr.is_abort_release_safe(room, st.required_acks):
+            st.outcome.release = "acked" if st.required_acks else "unarmed"
+        elif time.monotonic() >= st.release_deadline:
+            st.outcome.release = "timeout"
+        else:
+            return False
+        if hasattr(mgr, "clear_deferred_abort_state"):
+            mgr.clear_deferred_abort_state(room)
+        st.receiver.clear()
+        st.outcome.t_released = clock()
+        if snapshots is not None:
+            snapshots[st.plan.index] = snapshot_room(pool, st.plan)
+        st.done = True
+        return True
 
     def step_room(st: RoomState) -> bool:
         if st.phase == "ensure":
@@ -61,7 +112,11 @@ def run_decode_rooms(
             last_ensure[0] = 0.0  # cached now: the other rooms pass at once
             st.receiver.init(0)
             st.phase = "handshake"
+            if st.plan.index in abort:
+                st.receiver.abort()
             return True
+        if st.phase == "release":
+            return release(st)
         poll = st.receiver.poll()
         st.outcome.last_poll = int(poll)
         if st.phase == "handshake":
@@ -90,6 +145,9 @@ def run_decode_rooms(
         return False
 
     def expire_room(st: RoomState) -> None:
-        st.receiver.abort()
+        if st.phase == "release":
+            st.outcome.release = "held at the run deadline"
+        else:
+            st.receiver.abort()
 
     return drive(plan.rooms, open_room, step_room, expire_room, pool.cfg.max_inflight, deadline, on_pass)

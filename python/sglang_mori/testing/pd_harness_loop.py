@@ -62,7 +62,8 @@ def drive(
             on_pass(active, finished)
         if time.monotonic() > deadline:
             for st in active:
-                st.outcome.failure = f"no terminal status before the deadline (phase {st.phase})"
+                if st.outcome.status == TIMED_OUT:
+                    st.outcome.failure = f"no terminal status before the deadline (phase {st.phase})"
                 expire_room(st)
             finished.extend(active)
             for r in pending:  # never opened: stays TIMED_OUT

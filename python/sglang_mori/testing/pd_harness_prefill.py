@@ -10,6 +10,9 @@ scheduler uses (disaggregation/prefill.py):
 4. poll until Success or Failed; on Success `get_transfer_metric()` and `clear()`, on Failed
    `failure_exception()` (which clears) and keep its text (process_disagg_prefill_inflight_queue).
 
+Rooms listed in cfg.prefill_abort get `abort()` right after their last send, as the scheduler
+does for an AbortReq that finds the request in its inflight queue.
+
 What the harness leaves out: the TP all-reduce of poll results (each rank here acts on its own
 polls; statuses can only converge later, never earlier) and the forward passes between chunks.
 """
@@ -39,6 +42,8 @@ def run_prefill_rooms(
 ) -> List[RoomOutcome]:
     cfg = pool.cfg
     ps = cfg.layout.page_size
+    aborts = set(cfg.prefill_abort)
+    successes = [0]
 
     def open_room(room) -> RoomState:
         st = RoomState(room, clock())
@@ -81,8 +86,22 @@ def run_prefill_rooms(
         if last_chunk:
             st.outcome.t_sent = clock()
             st.phase = "inflight"
+            if room.index in aborts and cfg.prefill_abort_trigger == "sent":
+                abort(st)
+
+    def abort(st: RoomState) -> None:
+        st.sender.abort()  # the scheduler's abort of a request in its inflight queue
+        st.aborted = True
 
     def step_room(st: RoomState) -> bool:
+        if (
+            st.phase == "inflight"
+            and st.plan.index in aborts
+            and not getattr(st, "aborted", False)
+            and successes[0] > 0
+        ):
+            abort(st)
+            return True
         if st.phase == "bootstrap":
             poll = st.sender.poll()
             st.outcome.last_poll = int(poll)
@@ -106,6 +125,7 @@ def run_prefill_rooms(
             st.outcome.transfer_bytes = getattr(metric, "transfer_total_bytes", None)
             st.sender.clear()
             st.finish(SUCCESS, clock())
+            successes[0] += 1
             return True
         if poll == FAILED:
             fail(st)

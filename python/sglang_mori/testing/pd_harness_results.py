@@ -38,6 +38,11 @@ class RoomOutcome:
     t_sent: Optional[float] = None  # prefill: last send() call; decode: send_metadata()
     t_done: Optional[float] = None  # terminal status observed
     transfer_bytes: Optional[int] = None  # prefill: get_transfer_metric().transfer_total_bytes
+    # Decode, failed rooms: how the held pages were released ("acked": every prefill rank that
+    # could still write confirmed it drained; "unarmed": nothing to wait for; "timeout": SGLang's
+    # release timeout) and when.
+    release: Optional[str] = None
+    t_released: Optional[float] = None
 
     @property
     def latency(self) -> Optional[float]:
@@ -62,6 +67,10 @@ class RankReport:
     checked_bytes: int = 0
     mismatch_count: int = 0
     mismatches: List[str] = field(default_factory=list)  # the first few, human readable
+    # Decode: failed rooms whose pages changed after they were released (filled in by a re-check
+    # once every prefill rank has reported): plan index -> what changed.
+    late_writes: Dict[int, str] = field(default_factory=dict)
+    rechecked: bool = False
     t_last_done: Optional[float] = None
 
 
@@ -126,8 +135,9 @@ class HarnessResult:
         )
 
     def byte_exact(self) -> bool:
+        """Decode checked its bytes, found no mismatch, and no released room changed later."""
         dec = self.side("decode")
-        return bool(dec) and all(r.verified and r.mismatch_count == 0 for r in dec)
+        return bool(dec) and all(r.verified and r.mismatch_count == 0 and not r.late_writes for r in dec)
 
     def failures(self) -> List[str]:
         out = []
@@ -161,5 +171,6 @@ class HarnessResult:
                 + (f" ERROR:\n{rep.error}" if rep.error else "")
             )
             lines.extend(f"    {m}" for m in rep.mismatches[:5])
+            lines.extend(f"    late write: room#{i}: {m}" for i, m in list(rep.late_writes.items())[:5])
         lines.extend(f"  {f}" for f in self.failures()[:10])
         return "\n".join(lines)

@@ -128,3 +128,24 @@ def verify_decode(pool: RankPool, plan: Plan, outcomes: Sequence[RoomOutcome], r
     report.checked_bytes = checked
     report.verified = True
 
+
+
+def snapshot_room(pool: RankPool, room: RoomPlan) -> list:
+    """Copies of everything decode holds for a room (its KV pages, aux and state rows)."""
+    ps = pool.cfg.layout.page_size
+    slots = (room.decode_pages.astype(np.int64)[:, None] * ps + np.arange(ps)).ravel()
+    snap = [pool.byte_view(t)[slots].copy() for t in pool.kv]
+    snap += [pool.byte_view(t)[room.decode_aux].copy() for t in pool.aux]
+    snap += [pool.byte_view(t)[room.decode_state].copy() for t in pool.state]
+    return snap
+
+
+def late_writes(pool: RankPool, plan: Plan, snapshots: dict) -> dict:
+    """plan index -> description, for released rooms whose bytes changed since their snapshot."""
+    out = {}
+    for index, snap in snapshots.items():
+        now = snapshot_room(pool, plan.rooms[index])
+        changed = [i for i, (a, b) in enumerate(zip(snap, now)) if not np.array_equal(a, b)]
+        if changed:
+            out[index] = f"buffers {changed} changed after the room's pages were released"
+    return out

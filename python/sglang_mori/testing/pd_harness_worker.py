@@ -7,6 +7,8 @@ Control protocol over the multiprocessing pipe (orchestrator <-> worker):
     worker -> ("progress", counts)  room counts during the run (open/ready/sent/done)
     worker -> ("report", RankReport)
     orch   -> ("ping",)            worker answers ("pong", pid) while it serves the pipe
+    orch   -> ("recheck",)         decode answers ("rechecked", {plan index: change}) for failed
+                                   rooms whose pages changed after release
     orch   -> ("stop",)            worker exits
     worker -> ("error", traceback) anything raised in the worker
 Every wait here has a deadline; the worker leaves with os._exit so that non-daemon threads of a
@@ -47,7 +49,7 @@ def worker_main(role: str, rank: int, cfg: HarnessConfig, model_dir: str, bootst
         os._exit(code)
 
 
-def _serve_until_stop(conn, deadline: float) -> None:
+def _serve_until_stop(conn, deadline: float, recheck=None) -> None:
     while time.monotonic() < deadline:
         if not conn.poll(0.5):
             continue
@@ -56,6 +58,8 @@ def _serve_until_stop(conn, deadline: float) -> None:
             return
         if msg[0] == "ping":
             conn.send(("pong", os.getpid()))
+        if msg[0] == "recheck":
+            conn.send(("rechecked", recheck() if recheck is not None else {}))
 
 
 def _wait_go(conn, deadline: float) -> float:
@@ -140,7 +144,7 @@ def _run_rank(side: str, rank: int, cfg: HarnessConfig, model_dir: str, port: in
     from sglang_mori.testing.pd_harness_plan import build_plan
     from sglang_mori.testing.pd_harness_pool import RankPool
     from sglang_mori.testing.pd_harness_prefill import run_prefill_rooms
-    from sglang_mori.testing.pd_harness_verify import verify_decode
+    from sglang_mori.testing.pd_harness_verify import late_writes, verify_decode
 
     kv_args_cls, mgr_cls, sender_cls, receiver_cls, _ = kv_classes(cfg.backend)
     plan = build_plan(cfg)
@@ -169,15 +173,17 @@ def _run_rank(side: str, rank: int, cfg: HarnessConfig, model_dir: str, port: in
     addr = f"{cfg.host}:{port}"
     report = RankReport(side=side, rank=rank, pid=os.getpid())
     progress = _Progress(conn)
+    snapshots: dict = {}
     if side == "prefill":
         report.rooms = run_prefill_rooms(pool, plan, mgr, sender_cls, addr, clock, deadline, progress)
     else:
-        report.rooms = run_decode_rooms(pool, plan, mgr, receiver_cls, addr, clock, deadline, progress)
+        report.rooms = run_decode_rooms(pool, plan, mgr, receiver_cls, addr, clock, deadline, progress, snapshots)
     progress.flush()
     done = [o.t_done for o in report.rooms if o.t_done is not None]
     report.t_last_done = max(done) if done else None
     if side == "decode" and cfg.verify:
         verify_decode(pool, plan, report.rooms, report)
     conn.send(("report", report))
-    # Stay up (manager threads keep serving) until the orchestrator has every report.
-    _serve_until_stop(conn, time.monotonic() + LINGER_S)
+    # Stay up (manager threads keep serving) until the orchestrator has every report; then it may
+    # ask decode to look again at the pages of released failed rooms.
+    _serve_until_stop(conn, time.monotonic() + LINGER_S, lambda: late_writes(pool, plan, snapshots))
