@@ -43,10 +43,15 @@ DRAIN_GIVE_UP_DEADLINES = 10
 
 @dataclass
 class RoomTarget:
-    """One decode rank's destination for one room (from RoomMetadata)."""
+    """One decode rank's destination for one room (from RoomMetadata).
+
+    `endpoint` (ip) and `dst_port` are the names SGLang's common code reads to notify a room's
+    decode ranks (CommonKVManager._room_notify_targets).
+    """
 
     engine_key: str
-    endpoint: tuple
+    endpoint: str
+    dst_port: int
     kv_indices: np.ndarray
     aux_index: Optional[int]
     state_indices: Optional[list]
@@ -201,7 +206,8 @@ class PrefillService:
             return
         target = RoomTarget(
             engine_key=msg.engine_key,
-            endpoint=(msg.decode_ip, msg.decode_port),
+            endpoint=msg.decode_ip,
+            dst_port=msg.decode_port,
             kv_indices=np.frombuffer(msg.kv_indices, dtype="<i4").astype(np.int64),
             aux_index=msg.aux_index,
             state_indices=msg.state_indices,
@@ -226,6 +232,7 @@ class PrefillService:
             infos[msg.engine_key] = target
             ready = len(infos) >= target.required_dst_info_num
         if ready:
+            mgr.resolve_kv_replica_factor(infos)
             mgr.req_to_decode_prefix_len[room] = next(
                 (i.decode_prefix_len for i in infos.values() if i.decode_prefix_len), 0
             )
@@ -304,12 +311,12 @@ class PrefillService:
         if chunk.wait_event is not None:
             chunk.wait_event.synchronize()  # source KV is ready only after the forward pass
         rt, fresh = self.tracker.get_or_create(
-            room, [(t.endpoint, t.engine_key, t.aux_index) for t in targets]
+            room, [((t.endpoint, t.dst_port), t.engine_key, t.aux_index) for t in targets]
         )
         if fresh:
             mgr.update_status(room, KVPoll.Transferring)
             for t in targets:
-                mgr.send_message(t.endpoint, protocol.TransferStarted(room=room, prefill_rank=mgr._prefill_unique_rank()))
+                mgr.send_message((t.endpoint, t.dst_port), protocol.TransferStarted(room=room, prefill_rank=mgr._prefill_unique_rank()))
         deadline = time.monotonic() + self.timeout_s
         for t in targets:
             peer = self.peers.get(t.engine_key)
