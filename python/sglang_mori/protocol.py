@@ -8,7 +8,7 @@ turns into (at most) the failure of the room the message names. Nothing here rai
 Message flow (one decode rank D, one prefill rank P):
     D -> P  Register       once per (D, P): D's engine descriptor, memory descriptors and layout
     D -> P  RoomMetadata   per request: D's page indices, aux slot and state slots
-    P -> D  TransferStarted first chunk submitted (starts D's transfer deadline)
+    P -> D  TransferStarted a chunk was submitted (restarts D's transfer deadline)
     P -> D  RoomStatus     terminal: Success carries the aux bytes, so "done" never precedes the data
     D -> P  Abort          D gives up on a room; P stops sending and acks once writes have drained
     P -> D  AbortAck       every write P issued into the room is terminal: D may reuse its pages

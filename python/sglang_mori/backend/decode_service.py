@@ -2,8 +2,9 @@
 
 One thread reads the manager's ZMQ socket: RoomStatus (Success carries the aux bytes, copied here
 before Success is recorded), TransferStarted (starts the room's transfer deadline) and AbortAck.
-The same thread enforces that deadline, so a prefill that dies mid-transfer fails its rooms within
-SGLANG_MORI_TRANSFER_TIMEOUT_MS, not after SGLang's 300 s waiting timeout.
+The same thread enforces that deadline (restarted by every chunk's TransferStarted), so a prefill
+that dies mid-transfer fails its rooms within SGLANG_MORI_TRANSFER_TIMEOUT_MS plus a grace, not after
+SGLang's 300 s waiting timeout.
 """
 
 from __future__ import annotations
@@ -32,8 +33,7 @@ DEADLINE_GRACE_S = 5.0
 @dataclass
 class DecodeRoom:
     aux_index: Optional[int]
-    started_at: Optional[float] = None  # first TransferStarted from any prefill rank
-    last_progress: Optional[float] = None
+    started_at: Optional[float] = None  # latest TransferStarted (one per chunk) from any prefill rank
 
 
 class DecodeService:
@@ -132,8 +132,8 @@ class DecodeService:
         elif isinstance(message, protocol.TransferStarted):
             with self.rooms_lock:
                 room = self.rooms.get(message.room)
-                if room is not None and room.started_at is None:
-                    room.started_at = time.monotonic()
+                if room is not None:
+                    room.started_at = time.monotonic()  # progress: restart the deadline
         elif isinstance(message, protocol.AbortAck):
             if mgr.enable_deferred_decode_kv_release and message.generation is not None:
                 mgr.note_abort_ack(message.room, message.prefill_rank, message.generation)

@@ -315,8 +315,9 @@ class PrefillService:
         )
         if fresh:
             mgr.update_status(room, KVPoll.Transferring)
-            for t in targets:
-                mgr.send_message((t.endpoint, t.dst_port), protocol.TransferStarted(room=room, prefill_rank=mgr._prefill_unique_rank()))
+        # Every chunk restarts decode's deadline: a long chunked prefill is slow, not dead.
+        for t in targets:
+            mgr.send_message((t.endpoint, t.dst_port), protocol.TransferStarted(room=room, prefill_rank=mgr._prefill_unique_rank()))
         deadline = time.monotonic() + self.timeout_s
         for t in targets:
             peer = self.peers.get(t.engine_key)
