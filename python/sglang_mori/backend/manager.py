@@ -150,15 +150,6 @@ class MoriKVManager(CommonKVManager):
             logger.warning("sglang-mori: cannot send %s to %s:%s: %s", type(message).__name__, ip, port, exc)
             return False
 
-    def _room_notify_targets(self, bootstrap_room: int) -> List[Tuple[str, int]]:
-        """Decode endpoints of a room. SGLang's version reads `info.endpoint` and `info.dst_port`
-        (Mooncake's TransferInfo); our RoomTarget keeps the endpoint as one (ip, port) tuple."""
-        targets: List[Tuple[str, int]] = []
-        for info in list((self.transfer_infos.get(bootstrap_room) or {}).values()):
-            if not info.is_dummy and tuple(info.endpoint) not in targets:
-                targets.append(tuple(info.endpoint))
-        return targets
-
     def reject_message(self, error: protocol.ProtocolError, origin: str) -> None:
         """Count every rejection; log the first of each kind loudly, then every 100th."""
         self.protocol_rejections[error.reason] += 1
