@@ -94,6 +94,19 @@ class HarnessConfig:
     # yet) or "first_success" (once any room of this rank succeeded, so the aborted rooms' writes
     # are typically in flight, e.g. under a softio bandwidth cap).
     prefill_abort_trigger: str = "sent"
+    # Reliability tests (see pd_harness_control.py). `rounds`: room counts of consecutive rounds
+    # (summing to `rooms`); a worker opens round k only after every room of earlier rounds is
+    # finished on its side and, with `control`, once the test opened round k. `control`: serve
+    # the per-worker control socket (fault injection mid-run, leftover tables, write log, engine
+    # restart). `decode_abort_inflight`: decode aborts these rooms once their transfer has
+    # started (mori: TransferStarted seen; other backends: right after send_metadata).
+    # `bad_decode_pages`: these rooms send metadata naming a decode page past the pool's end.
+    # `duplicate_rooms`: (a, b) pairs, room b reuses room a's bootstrap_room id.
+    rounds: Tuple[int, ...] = ()
+    control: bool = False
+    decode_abort_inflight: Tuple[int, ...] = ()
+    bad_decode_pages: Tuple[int, ...] = ()
+    duplicate_rooms: Tuple[Tuple[int, int], ...] = ()
     seed: int = 1234
     # Decode pages never given to any room, checked to stay zero.
     spare_decode_pages: int = 16
@@ -145,6 +158,11 @@ class HarnessConfig:
             raise ValueError("abort indices must name rooms of the plan")
         if self.prefill_abort_trigger not in ("sent", "first_success"):
             raise ValueError("prefill_abort_trigger must be 'sent' or 'first_success'")
+        if self.rounds and (sum(self.rounds) != self.rooms or min(self.rounds) < 1):
+            raise ValueError("rounds must be positive room counts summing to rooms")
+        named = [*self.decode_abort_inflight, *self.bad_decode_pages, *(i for p in self.duplicate_rooms for i in p)]
+        if any(not 0 <= i < self.rooms for i in named):
+            raise ValueError("room indices of the reliability options must name rooms of the plan")
         if self.shape.chunks < 1:
             raise ValueError("chunks must be >= 1")
         if self.start_method not in ("forkserver", "spawn"):

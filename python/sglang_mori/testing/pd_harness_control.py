@@ -263,6 +263,22 @@ def leftovers(mgr) -> Dict[str, int]:
     return out
 
 
+class ManagerRef:
+    """Stands for "this rank's current manager" (restart_engine replaces it): attribute access
+    goes to the current one; `.current` is the manager itself, for objects that must stay bound
+    to the manager they were created with (receivers)."""
+
+    def __init__(self, holder: dict):
+        self.__dict__["_holder"] = holder
+
+    @property
+    def current(self):
+        return self._holder["mgr"]
+
+    def __getattr__(self, name):
+        return getattr(self._holder["mgr"], name)
+
+
 def start_control(cfg, side: str, holder: dict, pool, gate: RoundGate, rebuild=None) -> Optional[ControlServer]:
     if not cfg.control or side not in ("prefill", "decode"):
         return None
@@ -365,10 +381,10 @@ def wait_clean(ctl: Dict[str, WorkerControl], timeout_s: float) -> Dict[str, Dic
     return last
 
 
-def late_writes_by_log(records, plan, outcomes, t0: float) -> List[str]:
+def late_writes_by_log(records, plan, outcomes, t0: float, page_size: int) -> List[str]:
     """Writes (from a decode write log) that landed in a room's pages or rows after decode
     released that room. `outcomes` are that decode rank's RoomOutcome list; times relative to t0."""
-    ps = None
+    ps = page_size
     released = {}
     for o in outcomes:
         if o.t_released is not None:
@@ -386,8 +402,6 @@ def late_writes_by_log(records, plan, outcomes, t0: float) -> List[str]:
     for kind, buf, first, last, t, writer in records:
         keys = []
         if kind == "kv":
-            if ps is None:
-                ps = _page_size(plan)
             keys = [("kv_page", p) for p in range(first // ps, last // ps + 1)]
         else:
             keys = [(kind, r) for r in range(first, last + 1)]
@@ -400,10 +414,6 @@ def late_writes_by_log(records, plan, outcomes, t0: float) -> List[str]:
                 )
                 break
     return out
-
-
-def _page_size(plan) -> int:
-    return plan.page_size if hasattr(plan, "page_size") else 1
 
 
 def rss_bytes(pid: int) -> int:

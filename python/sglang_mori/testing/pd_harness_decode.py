@@ -49,15 +49,21 @@ def run_decode_rooms(
     deadline: float,
     on_pass=None,
     snapshots: Dict[int, object] = None,
+    may_open=None,
 ) -> List[RoomOutcome]:
     """Run every room; `snapshots` (if given) receives the pages of every released failed room."""
     last_ensure = [0.0]
     abort = set(pool.cfg.decode_abort)
+    abort_inflight = set(pool.cfg.decode_abort_inflight)
+    bad_pages = set(pool.cfg.bad_decode_pages)
     release_timeout = _release_timeout_s()
 
     def open_room(room) -> RoomState:
         st = RoomState(room, clock())
-        st.receiver = receiver_cls(mgr=mgr, bootstrap_addr=bootstrap_addr, bootstrap_room=room.room)
+        # A receiver stays bound to the manager it was made with (mgr may be a ManagerRef that a
+        # restart_engine re-points; see pd_harness_control.py).
+        st.mgr = getattr(mgr, "current", mgr)
+        st.receiver = receiver_cls(mgr=st.mgr, bootstrap_addr=bootstrap_addr, bootstrap_room=room.room)
         st.phase = "ensure"
         return st
 
@@ -76,7 +82,7 @@ def run_decode_rooms(
             return
         rcv = st.receiver
         st.required_acks = 0
-        if getattr(mgr, "enable_deferred_decode_kv_release", False):
+        if getattr(st.mgr, "enable_deferred_decode_kv_release", False):
             if not rcv.abort_notified:
                 rcv.ensure_abort_notified(force_arm=True)
             if rcv.abort_notified:
@@ -86,14 +92,14 @@ def run_decode_rooms(
 
     def release(st: RoomState) -> bool:
         room = st.plan.room
-        if mgr.is_abort_release_safe(room, st.required_acks):
+        if st.mgr.is_abort_release_safe(room, st.required_acks):
             st.outcome.release = "acked" if st.required_acks else "unarmed"
         elif time.monotonic() >= st.release_deadline:
             st.outcome.release = "timeout"
         else:
             return False
-        if hasattr(mgr, "clear_deferred_abort_state"):
-            mgr.clear_deferred_abort_state(room)
+        if hasattr(st.mgr, "clear_deferred_abort_state"):
+            st.mgr.clear_deferred_abort_state(room)
         st.receiver.clear()
         st.outcome.t_released = clock()
         if snapshots is not None:
@@ -107,7 +113,7 @@ def run_decode_rooms(
             if now - last_ensure[0] < RETRY_S:
                 return False
             last_ensure[0] = now
-            if not mgr.try_ensure_parallel_info(bootstrap_addr):
+            if not st.mgr.try_ensure_parallel_info(bootstrap_addr):
                 return False
             last_ensure[0] = 0.0  # cached now: the other rooms pass at once
             st.receiver.init(0)
@@ -123,8 +129,12 @@ def run_decode_rooms(
             if poll == WAITING_FOR_INPUT:
                 st.outcome.t_ready = clock()
                 room = st.plan
+                pages = room.decode_pages
+                if room.index in bad_pages:  # a page past the end of the pool
+                    pages = pages.copy()
+                    pages[-1] = plan.decode_pool_pages + 7
                 st.receiver.send_metadata(
-                    room.decode_pages,
+                    pages,
                     room.decode_aux,
                     pool.state_indices(room.decode_state),
                     decode_prefix_len=0,
@@ -134,6 +144,11 @@ def run_decode_rooms(
                 return True
             if poll == SUCCESS:
                 st.finish(FAILED, clock(), "harness: poll() returned Success before send_metadata()")
+                return True
+        if st.phase == "transfer" and st.plan.index in abort_inflight and poll not in (SUCCESS, FAILED):
+            if _transfer_started(st):
+                st.receiver.abort()  # an AbortReq for a request whose KV is arriving
+                st.phase = "aborted"
                 return True
         if poll == SUCCESS:
             st.receiver.clear()
@@ -150,4 +165,14 @@ def run_decode_rooms(
         else:
             st.receiver.abort()
 
-    return drive(plan.rooms, open_room, step_room, expire_room, pool.cfg.max_inflight, deadline, on_pass)
+    return drive(plan.rooms, open_room, step_room, expire_room, pool.cfg.max_inflight, deadline, on_pass, may_open)
+
+
+def _transfer_started(st: RoomState) -> bool:
+    """mori: prefill said it submitted the room's first chunk (TransferStarted); other backends
+    give no such signal, so any time after send_metadata counts."""
+    rooms = getattr(getattr(st.mgr, "service", None), "rooms", None)
+    if rooms is None:
+        return True
+    room = rooms.get(st.plan.room)
+    return room is not None and room.started_at is not None

@@ -44,13 +44,19 @@ def drive(
     max_inflight: Optional[int],
     deadline: float,
     on_pass: Optional[Callable[[List[RoomState], List[RoomState]], None]] = None,
+    may_open: Optional[Callable[[RoomPlan, List[RoomState]], bool]] = None,
 ) -> List[RoomOutcome]:
-    """Run every room to a terminal state or to `deadline` (time.monotonic()); outcomes by index."""
+    """Run every room to a terminal state or to `deadline` (time.monotonic()); outcomes by index.
+    `may_open(room, active)` (optional) holds back the next room (e.g. until its round opens)."""
     pending = deque(rooms)
     active: List[RoomState] = []
     finished: List[RoomState] = []
     while pending or active:
-        while pending and (max_inflight is None or len(active) < max_inflight):
+        while (
+            pending
+            and (max_inflight is None or len(active) < max_inflight)
+            and (may_open is None or may_open(pending[0], active))
+        ):
             active.append(open_room(pending.popleft()))
         progressed = False
         for st in active:

@@ -94,6 +94,8 @@ def build_plan(cfg: HarnessConfig) -> Plan:
         candidate = int(rng.integers(1, 2**63 - 1))
         if candidate not in room_ids:
             room_ids.append(candidate)
+    for a, b in cfg.duplicate_rooms:  # a client reusing a bootstrap_room (reliability tests)
+        room_ids[b] = room_ids[a]
 
     rooms, pos = [], 0
     for i, n in enumerate(pages_per_room):

@@ -39,6 +39,7 @@ def run_prefill_rooms(
     clock: Callable[[], float],
     deadline: float,
     on_pass=None,
+    may_open=None,
 ) -> List[RoomOutcome]:
     cfg = pool.cfg
     ps = cfg.layout.page_size
@@ -135,7 +136,7 @@ def run_prefill_rooms(
     def expire_room(st: RoomState) -> None:
         st.sender.abort()  # what the scheduler does to a request it gives up on
 
-    return drive(plan.rooms, open_room, step_room, expire_room, cfg.max_inflight, deadline, on_pass)
+    return drive(plan.rooms, open_room, step_room, expire_room, cfg.max_inflight, deadline, on_pass, may_open)
 
 
 def now_since(t0: float) -> Callable[[], float]:

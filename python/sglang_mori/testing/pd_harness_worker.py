@@ -153,6 +153,13 @@ def _run_rank(side: str, rank: int, cfg: HarnessConfig, model_dir: str, port: in
         pool.fill_prefill()
     mode = DisaggregationMode.PREFILL if side == "prefill" else DisaggregationMode.DECODE
     mgr = mgr_cls(pool.kv_args(kv_args_cls), mode, server_args, cfg.layout.mla)
+    # Reliability tests: rounds, and the control socket (before "ready", so on_ready can use it).
+    from sglang_mori.testing.pd_harness_control import ManagerRef, RoundGate, start_control
+
+    gate = RoundGate(cfg)
+    holder = {"mgr": mgr}
+    rebuild = (lambda: mgr_cls(pool.kv_args(kv_args_cls), mode, server_args, cfg.layout.mla)) if side == "decode" else None
+    control = start_control(cfg, side, holder, pool, gate, rebuild)
     conn.send(
         (
             "ready",
@@ -165,6 +172,8 @@ def _run_rank(side: str, rank: int, cfg: HarnessConfig, model_dir: str, port: in
         )
     )
     t0 = _wait_go(conn, time.monotonic() + cfg.startup_timeout_s)
+    if control is not None:
+        mgr = ManagerRef(holder)  # follows restart_engine
 
     def clock() -> float:
         return time.monotonic() - t0
@@ -175,9 +184,13 @@ def _run_rank(side: str, rank: int, cfg: HarnessConfig, model_dir: str, port: in
     progress = _Progress(conn)
     snapshots: dict = {}
     if side == "prefill":
-        report.rooms = run_prefill_rooms(pool, plan, mgr, sender_cls, addr, clock, deadline, progress)
+        report.rooms = run_prefill_rooms(
+            pool, plan, mgr, sender_cls, addr, clock, deadline, progress, may_open=gate.may_open
+        )
     else:
-        report.rooms = run_decode_rooms(pool, plan, mgr, receiver_cls, addr, clock, deadline, progress, snapshots)
+        report.rooms = run_decode_rooms(
+            pool, plan, mgr, receiver_cls, addr, clock, deadline, progress, snapshots, may_open=gate.may_open
+        )
     progress.flush()
     done = [o.t_done for o in report.rooms if o.t_done is not None]
     report.t_last_done = max(done) if done else None
