@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
 
 # torch dtype names we accept; the harness only moves bytes, so any fixed-width dtype works.
+BACKENDS = ("mori", "mooncake", "mori-builtin")
 DTYPE_SIZES = {"bfloat16": 2, "float16": 2, "float32": 4, "int8": 1, "uint8": 1}
 AUX_DTYPE_SIZES = {"int32": 4, "float32": 4, "int64": 8}
 
@@ -78,7 +79,9 @@ class RoomShape:
 class HarnessConfig:
     """Everything one harness run needs. Field defaults give a small MHA 1->1 run."""
 
-    backend: str = "mori"  # "mori" (our plugin) or "mooncake" (SGLang's, TCP) to validate the harness
+    # "mori": our plugin (the target); "mooncake": SGLang's Mooncake over TCP (reference);
+    # "mori-builtin": SGLang's own mori backend on softio through the mori shim (benchmark baseline).
+    backend: str = "mori"
     layout: KVLayout = field(default_factory=KVLayout)
     prefill_tp: int = 1
     decode_tp: int = 1
@@ -132,8 +135,8 @@ class HarnessConfig:
 
     def validate(self) -> None:
         lay = self.layout
-        if self.backend not in ("mori", "mooncake"):
-            raise ValueError(f"backend must be 'mori' or 'mooncake', got {self.backend!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if lay.dtype not in DTYPE_SIZES:
             raise ValueError(f"unsupported dtype {lay.dtype!r}; one of {sorted(DTYPE_SIZES)}")
         for spec in lay.aux:

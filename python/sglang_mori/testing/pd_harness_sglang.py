@@ -12,10 +12,20 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import Dict
 
 from sglang_mori.testing.pd_harness_config import HarnessConfig
+
+
+# A `mori` package that re-exports softio under MORI-IO's module names.
+MORI_SHIM = Path(__file__).resolve().parents[1] / "softio" / "mori_shim"
+
+
+def sglang_backend(backend: str) -> str:
+    """The --disaggregation-transfer-backend value for a harness backend name."""
+    return "mori" if backend == "mori-builtin" else backend
 
 
 def worker_env(cfg: HarnessConfig, side: str) -> Dict[str, str]:
@@ -34,6 +44,10 @@ def worker_env(cfg: HarnessConfig, side: str) -> Dict[str, str]:
         env["MC_FORCE_TCP"] = "1"  # what --disaggregation-transfer-backend mooncake_tcp sets
     else:
         env["SGLANG_MORI_ENGINE"] = "soft"
+    if cfg.backend == "mori-builtin":
+        # Keep our plugin out (a whitelist naming no installed plugin), so `mori` resolves to
+        # SGLang's built-in classes; they import `mori.io`, which the shim maps to softio.
+        env["SGLANG_PLUGINS"] = "sglang_mori_disabled_for_baseline"
     env.update(cfg.env)
     env.update({"prefill": cfg.prefill_env, "decode": cfg.decode_env}.get(side, {}))
     return env
@@ -66,6 +80,8 @@ def setup_process(cfg: HarnessConfig, model_dir: str, mode: str, tp_rank: int, b
     """Prepare this process to host a KV manager (mode 'prefill'/'decode') or the bootstrap server
     (mode 'bootstrap'); returns the published ServerArgs."""
     os.environ.update(worker_env(cfg, mode))
+    if cfg.backend == "mori-builtin" and str(MORI_SHIM) not in sys.path:
+        sys.path.insert(0, str(MORI_SHIM))
     logging.basicConfig(level=getattr(logging, cfg.log_level, logging.WARNING))
     from sglang.srt.plugins import load_plugins
 
@@ -83,7 +99,7 @@ def setup_process(cfg: HarnessConfig, model_dir: str, mode: str, tp_rank: int, b
         "--tp-size", str(tp),
         "--page-size", str(cfg.layout.page_size),
         "--disaggregation-mode", server_mode,
-        "--disaggregation-transfer-backend", cfg.backend,
+        "--disaggregation-transfer-backend", sglang_backend(cfg.backend),
         "--disaggregation-bootstrap-port", str(bootstrap_port),
     ]  # fmt: skip
     server_args = prepare_server_args(args)
@@ -118,7 +134,7 @@ def kv_classes(backend: str):
     """(KVArgs, manager, sender, receiver, bootstrap server) classes, through get_kv_class."""
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
 
-    tb = TransferBackend(backend)
+    tb = TransferBackend(sglang_backend(backend))
     return tuple(
         get_kv_class(tb, t)
         for t in (
