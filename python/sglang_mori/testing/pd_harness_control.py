@@ -150,7 +150,19 @@ class ControlServer:
         return self.mgr.engine.key
 
     def cmd_leftovers(self):
-        return leftovers(self.mgr)
+        total: Dict[str, int] = {}
+        for mgr in [*self.retired, self.mgr]:
+            for name, n in leftovers(mgr).items():
+                total[name] = total.get(name, 0) + n
+        return total
+
+    def cmd_room_states(self):
+        """bootstrap_room -> KVPoll value of every room this rank's manager still holds, and
+        (decode) the rooms held for a deferred release ("held": armed, not yet released)."""
+        mgr = self.mgr
+        states = {int(r): int(s) for r, s in list(mgr.request_status.items())}
+        held = sorted(int(r) for r in list(getattr(mgr, "_deferred_abort_ack_tracker", {})))
+        return {"status": states, "held": held}
 
     def cmd_peers(self):
         service = self.mgr.service
@@ -326,6 +338,9 @@ class WorkerControl:
 
     def leftovers(self) -> Dict[str, int]:
         return self.call("leftovers")
+
+    def room_states(self) -> dict:
+        return self.call("room_states")
 
     def peers(self) -> list:
         return self.call("peers")
