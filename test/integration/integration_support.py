@@ -23,10 +23,12 @@ def assert_clean(result: HarnessResult, cfg: HarnessConfig) -> None:
     summary = result.summary()
     assert result.error is None, summary
     assert len(result.side("prefill")) == cfg.prefill_tp, summary
-    assert len(result.side("decode")) == cfg.decode_tp, summary
+    assert len(result.side("decode")) == cfg.decode_tp * cfg.decode_instances, summary
     assert result.all_succeeded(cfg.rooms), summary
     for rep in result.ranks:
-        assert [o.index for o in rep.rooms] == list(range(cfg.rooms)), summary
+        n = cfg.decode_instances if rep.side == "decode" else 1
+        mine = [i for i in range(cfg.rooms) if rep.side == "prefill" or i % n == rep.instance]
+        assert [o.index for o in rep.rooms] == mine, summary
         assert all(o.failure is None for o in rep.rooms), summary
     assert result.byte_exact(), summary
     assert all(r.checked_bytes > 0 for r in result.side("decode")), summary

@@ -6,7 +6,8 @@ drive them, with byte-exact checks on decode.
     result = run_transfer(HarnessConfig(backend="mori", prefill_tp=2, decode_tp=1, rooms=64))
     assert result.all_succeeded(64) and result.byte_exact(), result.summary()
 
-Processes: one bootstrap server, one per prefill TP rank, one per decode TP rank. The orchestrator
+Processes: one bootstrap server, one per prefill TP rank, one per decode TP rank (of each decode
+instance, cfg.decode_instances; room i goes to instance i % decode_instances). The orchestrator
 (the caller's process) never imports SGLang. Optional hooks let a test act on the running system:
 `on_ready(ReadyInfo)` runs after every worker is up and before "go"; `during(ReadyInfo)` runs on a
 thread while the rooms transfer. Every worker is stopped (by PID, escalating to SIGKILL) when the
@@ -50,6 +51,11 @@ class HarnessError(RuntimeError):
     pass
 
 
+def decode_worker_name(rank: int, instance: int = 0) -> str:
+    """'decode<rank>' for the first decode instance, 'decode<rank>.i<instance>' for the others."""
+    return f"decode{rank}" if instance == 0 else f"decode{rank}.i{instance}"
+
+
 def _free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
@@ -64,13 +70,15 @@ def _context(method: str):
 
 
 class _Worker:
-    def __init__(self, ctx, name: str, role: str, rank: int, cfg, model_dir: str, port: int):
+    def __init__(self, ctx, name: str, role: str, rank: int, cfg, model_dir: str, port: int, instance: int = 0):
         from sglang_mori.testing.pd_harness_worker import worker_main
 
         self.name, self.role, self.rank = name, role, rank
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(
-            target=worker_main, args=(role, rank, cfg, model_dir, port, child), name=f"pd-harness-{name}"
+            target=worker_main,
+            args=(role, rank, cfg, model_dir, port, child, instance),
+            name=f"pd-harness-{name}",
         )
         self.proc.start()
         child.close()
@@ -179,7 +187,11 @@ def run_transfer(cfg: HarnessConfig, *, on_ready: Optional[Hook] = None, during:
             # _register_topology_row backs off from 1 s).
             boot = _Worker(ctx, "bootstrap", "bootstrap", 0, cfg, model_dir, port)
             workers.append(boot)
-            decode = [_Worker(ctx, f"decode{r}", "decode", r, cfg, model_dir, port) for r in range(cfg.decode_tp)]
+            decode = [
+                _Worker(ctx, decode_worker_name(r, i), "decode", r, cfg, model_dir, port, i)
+                for i in range(cfg.decode_instances)
+                for r in range(cfg.decode_tp)
+            ]
             prefill = [_Worker(ctx, f"prefill{r}", "prefill", r, cfg, model_dir, port) for r in range(cfg.prefill_tp)]
             workers += decode + prefill
             _collect(workers, "ready", time.monotonic() + cfg.startup_timeout_s)

@@ -85,6 +85,9 @@ class HarnessConfig:
     layout: KVLayout = field(default_factory=KVLayout)
     prefill_tp: int = 1
     decode_tp: int = 1
+    # Independent decode servers (1P-nD), each with decode_tp ranks and its own pools; room i
+    # goes to decode instance i % decode_instances.
+    decode_instances: int = 1
     rooms: int = 64
     shape: RoomShape = field(default_factory=RoomShape)
     # Rooms open at once on each side; None = all of them at the start (one burst).
@@ -153,6 +156,8 @@ class HarnessConfig:
             # SGLang reslices Mamba state across TP only with per-tensor dim metadata; the harness
             # keeps state to the equal-TP case where each rank's state goes to the same rank.
             raise ValueError("state buffers need prefill_tp == decode_tp")
+        if self.decode_instances < 1:
+            raise ValueError("decode_instances must be >= 1")
         if self.rooms < 1:
             raise ValueError("rooms must be >= 1")
         if not (1 <= self.shape.min_tokens <= self.shape.max_tokens):

@@ -50,8 +50,10 @@ def run_decode_rooms(
     on_pass=None,
     snapshots: Dict[int, object] = None,
     may_open=None,
+    rooms=None,
 ) -> List[RoomOutcome]:
-    """Run every room; `snapshots` (if given) receives the pages of every released failed room."""
+    """Run `rooms` (default: every room of the plan); `snapshots` (if given) receives the pages
+    of every released failed room."""
     last_ensure = [0.0]
     abort = set(pool.cfg.decode_abort)
     abort_inflight = set(pool.cfg.decode_abort_inflight)
@@ -165,7 +167,8 @@ def run_decode_rooms(
         else:
             st.receiver.abort()
 
-    return drive(plan.rooms, open_room, step_room, expire_room, pool.cfg.max_inflight, deadline, on_pass, may_open)
+    rooms = plan.rooms if rooms is None else rooms
+    return drive(rooms, open_room, step_room, expire_room, pool.cfg.max_inflight, deadline, on_pass, may_open)
 
 
 def _transfer_started(st: RoomState) -> bool:

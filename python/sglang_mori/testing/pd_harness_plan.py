@@ -45,6 +45,11 @@ class RoomPlan:
         return max(0, min(end * page_size, self.tokens) - start * page_size)
 
 
+def rooms_of_instance(plan: "Plan", instance: int, instances: int) -> List[RoomPlan]:
+    """The rooms decode instance `instance` serves (all of them with a single instance)."""
+    return [r for r in plan.rooms if r.index % instances == instance]
+
+
 @dataclass(frozen=True)
 class Plan:
     rooms: List[RoomPlan]

@@ -60,6 +60,7 @@ class RankReport:
     side: str  # "prefill" or "decode"
     rank: int
     pid: int
+    instance: int = 0  # decode instance (cfg.decode_instances)
     rooms: List[RoomOutcome] = field(default_factory=list)
     error: Optional[str] = None  # traceback if the worker itself crashed
     # Decode only: byte checks.

@@ -95,18 +95,18 @@ def _check_rows(pool: RankPool, room: RoomPlan, out: _Collector) -> int:
     return checked
 
 
-def _check_untouched(pool: RankPool, plan: Plan, out: _Collector) -> None:
+def _check_untouched(pool: RankPool, plan: Plan, rooms: Sequence[RoomPlan], out: _Collector) -> None:
     ps = pool.cfg.layout.page_size
     used_pages = np.zeros(plan.decode_pool_pages, dtype=bool)
-    for room in plan.rooms:
+    for room in rooms:
         used_pages[room.decode_pages] = True
     free_slots = np.flatnonzero(np.repeat(~used_pages, ps))
     for entry, t in enumerate(pool.kv):
         dirty = np.flatnonzero(pool.byte_view(t)[free_slots].any(axis=(1, 2)))
         if len(dirty):
             out.bad(f"kv entry {entry}: {len(dirty)} slots of unassigned pages were written, e.g. slot {free_slots[dirty[0]]}")
-    used_aux = {r.decode_aux for r in plan.rooms}
-    used_state = {r.decode_state for r in plan.rooms}
+    used_aux = {r.decode_aux for r in rooms}
+    used_state = {r.decode_state for r in rooms}
     for name, bufs, used in (("aux", pool.aux, used_aux), ("state", pool.state, used_state)):
         for i, t in enumerate(bufs):
             view = pool.byte_view(t)
@@ -116,15 +116,20 @@ def _check_untouched(pool: RankPool, plan: Plan, out: _Collector) -> None:
                 out.bad(f"{name} buffer {i}: unassigned rows {dirty[:5]} were written")
 
 
-def verify_decode(pool: RankPool, plan: Plan, outcomes: Sequence[RoomOutcome], report: RankReport) -> None:
+def verify_decode(
+    pool: RankPool, plan: Plan, outcomes: Sequence[RoomOutcome], report: RankReport, rooms=None
+) -> None:
+    """Check this decode rank; `rooms` are the rooms its instance serves (default: all), so the
+    pages of another decode instance's rooms must stay zero here."""
     out = _Collector(report)
+    rooms = plan.rooms if rooms is None else rooms
     ok = {o.index for o in outcomes if o.status == SUCCESS}
     checked = 0
-    for room in plan.rooms:
+    for room in rooms:
         if room.index in ok:
             checked += _check_kv(pool, room, out)
             checked += _check_rows(pool, room, out)
-    _check_untouched(pool, plan, out)
+    _check_untouched(pool, plan, rooms, out)
     report.checked_bytes = checked
     report.verified = True
 

@@ -30,13 +30,15 @@ from sglang_mori.testing.pd_harness_results import RankReport
 LINGER_S = 600.0
 
 
-def worker_main(role: str, rank: int, cfg: HarnessConfig, model_dir: str, bootstrap_port: int, conn) -> None:
+def worker_main(
+    role: str, rank: int, cfg: HarnessConfig, model_dir: str, bootstrap_port: int, conn, instance: int = 0
+) -> None:
     code = 0
     try:
         if role == "bootstrap":
             _run_bootstrap(cfg, model_dir, bootstrap_port, conn)
         else:
-            _run_rank(role, rank, cfg, model_dir, bootstrap_port, conn)
+            _run_rank(role, rank, cfg, model_dir, bootstrap_port, conn, instance)
     except BaseException:
         code = 1
         try:
@@ -134,14 +136,14 @@ def _run_bootstrap(cfg: HarnessConfig, model_dir: str, port: int, conn) -> None:
     _serve_until_stop(conn, time.monotonic() + cfg.startup_timeout_s + cfg.transfer_timeout_s + LINGER_S)
 
 
-def _run_rank(side: str, rank: int, cfg: HarnessConfig, model_dir: str, port: int, conn) -> None:
+def _run_rank(side: str, rank: int, cfg: HarnessConfig, model_dir: str, port: int, conn, instance: int) -> None:
     from sglang_mori.testing.pd_harness_sglang import kv_classes, setup_process
 
     server_args = setup_process(cfg, model_dir, side, rank, port)
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
     from sglang_mori.testing.pd_harness_decode import run_decode_rooms
-    from sglang_mori.testing.pd_harness_plan import build_plan
+    from sglang_mori.testing.pd_harness_plan import build_plan, rooms_of_instance
     from sglang_mori.testing.pd_harness_pool import RankPool
     from sglang_mori.testing.pd_harness_prefill import run_prefill_rooms
     from sglang_mori.testing.pd_harness_verify import late_writes, verify_decode
@@ -180,7 +182,8 @@ def _run_rank(side: str, rank: int, cfg: HarnessConfig, model_dir: str, port: in
 
     deadline = t0 + cfg.transfer_timeout_s
     addr = f"{cfg.host}:{port}"
-    report = RankReport(side=side, rank=rank, pid=os.getpid())
+    report = RankReport(side=side, rank=rank, pid=os.getpid(), instance=instance)
+    mine = rooms_of_instance(plan, instance, cfg.decode_instances) if side == "decode" else plan.rooms
     progress = _Progress(conn)
     snapshots: dict = {}
     if side == "prefill":
@@ -189,13 +192,14 @@ def _run_rank(side: str, rank: int, cfg: HarnessConfig, model_dir: str, port: in
         )
     else:
         report.rooms = run_decode_rooms(
-            pool, plan, mgr, receiver_cls, addr, clock, deadline, progress, snapshots, may_open=gate.may_open
+            pool, plan, mgr, receiver_cls, addr, clock, deadline, progress, snapshots, may_open=gate.may_open,
+            rooms=mine,
         )
     progress.flush()
     done = [o.t_done for o in report.rooms if o.t_done is not None]
     report.t_last_done = max(done) if done else None
     if side == "decode" and cfg.verify:
-        verify_decode(pool, plan, report.rooms, report)
+        verify_decode(pool, plan, report.rooms, report, rooms=mine)
     conn.send(("report", report))
     # Stay up (manager threads keep serving) until the orchestrator has every report; then it may
     # ask decode to look again at the pages of released failed rooms.
