@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 from integration_support import config
 
-from sglang_mori.testing.pd_harness import KVLayout, RoomShape
+from sglang_mori.testing.pd_harness import AuxBufferSpec, KVLayout, RoomShape
 
 
 def test_mha_every_layer_aux_and_state_64_rooms_chunked(run_clean):
@@ -59,4 +59,22 @@ def test_many_rooms_through_a_sliding_window(run_clean):
         layout=KVLayout(num_layers=2, total_kv_heads=4, head_dim=16, page_size=1),
         shape=RoomShape(min_tokens=1, max_tokens=48, chunks=2),
     )
+    run_clean(cfg)
+
+
+AUX3 = (AuxBufferSpec("int32", 16), AuxBufferSpec("float32", 16), AuxBufferSpec("int64", 8))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="planning/compatibility.py refuses a decode whose aux buffer list differs from prefill's "
+    "(aux_item_lens equality), failing every request; SGLang pairs aux buffers by position and "
+    "moves the leading ones (CommonKVManager.check_peer_aux_buffer_count, Mooncake send_aux)",
+)
+@pytest.mark.parametrize("decode_aux", [AUX3[:2], AUX3 + (AuxBufferSpec("int64", 8),)], ids=["fewer", "more"])
+def test_aux_buffer_count_differs_between_engines(run_clean, decode_aux):
+    # An optional metadata buffer enabled on one engine only (--disaggregation-enable-kv-checksum,
+    # SGLANG_ENABLE_DISAGG_SAMPLING_MASK, the DSA top-k buffer) is appended last, so the leading
+    # buffers still pair up; SGLang logs the mismatch and serves. The Mooncake reference passes.
+    cfg = config(rooms=16, layout=KVLayout(aux=AUX3), decode_aux=decode_aux)
     run_clean(cfg)

@@ -85,6 +85,10 @@ class HarnessConfig:
     layout: KVLayout = field(default_factory=KVLayout)
     prefill_tp: int = 1
     decode_tp: int = 1
+    # Decode's metadata buffers when they differ from layout.aux (an optional buffer enabled on one
+    # engine only, e.g. --disaggregation-enable-kv-checksum). SGLang pairs aux buffers by
+    # position and moves the leading min(prefill, decode) of them.
+    decode_aux: Optional[Tuple[AuxBufferSpec, ...]] = None
     # Independent decode servers (1P-nD), each with decode_tp ranks and its own pools; room i
     # goes to decode instance i % decode_instances.
     decode_instances: int = 1

@@ -45,7 +45,8 @@ class RankPool:
             v = [torch.zeros(shape, dtype=dtype) for _ in range(lay.num_layers)]
             self.kv = k + v
         aux_slots = plan.prefill_aux_slots if side == "prefill" else plan.decode_aux_slots
-        self.aux = [torch.zeros((aux_slots, s.width), dtype=_torch_dtype(s.dtype)) for s in lay.aux]
+        specs = lay.aux if side == "prefill" or cfg.decode_aux is None else cfg.decode_aux
+        self.aux = [torch.zeros((aux_slots, s.width), dtype=_torch_dtype(s.dtype)) for s in specs]
         st_slots = plan.prefill_state_slots if side == "prefill" else plan.decode_state_slots
         self.state = [torch.zeros((st_slots, n), dtype=torch.uint8) for n in lay.state_item_bytes]
 
