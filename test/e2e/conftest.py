@@ -14,8 +14,6 @@ session's tmp dir (path printed in the report).
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from typing import List
 
 import pytest
@@ -23,6 +21,7 @@ import pytest
 from sglang_mori.testing import launch
 from sglang_mori.testing.deployment import Deployment, PDDeployment, Standalone
 from sglang_mori.testing.failure_env import FAILURE_ENV
+from sglang_mori.testing.plugin_check import plugin_serves_mori
 from sglang_mori.testing.tiny_model import build_tiny_model
 
 BACKEND = os.environ.get("SGLANG_MORI_E2E_BACKEND", "mori")
@@ -49,31 +48,17 @@ def pytest_runtest_makereport(item, call):
         report.sections.append(("server logs (tail)", logs))
 
 
-def _check_plugin_serves_mori() -> None:
-    """`mori` must resolve to our classes; otherwise SGLang's own backend (no `mori` module) runs."""
-    code = (
-        "from sglang.srt.plugins import load_plugins; load_plugins();"
-        "from sglang.srt.disaggregation.utils import get_kv_class, TransferBackend, KVClassType;"
-        "c = get_kv_class(TransferBackend.MORI, KVClassType.MANAGER); print(c.__module__)"
-    )
-    env = launch.base_env(None)
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
-    module = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
-    if proc.returncode != 0 or not module.startswith("sglang_mori"):
-        pytest.fail(
-            "SGLANG_MORI_E2E_BACKEND=mori but the sglang_mori plugin does not serve "
-            f"TransferBackend.MORI (got {module or 'an error'}):\n{proc.stderr[-3000:]}\n"
-            "Set SGLANG_MORI_E2E_BACKEND=mooncake_tcp to run the harness over Mooncake/TCP.",
-            pytrace=False,
-        )
-
-
 @pytest.fixture(scope="session")
 def e2e_backend() -> str:
     if BACKEND not in ("mori", "mooncake_tcp"):
         pytest.fail(f"SGLANG_MORI_E2E_BACKEND={BACKEND!r}: use mori or mooncake_tcp", pytrace=False)
     if BACKEND == "mori":
-        _check_plugin_serves_mori()
+        # Otherwise SGLang's own mori backend would run and fail on the missing `mori` module.
+        ok, detail = plugin_serves_mori()
+        if not ok:
+            pytest.fail("SGLANG_MORI_E2E_BACKEND=mori but the sglang_mori plugin does not serve "
+                        f"TransferBackend.MORI:\n{detail}\nSet SGLANG_MORI_E2E_BACKEND=mooncake_tcp "
+                        "to run the harness over Mooncake/TCP.", pytrace=False)
     return BACKEND
 
 
@@ -92,7 +77,7 @@ def deployments(e2e_backend, server_options, tmp_path_factory):
     """Start the standalone server and the PD deployment together; stop both at session end."""
     log_dir = tmp_path_factory.mktemp("e2e-logs")
     ports: set = set()
-    standalone = Standalone(server_options, log_dir, ports)
+    standalone = Standalone(server_options, log_dir, ports, sleep_on_idle=True)
     pd = PDDeployment(server_options, e2e_backend, log_dir, ports, env=FAILURE_ENV)
     _ACTIVE.extend([standalone, pd])
     try:

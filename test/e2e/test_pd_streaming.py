@@ -21,9 +21,9 @@ def test_generate_stream_matches_standalone(standalone, pd, prompt):
     assert ref.ok, ref.error
     assert streamed.ok, f"{streamed.status} {streamed.error}"
     assert streamed.output_ids == ref.output_ids
-    # Tokens arrive incrementally, not as one final blob.
-    assert streamed.chunks >= 10, streamed.chunks
-    assert streamed.ttft_s is not None and len(streamed.itl_s) >= 9
+    # Tokens arrive incrementally, not as one final blob (a busy server may merge a few per chunk).
+    assert streamed.chunks >= 3, streamed.chunks
+    assert streamed.ttft_s is not None and len(streamed.itl_s) == len(streamed.output_ids) - 1
     assert streamed.finish_type == "length"
 
 

@@ -33,7 +33,7 @@ class Generation:
     error: str = ""
     e2e_s: float = 0.0
     ttft_s: Optional[float] = None  # streaming only: request sent -> first token chunk
-    itl_s: List[float] = field(default_factory=list)  # streaming only: gaps between token chunks
+    itl_s: List[float] = field(default_factory=list)  # streaming only: one gap per token after the first
     chunks: int = 0
 
     @property
@@ -64,7 +64,9 @@ def generate(url: str, text: str, max_new_tokens: int, timeout_s: float = 120.0,
 
 def _sse_events(resp: requests.Response) -> Iterator[str]:
     """The data payloads of a server-sent-event stream, as SGLang and the router send them."""
-    for line in resp.iter_lines(decode_unicode=False):
+    # chunk_size=None: hand over each piece as it arrives. With a fixed size, requests blocks until
+    # that many bytes are buffered, which groups several tokens and falsifies TTFT and ITL.
+    for line in resp.iter_lines(chunk_size=None, decode_unicode=False):
         if line.startswith(b"data:"):
             yield line[5:].strip().decode("utf-8", errors="replace")
 
@@ -91,11 +93,15 @@ def generate_stream(url: str, text: str, max_new_tokens: int, timeout_s: float =
                     break
                 now = time.monotonic()
                 ids = chunk.get("output_ids", [])
-                if len(ids) > len(result.output_ids):
+                new_tokens = len(ids) - len(result.output_ids)
+                if new_tokens > 0:
+                    # A server that falls behind sends several tokens in one chunk (outputs are
+                    # cumulative): spread the gap over them, so mean(itl_s) = (last - first) / (n - 1).
                     if last_token_t is None:
                         result.ttft_s = now - start
+                        result.itl_s.extend([0.0] * (new_tokens - 1))
                     else:
-                        result.itl_s.append(now - last_token_t)
+                        result.itl_s.extend([(now - last_token_t) / new_tokens] * new_tokens)
                     last_token_t = now
                 result.output_ids = ids
                 result.text = chunk.get("text", result.text)

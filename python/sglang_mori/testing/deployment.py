@@ -67,16 +67,21 @@ class Standalone(Deployment):
     """One ordinary (non-disaggregated) SGLang server: the reference for PD outputs."""
 
     def __init__(self, opts: launch.ServerOptions, log_dir: Path, ports: Optional[set] = None,
-                 name: str = "standalone"):
+                 name: str = "standalone", sleep_on_idle: bool = False):
         super().__init__(log_dir)
         self.opts = opts
         self.name = name
+        # An idle SGLang scheduler spins on a full core. The reference server may sleep in a zmq
+        # poll instead (a new request wakes it at once), leaving the 2-core host to the PD servers
+        # under test. Not for PD servers: their idle check ignores KV transfers in progress.
+        self.sleep_on_idle = sleep_on_idle
         (self.port,) = launch.pick_free_ports(1, ports)
         self.url = f"http://{launch.HOST}:{self.port}"
 
     def start(self) -> "Standalone":
         env = launch.base_env(None, self.opts.extra_env)
-        self._spawn(self.name, launch.standalone_argv(self.opts, self.port), env)
+        argv = launch.standalone_argv(self.opts, self.port)
+        self._spawn(self.name, argv + (["--sleep-on-idle"] if self.sleep_on_idle else []), env)
         return self
 
     def wait_ready(self, deadline_s: float = 300.0, progress: Progress = None) -> None:

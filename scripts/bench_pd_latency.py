@@ -1,0 +1,205 @@
+#!/usr/bin/env python3
+"""TTFT and inter-token latency over the SGLang router, PD backends against a standalone server.
+
+One run measures, one configuration at a time (only one deployment alive, so they do not compete
+for the 2 cores):
+  mori          our backend through the plugin, softio engine (SGLANG_MORI_ENGINE=soft)
+  mori_builtin  SGLang 0.5.23's own mori backend, on softio through the mori shim (PYTHONPATH)
+  mooncake_tcp  SGLang's Mooncake backend over TCP (needs libibverbs.so.1 installed)
+  standalone    one ordinary server, no disaggregation: the baseline of the ratios
+
+Each PD configuration is prefill + decode + router with the tiny local model; every request is
+greedy, streamed, with ignore_eos so that all configurations generate the same number of tokens.
+Two phases on the same prompts: `seq` (one request at a time: pure latency) and `batch` (all at
+once up to --concurrency). Prints a markdown table with ratios to standalone, and checks that every
+configuration produced the standalone server's tokens.
+
+    .venv/bin/python scripts/bench_pd_latency.py [--configs mori,mooncake_tcp,...] [--prompts 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "python"))
+
+from sglang_mori.testing import client, launch  # noqa: E402
+from sglang_mori.testing.deployment import PDDeployment, Standalone  # noqa: E402
+from sglang_mori.testing.plugin_check import plugin_serves_mori  # noqa: E402
+from sglang_mori.testing.prompts import varied_prompts  # noqa: E402
+from sglang_mori.testing.tiny_model import build_tiny_model  # noqa: E402
+from sglang_mori.testing.transfer_stats import TransferProbe  # noqa: E402
+
+CONFIGS = ["mori", "mori_builtin", "mooncake_tcp", "standalone"]
+
+
+@dataclass
+class PhaseResult:
+    ttft: List[float] = field(default_factory=list)
+    itl: List[float] = field(default_factory=list)  # every token gap of every request
+    outputs: List[List[int]] = field(default_factory=list)
+    wall_s: float = 0.0
+    errors: int = 0
+
+
+@dataclass
+class ConfigResult:
+    name: str
+    phases: Dict[str, PhaseResult] = field(default_factory=dict)
+    kv_bytes_per_req: Optional[float] = None
+    kv_ms_per_req: Optional[float] = None
+    startup_s: float = 0.0
+    unavailable: str = ""
+
+
+def pct(values: List[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def mean(values: List[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def run_phase(url: str, prompts: List[str], max_new_tokens: int, concurrency: int) -> PhaseResult:
+    start = time.monotonic()
+    gens = client.generate_many(url, prompts, max_new_tokens, concurrency=concurrency, stream=True,
+                                ignore_eos=True)
+    result = PhaseResult(wall_s=time.monotonic() - start)
+    for g in gens:
+        if not g.ok or g.ttft_s is None:
+            result.errors += 1
+            result.outputs.append([])
+            continue
+        result.ttft.append(g.ttft_s)
+        result.itl.extend(g.itl_s)
+        result.outputs.append(g.output_ids)
+    return result
+
+
+def unavailable_reason(name: str) -> str:
+    if name == "mori":
+        ok, detail = plugin_serves_mori()
+        return "" if ok else f"plugin does not serve mori: {detail.splitlines()[-1] if detail else '?'}"
+    if name == "mori_builtin" and not (launch.MORI_SHIM / "mori").is_dir():
+        return f"mori shim missing at {launch.MORI_SHIM}"
+    return ""
+
+
+def bench_config(name: str, model: Path, work: Path, args) -> ConfigResult:
+    result = ConfigResult(name)
+    result.unavailable = unavailable_reason(name)
+    if result.unavailable:
+        return result
+    # --enable-metrics everywhere (same overhead for all); the prefill's counters give KV bytes.
+    opts = launch.ServerOptions(model_dir=model, chunked_prefill_size=args.chunked_prefill_size,
+                                extra_args=["--enable-metrics"])
+    log_dir = work / f"logs-{name}"
+    dep = Standalone(opts, log_dir) if name == "standalone" else PDDeployment(opts, name, log_dir)
+    url = dep.url if name == "standalone" else dep.router_url
+    prompts = varied_prompts(args.prompts, seed=11)
+    t0 = time.monotonic()
+    try:
+        dep.start()
+        dep.wait_ready(300)
+        result.startup_s = time.monotonic() - t0
+        print(f"  {name}: up in {result.startup_s:.0f} s; warm-up ...", flush=True)
+        run_phase(url, varied_prompts(4, seed=3), 8, concurrency=1)
+        probe = TransferProbe(dep.prefill_url) if name != "standalone" else None
+        if probe:
+            probe.before()
+        result.phases["seq"] = run_phase(url, prompts, args.max_new_tokens, concurrency=1)
+        kv = probe.after() if probe else None
+        if kv:
+            result.kv_bytes_per_req = kv.nbytes / len(prompts)
+            result.kv_ms_per_req = kv.seconds * 1000 / len(prompts)
+        result.phases["batch"] = run_phase(url, prompts, args.max_new_tokens, concurrency=args.concurrency)
+        print(f"  {name}: done", flush=True)
+    except Exception as exc:  # one broken configuration must not hide the others' numbers
+        result.unavailable = f"failed: {str(exc).splitlines()[0][:200]} (logs: {log_dir})"
+    finally:
+        dep.stop()
+    return result
+
+
+def table(results: List[ConfigResult], args) -> str:
+    base = {r.name: r for r in results}.get("standalone")
+    lines = [
+        f"{args.prompts} prompts of 10-600 tokens, {args.max_new_tokens} new tokens each (greedy, "
+        f"ignore_eos, streamed), chunked prefill {args.chunked_prefill_size}; `seq`: one at a time, "
+        f"`batch`: {args.concurrency} concurrent. Times in ms; x = ratio to standalone.",
+        "",
+        "| config | phase | TTFT p50 | TTFT p90 | ITL mean | ITL p90 | wall s | TTFT p50 x | ITL mean x "
+        "| KV KiB/req | transfer ms/req | errors | tokens = standalone |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        if r.unavailable:
+            lines.append(f"| {r.name} | - | {r.unavailable} |||||||||||")
+            continue
+        for phase, p in r.phases.items():
+            ref = base.phases.get(phase) if base and not base.unavailable else None
+            ratio_ttft = f"{pct(p.ttft, .5) / pct(ref.ttft, .5):.2f}" if ref else "-"
+            ratio_itl = f"{mean(p.itl) / mean(ref.itl):.2f}" if ref else "-"
+            same = "-" if not ref else ("yes" if p.outputs == ref.outputs else "NO")
+            kv = f"{r.kv_bytes_per_req / 1024:.1f}" if r.kv_bytes_per_req is not None and phase == "seq" else "-"
+            kv_ms = f"{r.kv_ms_per_req:.2f}" if r.kv_ms_per_req is not None and phase == "seq" else "-"
+            lines.append(
+                f"| {r.name} | {phase} | {pct(p.ttft, .5) * 1000:.1f} | {pct(p.ttft, .9) * 1000:.1f} "
+                f"| {mean(p.itl) * 1000:.2f} | {pct(p.itl, .9) * 1000:.2f} | {p.wall_s:.1f} "
+                f"| {ratio_ttft} | {ratio_itl} | {kv} | {kv_ms} | {p.errors} | {same} |")
+    return "\n".join(lines)
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {CONFIGS}")
+    p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--chunked-prefill-size", type=int, default=64)
+    p.add_argument("--markdown", type=Path, help="also write the table to this file")
+    p.add_argument("--no-netns", action="store_true")
+    return p.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    if not args.no_netns and os.environ.get("SGLANG_MORI_IN_NETNS") != "1":
+        os.execv("/bin/bash", ["bash", str(REPO / "scripts" / "in_private_netns.sh"), sys.executable, *sys.argv])
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = set(configs) - set(CONFIGS)
+    if unknown:
+        sys.exit(f"unknown configs {sorted(unknown)}; choose from {CONFIGS}")
+    work = Path(tempfile.mkdtemp(prefix="sglang-mori-bench-"))
+    model = build_tiny_model(work / "tiny-llama")
+    print(f"bench_pd_latency: {configs}; work dir {work}", flush=True)
+    results = []
+    try:
+        for name in configs:
+            results.append(bench_config(name, model, work, args))
+    except KeyboardInterrupt:
+        print("interrupted")
+    text = table(results, args)
+    print("\n" + text)
+    if args.markdown:
+        args.markdown.write_text(text + "\n")
+    failed = [r for r in results if r.unavailable]
+    if not failed:
+        shutil.rmtree(work, ignore_errors=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
