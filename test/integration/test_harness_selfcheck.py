@@ -187,3 +187,24 @@ def test_recheck_catches_a_write_after_release():
     dst.kv[1][plan.rooms[3].decode_pages[-1] * cfg.layout.page_size] += 1  # lands after release
     dst.state[0][plan.rooms[2].decode_state] ^= 0xFF
     assert sorted(late_writes(dst, plan, snaps)) == [2, 3]
+
+
+def test_decode_prefix_pages_must_stay_untouched():
+    cfg = _cfg(layout=KVLayout(page_size=4, state_item_bytes=()), rooms=6, decode_prefix=((1, 2), (4, 99)))
+    plan = build_plan(cfg)
+    assert plan.rooms[1].prefix_pages == 2 and plan.rooms[4].prefix_pages == plan.rooms[4].num_pages - 1
+    assert plan.rooms[1].chunks[0][0] == 2, "chunks start after the cached prefix"
+    src = RankPool(cfg, plan, "prefill", 0)
+    src.fill_prefill()
+    dst = RankPool(cfg, plan, "decode", 0)
+    for room in plan.rooms:  # a correct backend copies only the pages after the prefix
+        for s, d in zip(src.kv, dst.kv):
+            for p, q in zip(room.prefill_pages[room.prefix_pages :], room.decode_pages[room.prefix_pages :]):
+                d[q * 4 : (q + 1) * 4] = s[p * 4 : (p + 1) * 4]
+        for s, d in zip(src.aux, dst.aux):
+            d[room.decode_aux] = s[room.prefill_aux]
+    outcomes = [RoomOutcome(index=r.index, room=r.room, status=SUCCESS) for r in plan.rooms]
+    assert _verify(plan, dst, outcomes).mismatch_count == 0
+    q = plan.rooms[1].decode_pages[0]  # ... but one that also overwrites decode's cached prefix
+    dst.kv[0][q * 4] = src.kv[0][plan.rooms[1].prefill_pages[0] * 4]
+    assert "unassigned pages were written" in "\n".join(_verify(plan, dst, outcomes).mismatches)

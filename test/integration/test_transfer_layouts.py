@@ -78,3 +78,16 @@ def test_aux_buffer_count_differs_between_engines(run_clean, decode_aux):
     # buffers still pair up; SGLang logs the mismatch and serves. The Mooncake reference passes.
     cfg = config(rooms=16, layout=KVLayout(aux=AUX3), decode_aux=decode_aux)
     run_clean(cfg)
+
+
+def test_decode_prefix_cache_hits(run_clean):
+    # Decode already holds the first pages of some rooms (its radix cache): it publishes only the
+    # rest with decode_prefix_len, prefill must learn that length (pop_decode_prefix_len) and send
+    # only the remaining pages, and the cached pages on decode must not be written.
+    cfg = config(
+        rooms=64,
+        layout=KVLayout(num_layers=2, total_kv_heads=4, head_dim=16, page_size=16, state_item_bytes=(32,)),
+        shape=RoomShape(min_tokens=17, max_tokens=160, chunks=2),
+        decode_prefix=tuple((i, 1 + i % 4) for i in range(0, 64, 3)),
+    )
+    run_clean(cfg)

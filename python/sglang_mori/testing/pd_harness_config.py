@@ -89,6 +89,10 @@ class HarnessConfig:
     # engine only, e.g. --disaggregation-enable-kv-checksum). SGLang pairs aux buffers by
     # position and moves the leading min(prefill, decode) of them.
     decode_aux: Optional[Tuple[AuxBufferSpec, ...]] = None
+    # Decode prefix-cache hits: (plan index, pages) -- decode already holds the first pages of
+    # that room, sends metadata for the rest with decode_prefix_len, and prefill sends only the
+    # rest (SGLang's decode_prefix_len path). At least the last page is always sent.
+    decode_prefix: Tuple[Tuple[int, int], ...] = ()
     # Independent decode servers (1P-nD), each with decode_tp ranks and its own pools; room i
     # goes to decode instance i % decode_instances.
     decode_instances: int = 1
@@ -160,6 +164,8 @@ class HarnessConfig:
             # SGLang reslices Mamba state across TP only with per-tensor dim metadata; the harness
             # keeps state to the equal-TP case where each rank's state goes to the same rank.
             raise ValueError("state buffers need prefill_tp == decode_tp")
+        if any(not 0 <= i < self.rooms or n < 0 for i, n in self.decode_prefix):
+            raise ValueError("decode_prefix must name rooms of the plan with a page count >= 0")
         if self.decode_instances < 1:
             raise ValueError("decode_instances must be >= 1")
         if self.rooms < 1:

@@ -131,7 +131,7 @@ def run_decode_rooms(
             if poll == WAITING_FOR_INPUT:
                 st.outcome.t_ready = clock()
                 room = st.plan
-                pages = room.decode_pages
+                pages = room.decode_pages[room.prefix_pages :]  # after decode's cached prefix
                 if room.index in bad_pages:  # a page past the end of the pool
                     pages = pages.copy()
                     pages[-1] = plan.decode_pool_pages + 7
@@ -139,7 +139,7 @@ def run_decode_rooms(
                     pages,
                     room.decode_aux,
                     pool.state_indices(room.decode_state),
-                    decode_prefix_len=0,
+                    decode_prefix_len=room.prefix_pages * pool.cfg.layout.page_size,
                 )
                 st.outcome.t_sent = clock()
                 st.phase = "transfer"

@@ -34,6 +34,8 @@ class RoomPlan:
     decode_aux: int
     prefill_state: int
     decode_state: int
+    # Leading pages decode already holds (prefix cache): never sent, never written on decode.
+    prefix_pages: int = 0
 
     @property
     def num_pages(self) -> int:
@@ -73,9 +75,9 @@ def _runs_in_random_order(rng: np.random.Generator, num_pages: int) -> np.ndarra
     return np.concatenate([runs[i] for i in order]) if runs else pages
 
 
-def _chunks(num_pages: int, chunks: int) -> Tuple[Tuple[int, int], ...]:
-    n = max(1, min(chunks, num_pages))
-    bounds = np.linspace(0, num_pages, n + 1).round().astype(int)
+def _chunks(num_pages: int, chunks: int, first: int = 0) -> Tuple[Tuple[int, int], ...]:
+    n = max(1, min(chunks, num_pages - first))
+    bounds = np.linspace(first, num_pages, n + 1).round().astype(int)
     return tuple((int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:]))
 
 
@@ -102,8 +104,10 @@ def build_plan(cfg: HarnessConfig) -> Plan:
     for a, b in cfg.duplicate_rooms:  # a client reusing a bootstrap_room (reliability tests)
         room_ids[b] = room_ids[a]
 
+    prefix = dict(cfg.decode_prefix)
     rooms, pos = [], 0
     for i, n in enumerate(pages_per_room):
+        cached = min(prefix.get(i, 0), n - 1)
         rooms.append(
             RoomPlan(
                 index=i,
@@ -111,11 +115,12 @@ def build_plan(cfg: HarnessConfig) -> Plan:
                 tokens=int(tokens[i]),
                 prefill_pages=prefill_seq[pos : pos + n].copy(),
                 decode_pages=decode_seq[pos : pos + n].copy(),
-                chunks=_chunks(n, shape.chunks),
+                chunks=_chunks(n, shape.chunks, cached),
                 prefill_aux=int(p_aux[i]),
                 decode_aux=int(d_aux[i]),
                 prefill_state=int(p_state[i]),
                 decode_state=int(d_state[i]),
+                prefix_pages=cached,
             )
         )
         pos += n

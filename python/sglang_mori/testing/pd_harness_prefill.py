@@ -108,8 +108,15 @@ def run_prefill_rooms(
             st.outcome.last_poll = int(poll)
             if poll == WAITING_FOR_INPUT:
                 st.outcome.t_ready = clock()
-                st.sender.pop_decode_prefix_len()  # no prefix cache here: always 0 pages skipped
-                st.sender.init(st.plan.num_pages, st.plan.prefill_aux)
+                room = st.plan
+                # Tokens decode already holds (its prefix cache), as decode sent them.
+                prefix_len = st.sender.pop_decode_prefix_len()
+                if prefix_len != room.prefix_pages * ps:
+                    st.outcome.failure = (
+                        f"harness: pop_decode_prefix_len() returned {prefix_len}, decode sent "
+                        f"{room.prefix_pages * ps}"
+                    )
+                st.sender.init(-(-(room.tokens - prefix_len) // ps), room.prefill_aux)
                 st.phase = "sending"
                 return True
             if poll == FAILED:

@@ -35,7 +35,8 @@ class _Collector:
 
 
 def _token_slots(room: RoomPlan, ps: int, pages: np.ndarray, upto: int) -> np.ndarray:
-    t = np.arange(upto)
+    """Pool slots of the room's tokens [prefix, upto) (decode's cached prefix is not sent)."""
+    t = np.arange(room.prefix_pages * ps, upto)
     return pages[t // ps].astype(np.int64) * ps + t % ps
 
 
@@ -44,23 +45,26 @@ def _check_kv(pool: RankPool, room: RoomPlan, out: _Collector) -> int:
     full = room.num_pages * ps
     p_slots = _token_slots(room, ps, room.prefill_pages, full)
     d_slots = _token_slots(room, ps, room.decode_pages, full)
+    first = room.prefix_pages * ps  # token number of row 0 below
+    valid = room.tokens - first
     heads = pool.global_heads()
     checked = 0
     for entry, t in enumerate(pool.kv):
         view = pool.byte_view(t)
         expected = pat.pattern(pool.kv_key(entry), p_slots, heads, view.shape[2])
         actual = view[d_slots]
-        valid_ok = (actual[: room.tokens] == expected[: room.tokens]).all(axis=(1, 2))
-        tail_act, tail_exp = actual[room.tokens :], expected[room.tokens :]
+        valid_ok = (actual[:valid] == expected[:valid]).all(axis=(1, 2))
+        tail_act, tail_exp = actual[valid:], expected[valid:]
         tail_ok = (tail_act == tail_exp).all(axis=(1, 2)) | (tail_act == 0).all(axis=(1, 2))
         checked += actual.nbytes
         if not valid_ok.all():
-            tok = int(np.flatnonzero(~valid_ok)[0])
-            row = actual[tok]
+            row_i = int(np.flatnonzero(~valid_ok)[0])
+            tok = first + row_i
+            row = actual[row_i]
             what = "zeros (never written)" if not row.any() else _whose(pool, entry, row, p_slots, heads)
             out.bad(
                 f"room#{room.index} kv entry {entry} token {tok}/{room.tokens} "
-                f"(decode slot {d_slots[tok]}, prefill slot {p_slots[tok]}): {(~valid_ok).sum()} "
+                f"(decode slot {d_slots[row_i]}, prefill slot {p_slots[row_i]}): {(~valid_ok).sum()} "
                 f"bad tokens; first holds {what}"
             )
         if not tail_ok.all():
@@ -102,7 +106,7 @@ def _check_untouched(pool: RankPool, plan: Plan, rooms: Sequence[RoomPlan], out:
     ps = pool.cfg.layout.page_size
     used_pages = np.zeros(plan.decode_pool_pages, dtype=bool)
     for room in rooms:
-        used_pages[room.decode_pages] = True
+        used_pages[room.decode_pages[room.prefix_pages :]] = True  # cached prefix pages stay zero
     free_slots = np.flatnonzero(np.repeat(~used_pages, ps))
     for entry, t in enumerate(pool.kv):
         dirty = np.flatnonzero(pool.byte_view(t)[free_slots].any(axis=(1, 2)))
