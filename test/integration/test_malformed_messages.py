@@ -5,7 +5,9 @@ a genuine decode registration. None of it names a room of the run, so every room
 complete byte-exact and every process must still answer at the end.
 
 The flood goes out twice: before "go" (queued in front of the real handshake) and on a thread
-while the rooms transfer. Counts and sizes are bounded; so is the time spent.
+while the rooms transfer. Counts and sizes are bounded; so is the time spent. Through the harness
+control channel the test then reads the prefill manager's rejection counters, to prove the flood
+was actually read and rejected (not left unread in a socket), by kind.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import zmq
 from integration_support import config
 from sglang_mori import protocol
 from sglang_mori.testing.pd_harness import KVLayout, ReadyInfo, RoomShape
+from sglang_mori.testing.pd_harness_control import controls, wait_until
 from sglang_mori.testing.pd_harness_plan import build_plan
 
 FLOOD_ROUNDS = 4
@@ -52,6 +55,7 @@ def hostile_messages(rng: random.Random, rooms: list, registration) -> list:
         [protocol.MAGIC, _msgpack([1, 2, 3])],
         [protocol.MAGIC, b"\x91" * 5000 + b"\x01"],  # deeply nested arrays
         [protocol.MAGIC, _msgpack({"kind": "metadata", "version": 99, "room": r()})],  # other version
+        protocol.encode(msgspec.structs.replace(meta, version=2)),  # well-formed, newer protocol
         protocol.encode(msgspec.structs.replace(meta, room=-5)),  # negative room
         protocol.encode(msgspec.structs.replace(meta, kv_indices=b"\x01\x00\x00")),  # index bytes cut
         protocol.encode(meta),  # metadata from an engine that never registered
@@ -110,16 +114,38 @@ class Fuzzer:
 
 def test_prefill_survives_hostile_control_messages(run_clean):
     cfg = config(
+        control=True,
         rooms=96,
         max_inflight=24,  # a sliding window stretches the run so the second flood overlaps it
         layout=KVLayout(page_size=4, state_item_bytes=(32,)),
         shape=RoomShape(min_tokens=8, max_tokens=64, chunks=2),
     )
     fuzz = Fuzzer(cfg, seed=99)
-    result = run_clean(
-        cfg,
-        on_ready=lambda info: fuzz.flood(info, FLOOD_ROUNDS),
-        during=lambda info: fuzz.flood(info, FLOOD_ROUNDS, until=time.monotonic() + DURING_S),
-    )
-    assert fuzz.sent >= FLOOD_ROUNDS * 25, fuzz.sent
+    seen: dict = {}
+
+    def during(info: ReadyInfo) -> None:
+        fuzz.flood(info, FLOOD_ROUNDS, until=time.monotonic() + DURING_S)
+        prefill = controls(info, ["prefill0"])["prefill0"]
+        # Every message the flood could not have had accepted is counted as rejected once read:
+        # at least the garbage, truncated, unknown-kind, wrong-type, wrong-version and wrong-
+        # direction ones (17 per round), over both floods.
+        wait_until(lambda: sum(prefill.protocol_rejections().values()) >= 2 * 17 * FLOOD_ROUNDS, 30.0,
+                   "the prefill manager to read and reject the flood")  # fmt: skip
+        seen.update(prefill.protocol_rejections())
+        # Once every room is done, nothing of the real traffic may be left in flight. (Forged
+        # metadata for rooms that never come leaves request_status/transfer_infos entries, as
+        # SGLang's Common manager does for any metadata that arrives before its request; those
+        # are reported, not judged.)
+        assert info.wait_progress("prefill0", "done", cfg.rooms, 60.0), info.progress
+        drained = ("tracker", "inflight", "queued_chunks")
+        seen["leftovers"] = wait_until(
+            lambda: (lambda t: t if not any(t.get(k) for k in drained) else None)(prefill.leftovers()),
+            30.0, "the prefill's transfer tables to drain",
+        )  # fmt: skip
+        prefill.close()
+
+    result = run_clean(cfg, on_ready=lambda info: fuzz.flood(info, FLOOD_ROUNDS), during=during)
+    assert fuzz.sent >= 2 * FLOOD_ROUNDS * 25, fuzz.sent
     assert result.ready.decode_registrations[0], "mori decode exposes its registration for replay"
+    assert {"malformed", "foreign", "version"} <= set(seen), seen
+    print("prefill rejections and leftovers after the flood:", seen)
