@@ -252,12 +252,15 @@ class PrefillService:
                 return
             target = AckTarget(msg.decode_ip, msg.decode_port, msg.generation)
             rt = self.tracker.get(room)
-            if rt is not None and rt.poisoned:
-                return
-            if rt is None or not rt.unfinished():
+            if (rt is not None and rt.poisoned) or room in mgr._deferred_ack_poisoned_rooms:
+                return  # a write may still land: decode falls back to its release timeout
+            if rt is None:
                 mgr._send_abort_ack(room, target)
                 return
+            # The completion thread ACKs once the room's writes are proven drained (or poisons it).
             mgr.register_deferred_ack_target(room, target)
+            if self.tracker.get(room) is None:  # it drained while we registered
+                mgr._maybe_ack_drained_abort(room)
         self.tracker.notify()
 
     # --- submission ---------------------------------------------------------------------
@@ -411,6 +414,13 @@ class PrefillService:
             return
         self.tracker.remove(room)
         mgr._staging_outstanding.pop(room, None)
+        if not rt.poisoned and not rt.succeeded and not rt.drain_proven():
+            # Every status is terminal, but one failed after it may have posted writes that are
+            # still on the wire: nothing proves these pages are safe, so decode gets no ACK.
+            logger.warning("sglang-mori: room %s: a failed transfer may still have writes in flight; "
+                           "no abort ACK (decode releases at its own timeout)", room)
+            rt.poisoned = True
+            mgr.poison_deferred_ack_room(room)
         if not rt.poisoned:
             mgr._maybe_ack_drained_abort(room)
 
@@ -459,6 +469,7 @@ class PrefillService:
         if mgr.request_status.get(room) == KVPoll.Failed:
             return
         mgr.update_status(room, KVPoll.Success)
+        rt.succeeded = True
         for endpoint, _key, _dst_aux in rt.targets:
             mgr.send_message(
                 endpoint,

@@ -31,6 +31,7 @@ class RoomTransfer:
     started_at: float = field(default_factory=time.monotonic)
     # Set once draining has given up on proving quiescence (a write we cannot account for).
     poisoned: bool = False
+    succeeded: bool = False  # concluded with Success
 
     def add(self, handle: TransferHandle, deadline: float) -> None:
         self.handles.append(handle)
@@ -64,6 +65,10 @@ class RoomTransfer:
 
     def unfinished(self) -> list:
         return [h for h in self.handles if not h.quiescent()]
+
+    def drain_proven(self) -> bool:
+        """No write of this room can still land (see TransferHandle.drained)."""
+        return all(h.drained() for h in self.handles)
 
 
 class RoomTracker:

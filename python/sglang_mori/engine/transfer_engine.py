@@ -25,6 +25,9 @@ logger = logging.getLogger(__name__)
 
 SUCCESS, INIT, IN_PROGRESS = 0, 1, 2
 ERR_INVALID_ARGS, ERR_NOT_FOUND, ERR_RDMA_OP, ERR_BAD_STATE, ERR_GPU_OP = 11, 12, 13, 14, 15
+# Terminal codes after which no byte of the transfer can land: it succeeded, was never posted
+# (INIT), or was refused before posting (bad arguments, unknown memory/peer, no route).
+DRAINED_CODES = (SUCCESS, INIT, ERR_INVALID_ARGS, ERR_NOT_FOUND, ERR_BAD_STATE)
 
 
 class SubmitError(RuntimeError):
@@ -77,13 +80,23 @@ class TransferHandle:
         return IN_PROGRESS if running else SUCCESS
 
     def quiescent(self) -> bool:
-        """Every status ever issued is terminal, so no write from this handle can still land.
+        """Every status ever issued is terminal (none still running).
 
+        That proves no write can still land only when every status also succeeded: see drained().
         INIT counts as quiescent: a status left in INIT was never posted.
         """
         if self.unaccounted:
             return False
         return all(int(s.Code()) != IN_PROGRESS for s in self.issued)
+
+    def drained(self) -> bool:
+        """Quiescent, and no status failed after it may have posted writes: nothing can land.
+
+        A failed status is no such proof. MORI fails a transfer at its first error while its
+        post-batches on other QPs (or those posted before a failed post) are still on the wire
+        and land later; only failures raised before anything is posted count (DRAINED_CODES).
+        """
+        return self.quiescent() and all(int(s.Code()) in DRAINED_CODES for s in self.issued)
 
     def failure_message(self) -> str:
         for status in self.live:
