@@ -511,4 +511,7 @@ class PrefillService:
         for rt in self.tracker.snapshot():
             if not rt.concluded and any(k == key for _e, k, _a in rt.targets):
                 rt.conclude(time.monotonic())
-                self.mgr.fail_room(rt.room, reason, "peer_dead")
+                # Already failed (its decode was told) or already cleared by its sender: failing it
+                # again would count it twice, or leave a failure record nobody ever pops.
+                if self.mgr.request_status.get(rt.room) not in (None, KVPoll.Failed):
+                    self.mgr.fail_room(rt.room, reason, "peer_dead")
