@@ -92,7 +92,7 @@ def run_prefill_rooms(
 
     def abort(st: RoomState) -> None:
         st.sender.abort()  # the scheduler's abort of a request in its inflight queue
-        st.aborted = True
+        st.aborted = st.outcome.aborted = True
 
     def step_room(st: RoomState) -> bool:
         if (

@@ -43,6 +43,8 @@ class RoomOutcome:
     # release timeout) and when.
     release: Optional[str] = None
     t_released: Optional[float] = None
+    # Prefill: the harness called abort() on this room (cfg.prefill_abort) before it concluded.
+    aborted: bool = False
 
     @property
     def latency(self) -> Optional[float]:
