@@ -10,8 +10,20 @@ Processes: one bootstrap server, one per prefill TP rank, one per decode TP rank
 instance, cfg.decode_instances; room i goes to instance i % decode_instances). The orchestrator
 (the caller's process) never imports SGLang. Optional hooks let a test act on the running system:
 `on_ready(ReadyInfo)` runs after every worker is up and before "go"; `during(ReadyInfo)` runs on a
-thread while the rooms transfer. Every worker is stopped (by PID, escalating to SIGKILL) when the
-run ends, whatever happened.
+thread while the rooms transfer (ReadyInfo.progress / wait_progress follow the rooms). Every worker
+is stopped (by PID, escalating to SIGKILL) when the run ends, whatever happened.
+
+Modules: pd_harness_config (HarnessConfig, KVLayout, RoomShape, AuxBufferSpec), _plan (which
+pages/slots each room uses, from the seed), _pattern (the bytes), _pool (CPU tensors + KVArgs),
+_sglang (per-process SGLang set-up), _prefill / _decode / _loop (the scheduler call sequences),
+_verify (byte checks), _worker (process entry), _results (RoomOutcome, RankReport, HarnessResult),
+_control (optional control socket for reliability tests).
+
+Result: HarnessResult.ranks holds one RankReport per prefill/decode rank with a RoomOutcome per
+room (final KVPoll status or TIMED_OUT, failure text, t_open/t_ready/t_sent/t_done relative to
+"go", prefill's transfer bytes, decode's release of failed rooms); decode reports add the byte
+check (verified, checked_bytes, mismatch_count, mismatches, late_writes). Helpers:
+all_succeeded(n), byte_exact(), failures(), latencies(side), rooms_per_s(), summary().
 """
 
 from __future__ import annotations

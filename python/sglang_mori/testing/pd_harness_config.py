@@ -10,8 +10,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
 
-# torch dtype names we accept; the harness only moves bytes, so any fixed-width dtype works.
 BACKENDS = ("mori", "mooncake", "mori-builtin")
+# torch dtype names we accept; the harness only moves bytes, so any fixed-width dtype works.
 DTYPE_SIZES = {"bfloat16": 2, "float16": 2, "float32": 4, "int8": 1, "uint8": 1}
 AUX_DTYPE_SIZES = {"int32": 4, "float32": 4, "int64": 8}
 

@@ -19,7 +19,6 @@ polls; statuses can only converge later, never earlier) and the forward passes b
 
 from __future__ import annotations
 
-import time
 from typing import Callable, List
 
 import numpy as np
@@ -145,6 +144,3 @@ def run_prefill_rooms(
 
     return drive(plan.rooms, open_room, step_room, expire_room, cfg.max_inflight, deadline, on_pass, may_open)
 
-
-def now_since(t0: float) -> Callable[[], float]:
-    return lambda: time.monotonic() - t0
