@@ -147,7 +147,8 @@ class HarnessResult:
         for rep in self.ranks:
             for o in rep.rooms:
                 if o.status != SUCCESS:
-                    out.append(f"{rep.side}{rep.rank} room#{o.index}: {o.status_name}: {o.failure}")
+                    where = f"{rep.side}{rep.rank}{f'.i{rep.instance}' if rep.instance else ''}"
+                    out.append(f"{where} room#{o.index}: {o.status_name}: {o.failure}")
         return out
 
     def latencies(self, side: str) -> List[float]:
@@ -169,7 +170,7 @@ class HarnessResult:
             lat = [o.latency for o in rep.rooms if o.latency is not None]
             p50 = f"{statistics.median(lat) * 1e3:.1f}ms" if lat else "-"
             lines.append(
-                f"  {rep.side}{rep.rank} pid={rep.pid} {counts} p50={p50} "
+                f"  {rep.side}{rep.rank}{f'.i{rep.instance}' if rep.instance else ''} pid={rep.pid} {counts} p50={p50} "
                 f"checked={rep.checked_bytes}B mismatches={rep.mismatch_count}"
                 + (f" ERROR:\n{rep.error}" if rep.error else "")
             )
