@@ -91,6 +91,9 @@ class _Worker:
             target=worker_main,
             args=(role, rank, cfg, model_dir, port, child, instance),
             name=f"pd-harness-{name}",
+            # Also reaped by multiprocessing's exit handler if the caller dies between our
+            # try/finally and the join (e.g. KeyboardInterrupt); workers start only threads.
+            daemon=True,
         )
         self.proc.start()
         child.close()
