@@ -197,10 +197,16 @@ class MoriKVManager(CommonKVManager):
     def add_transfer_request(self, bootstrap_room: int, kv_indices, index_slice, is_last_chunk, **kwargs):
         self.service.add_transfer_request(bootstrap_room, kv_indices, index_slice, is_last_chunk, **kwargs)
 
-    def fail_room(self, room: int, reason: str, label: str = "other") -> None:
-        """Fail one room with a reason: record it, mark it Failed, tell its decode endpoints."""
+    def fail_room(self, room: int, reason: str, label: str = "other", before_sender: bool = False) -> None:
+        """Fail one room with a reason: record it, mark it Failed, tell its decode endpoints.
+
+        A room this rank does not hold is left alone: it was concluded and cleared already (a
+        record now would never be popped, and a later request reusing the id would adopt it).
+        Only `before_sender` callers -- decode's messages, which may arrive before the request's
+        sender exists here -- record the reason for the sender to find."""
         if room not in self.request_status:
-            self.record_failure(room, reason)
+            if before_sender:
+                self.record_failure(room, reason)
             return
         logger.warning("sglang-mori: room %s failed: %s", room, reason)
         self.metrics.failure(label)

@@ -136,7 +136,7 @@ class PrefillService:
         except protocol.ProtocolError as err:
             self.mgr.reject_message(err, "prefill control socket")
             if err.reason == protocol.REJECT_VERSION and err.room is not None:
-                self.mgr.fail_room(err.room, f"decode speaks another protocol: {err.detail}", "protocol")
+                self.mgr.fail_room(err.room, f"decode speaks another protocol: {err.detail}", "protocol", before_sender=True)
             return
         if isinstance(message, protocol.Register):
             self._on_register(message)
@@ -202,7 +202,8 @@ class PrefillService:
         mgr = self.mgr
         room = msg.room
         if len(msg.kv_indices) % 4:
-            mgr.fail_room(room, f"room {room}: page index list of {len(msg.kv_indices)} bytes is truncated", "protocol")
+            mgr.fail_room(room, f"room {room}: page index list of {len(msg.kv_indices)} bytes is truncated", "protocol",
+                          before_sender=True)
             return
         target = RoomTarget(
             engine_key=msg.engine_key,
