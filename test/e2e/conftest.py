@@ -13,6 +13,7 @@ session's tmp dir (path printed in the report).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import List
 
@@ -32,6 +33,14 @@ _ACTIVE: List[Deployment] = []
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "restarts_prefill: kills and restarts the shared prefill server; runs last")
+    config.addinivalue_line("markers", "needs_backend(name): only meaningful with that transfer backend")
+
+
+def pytest_runtest_setup(item):
+    marker = item.get_closest_marker("needs_backend")
+    if marker and BACKEND not in marker.args:
+        # Reported as skipped (never as passed), with the reason.
+        pytest.skip(f"needs backend {' or '.join(marker.args)}; this run uses {BACKEND}")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -78,7 +87,9 @@ def deployments(e2e_backend, server_options, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("e2e-logs")
     ports: set = set()
     standalone = Standalone(server_options, log_dir, ports, sleep_on_idle=True)
-    pd = PDDeployment(server_options, e2e_backend, log_dir, ports, env=FAILURE_ENV)
+    # --enable-metrics: the prefill's /metrics then carries the backend's transfer counters.
+    pd_options = dataclasses.replace(server_options, extra_args=["--enable-metrics"])
+    pd = PDDeployment(pd_options, e2e_backend, log_dir, ports, env=FAILURE_ENV)
     _ACTIVE.extend([standalone, pd])
     try:
         standalone.start()

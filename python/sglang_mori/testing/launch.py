@@ -7,6 +7,7 @@ docs/research/sglang_cpu_feasibility.md (shared docs) for how each was found.
 from __future__ import annotations
 
 import os
+import random
 import socket
 import sys
 from dataclasses import dataclass, field
@@ -36,22 +37,39 @@ class ServerOptions:
     extra_args: List[str] = field(default_factory=list)
 
 
-def pick_free_ports(count: int, avoid: Optional[set] = None) -> List[int]:
-    """Distinct free TCP ports on 127.0.0.1, none in `avoid` (which is updated).
+# Ports we hand out: above SGLang's own pick range for internal ports (22000-29999, see
+# get_free_port_below_ephemeral) and below the kernel's ephemeral range (32768+), from which
+# every bind(0) in the servers (zmq, transfer engines, client sockets) draws. A port chosen here can
+# then not be taken by a server's internal socket in the 30-60 s before its owner binds it.
+PORT_RANGE = (30000, 32700)
 
-    SGLang also takes port+1.. for internal sockets, so chosen ports are kept 10 apart.
-    """
+
+def pick_free_ports(count: int, avoid: Optional[set] = None) -> List[int]:
+    """Distinct free TCP ports in PORT_RANGE, at least 10 apart, none in `avoid` (which is updated)."""
     avoid = avoid if avoid is not None else set()
     ports: List[int] = []
-    while len(ports) < count:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((HOST, 0))
-            port = s.getsockname()[1]
-        if port > 65000 or any(abs(port - p) < 10 for p in avoid | set(ports)):
-            continue
-        ports.append(port)
+    rng = random.Random()
+    for _ in range(2000):
+        if len(ports) == count:
+            break
+        port = rng.randrange(*PORT_RANGE)
+        if not any(abs(port - p) < 10 for p in avoid | set(ports)) and _is_free(port):
+            ports.append(port)
+    if len(ports) < count:
+        raise RuntimeError(f"no {count} free ports in {PORT_RANGE}")
     avoid.update(ports)
     return ports
+
+
+def _is_free(port: int) -> bool:
+    # Both the loopback and the wildcard address: Mooncake's engine binds 0.0.0.0.
+    for host in (HOST, "0.0.0.0"):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                return False
+    return True
 
 
 def base_env(backend: Optional[str], extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:

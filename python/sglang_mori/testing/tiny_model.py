@@ -185,6 +185,11 @@ def build_tiny_model(out_dir: str | os.PathLike) -> Path:
     return out
 
 
+def kv_bytes_per_token() -> int:
+    """KV cache bytes one token occupies (and a PD transfer moves): K and V of every layer, float32."""
+    return LAYERS * 2 * KV_HEADS * HEAD_DIM * 4
+
+
 def model_fingerprint(model_dir: str | os.PathLike) -> str:
     """sha256 over the files that define outputs; equal fingerprints mean identical servers' inputs."""
     digest = hashlib.sha256()
