@@ -88,7 +88,20 @@ def test_result_follows_status_updates():
     assert h.result() == IN_PROGRESS
     s.code = SUCCESS
     assert h.result() == SUCCESS
+    # Once every status was seen SUCCESS the verdict is final. MORI can overwrite a SUCCESS only
+    # through a failed notification SEND (enable_notification), after the data writes completed,
+    # so the bytes are there; re-reading thousands of finished statuses per pass would cost the
+    # engine's threads the GIL.
     s.code = ERR_RDMA_OP
+    assert h.result() == SUCCESS
+
+
+def test_failure_behind_a_running_status_is_seen():
+    first, later = Status(IN_PROGRESS), Status(IN_PROGRESS)
+    h = handle(first, later)
+    assert h.result() == IN_PROGRESS
+    later.code = ERR_RDMA_OP
+    h._next_failure_scan = 0.0  # the periodic scan of statuses behind the running one is due
     assert h.result() == ERR_RDMA_OP
 
 

@@ -378,10 +378,10 @@ class PrefillService:
             try:
                 self.tracker.wait_for_work(0.2)
                 rooms = self.tracker.snapshot()
-                pending = next((h for rt in rooms for h in rt.handles if h.result() == IN_PROGRESS), None)
+                pending = next((s for rt in rooms for h in rt.handles for s in (h.first_running(),) if s), None)
                 if pending is not None:
-                    # Bounded wait inside the engine (GIL released) instead of a busy spin.
-                    self.mgr.engine.wait([pending], poll_ms)
+                    # Bounded wait on the oldest running status (GIL released) instead of a spin.
+                    pending.WaitFor(poll_ms)
                 now = time.monotonic()
                 for rt in rooms:
                     self._advance(rt, now)
