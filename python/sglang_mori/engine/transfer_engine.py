@@ -135,7 +135,7 @@ class TransferHandle:
         post-batches on other QPs (or those posted before a failed post) are still on the wire
         and land later; only failures raised before anything is posted count (DRAINED_CODES).
         """
-        return self.quiescent()
+        return self.quiescent() and all(int(s.Code()) in DRAINED_CODES for s in self.issued)
 
     def failure_message(self) -> str:
         for status in self.live:
