@@ -156,6 +156,23 @@ class ControlServer:
                 total[name] = total.get(name, 0) + n
         return total
 
+    def cmd_leftover_detail(self):
+        """What the non-empty tables hold (up to 10 keys each), and per-peer in-flight counts."""
+        out = {}
+        for i, mgr in enumerate([*self.retired, self.mgr]):
+            for name, n in leftovers(mgr).items():
+                if not n:
+                    continue
+                table = getattr(mgr, name, None)
+                if isinstance(table, dict):
+                    out[f"{i}.{name}"] = {str(k): repr(v)[:200] for k, v in list(table.items())[:10] if v}
+                else:
+                    out[f"{i}.{name}"] = n
+            service = getattr(mgr, "service", None)
+            if service is not None and hasattr(service, "peers"):
+                out[f"{i}.peers"] = {k: service.peers.get(k).inflight for k in service.peers.keys()}
+        return out
+
     def cmd_room_states(self):
         """bootstrap_room -> KVPoll value of every room this rank's manager still holds, and
         (decode) the rooms held for a deferred release ("held": armed, not yet released)."""
@@ -178,6 +195,8 @@ class ControlServer:
                     "rejected": p.rejected,
                     "failed_reason": p.failed_reason,
                     "inflight": p.inflight,
+                    # asking also ends an expired fail-fast window, as a new room would
+                    "unusable": service.peers.unusable_reason(key),
                     "max_inflight": self.max_inflight.get(key, 0),
                 }
             )
@@ -392,7 +411,9 @@ def wait_clean(ctl: Dict[str, WorkerControl], timeout_s: float) -> Dict[str, Dic
     try:
         wait_until(clean, timeout_s, "empty manager tables", poll_s=0.1)
     except ControlError:
-        pass
+        for name, c in ctl.items():
+            if any(last[name].values()):
+                last[name]["detail"] = c.call("leftover_detail")
     return last
 
 
