@@ -58,3 +58,21 @@ def test_concurrent_prompts_match_standalone(standalone, pd):
                   if o.output_ids != r.output_ids]
     assert not mismatches, f"{len(mismatches)}/16 concurrent PD outputs differ:\n" + "\n".join(mismatches)
     assert len({tuple(r.output_ids) for r in ours}) >= 14
+
+
+def test_outputs_depend_on_the_first_chunk(standalone):
+    """The token comparison is sensitive to KV far back: a different first word in a prompt that
+    spans several chunks changes the greedy output. So a decode server that got a wrong, stale or
+    zeroed first chunk from prefill would not produce the standalone server's tokens by luck."""
+    long_prompts = [p for p in varied_prompts(24, seed=7) if len(p) > 900][:4]
+    assert len(long_prompts) == 4
+    changed = 0
+    for prompt in long_prompts:
+        tag, first, rest = prompt.split(" ", 2)
+        altered = f"{tag} {'zebra' if first != 'zebra' else 'yak'} {rest}"
+        a = client.generate(standalone.url, prompt, MAX_NEW_TOKENS)
+        b = client.generate(standalone.url, altered, MAX_NEW_TOKENS)
+        assert a.ok and b.ok
+        assert a.meta["prompt_tokens"] > 3 * CHUNK
+        changed += a.output_ids != b.output_ids
+    assert changed >= 3, f"only {changed}/4 outputs changed with the first word"

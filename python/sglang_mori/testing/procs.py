@@ -8,11 +8,14 @@ id, and nothing else on the machine.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
+
+_ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
 
 
 class ManagedProcess:
@@ -89,7 +92,9 @@ class ManagedProcess:
             text = self.log_path.read_text(errors="replace")
         except FileNotFoundError:
             return f"<no log at {self.log_path}>"
-        cut = [ln if len(ln) <= width else ln[:width] + " ..." for ln in text.splitlines()[-lines:]]
+        # The router colours its log; escape codes only clutter a test report.
+        plain = _ANSI_ESCAPE.sub("", text)
+        cut = [ln if len(ln) <= width else ln[:width] + " ..." for ln in plain.splitlines()[-lines:]]
         return "\n".join(cut)
 
 
