@@ -342,12 +342,16 @@ class PrefillService:
                 handle = mgr.engine.write(peer.engine_key, pairs, deadline=deadline, retry_max=self.cfg.submit_retry_max)
             except SubmitError as exc:
                 rt.add(exc.handle, deadline)
+                mgr._staging_outstanding[room] = len(rt.unfinished())
                 mgr.metrics.transfer_started(peer.engine_key)
                 mgr.fail_room(room, f"submitting KV writes to {peer.engine_key} failed: {exc}", "submit_error")
                 self.tracker.notify()
                 return
             rt.add(handle, deadline)
             mgr.metrics.transfer_started(peer.engine_key)
+            # Publish the writes at once, not at the completion thread's next pass: SGLang's
+            # sender.clear() ACKs a pending abort right away unless this count is positive.
+            mgr._staging_outstanding[room] = len(rt.unfinished())
         rt.chunks += 1
         if chunk.is_last:
             rt.aux_index = chunk.aux_index
