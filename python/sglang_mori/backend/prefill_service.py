@@ -10,6 +10,7 @@ Threads (all daemon, all stoppable):
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import logging
 import queue
@@ -39,6 +40,9 @@ logger = logging.getLogger(__name__)
 # A room that cannot prove quiescence after this many transfer deadlines is given up on: its pages
 # stay poisoned on decode (no ACK), and its in-flight budget is returned to the peer.
 DRAIN_GIVE_UP_DEADLINES = 10
+# Replayed metadata for a finished room is rejected for this long after the room finished.
+FINISHED_ROOMS_TTL_S = 300.0
+FINISHED_ROOMS_MAX = 100_000
 
 
 @dataclass
@@ -83,6 +87,9 @@ class PrefillService:
         self.threads: list = []
         self._inflight_lock = threading.Condition()
         self._meta_lock = threading.Lock()
+        # Rooms whose sender finished here lately (room -> time): metadata naming one of them is a
+        # replay, never the start of a request (see _on_metadata). Bounded in count and age.
+        self._finished_rooms: "collections.OrderedDict[int, float]" = collections.OrderedDict()
         # One lock per shard, taken by that shard while it checks and submits a room's chunk, and by
         # the control thread while it handles that room's Abort: an ACK can then never slip in
         # between "room is still live" and "its writes are tracked".
@@ -222,6 +229,15 @@ class PrefillService:
             )
         with self._meta_lock:
             current = mgr.request_status.get(room)
+            if current is None and self._finished_recently(room):
+                # Metadata for a request that already finished here: a replay. Accepting it would
+                # resurrect the room (WaitingForInput, its old pages) for nobody, and a later
+                # request reusing the id would adopt those stale destinations.
+                mgr.reject_message(
+                    protocol.ProtocolError("replayed", f"metadata for room {room}, which already finished", room),
+                    "prefill control socket",
+                )
+                return
             if current is not None and current != KVPoll.Bootstrapping:
                 # A replay, or metadata for a room already in flight: never re-target live writes.
                 mgr.reject_message(
@@ -238,6 +254,26 @@ class PrefillService:
                 (i.decode_prefix_len for i in infos.values() if i.decode_prefix_len), 0
             )
             mgr.update_status(room, KVPoll.WaitingForInput)
+
+    # Called by MoriKVSender: a request's sender starts / is cleared on this rank.
+    def note_sender_started(self, room: int) -> None:
+        with self._meta_lock:
+            self._finished_rooms.pop(room, None)
+
+    def note_sender_finished(self, room: int) -> None:
+        now = time.monotonic()
+        with self._meta_lock:
+            self._finished_rooms[room] = now
+            self._finished_rooms.move_to_end(room)
+            while self._finished_rooms and (
+                len(self._finished_rooms) > FINISHED_ROOMS_MAX
+                or now - next(iter(self._finished_rooms.values())) > FINISHED_ROOMS_TTL_S
+            ):
+                self._finished_rooms.popitem(last=False)
+
+    def _finished_recently(self, room: int) -> bool:
+        at = self._finished_rooms.get(room)
+        return at is not None and time.monotonic() - at <= FINISHED_ROOMS_TTL_S
 
     def _on_abort(self, msg: protocol.Abort) -> None:
         from sglang.srt.disaggregation.common.conn import AckTarget
