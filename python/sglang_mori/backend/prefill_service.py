@@ -413,7 +413,8 @@ class PrefillService:
 
     # --- completion ---------------------------------------------------------------------
     def _completion_loop(self) -> None:
-        poll_ms = max(1, min(self.cfg.wait_poll_ms, 5))
+        # Waits end early when the awaited status completes; others are noticed within poll_ms.
+        poll_ms = max(1, min(self.cfg.wait_poll_ms, 20))
         while not self.mgr._stopped:
             try:
                 self.tracker.wait_for_work(0.2)
