@@ -22,7 +22,7 @@ from typing import Dict, Iterable, List
 
 from integration_support import config
 
-from sglang_mori.testing.pd_harness import HarnessResult
+from sglang_mori.testing.pd_harness import HarnessResult, decode_worker_name
 from sglang_mori.testing.pd_harness_control import controls, late_writes_by_log, wait_clean, wait_until
 from sglang_mori.testing.pd_harness_plan import build_plan
 from sglang_mori.testing.pd_harness_results import FAILED, SUCCESS
@@ -71,11 +71,20 @@ class Session:
         for c in self.ctl.values():
             c.open_round(k)
 
-    def wait_done(self, k: int, timeout_s: float, sides: Iterable[str] = ("prefill", "decode")) -> None:
+    def expected(self, name: str, k: int) -> int:
+        """Rooms of rounds 0..k that worker `name` runs (decode instance j: rooms i % n == j)."""
+        if name.startswith("prefill"):
+            return self.ends[k]
+        j = int(name.split(".i")[1]) if ".i" in name else 0
+        n = self.cfg.decode_instances
+        return sum(1 for i in range(self.ends[k]) if i % n == j)
+
+    def wait_done(self, k: int, timeout_s: float, sides: Iterable[str] = ("prefill", "decode"), skip=()) -> None:
         """Every room up to round k finished (decode: released) on every worker of `sides`."""
         for name in self.ctl:
-            if name.rstrip("0123456789") in sides:
-                ok = self.info.wait_progress(name, "done", self.ends[k], timeout_s)
+            side = "prefill" if name.startswith("prefill") else "decode"
+            if side in sides and name not in skip:
+                ok = self.info.wait_progress(name, "done", self.expected(name, k), timeout_s)
                 assert ok, f"round {k}: {name} progress {self.info.progress.get(name)} after {timeout_s} s"
 
     def mark(self, name: str) -> None:
@@ -129,7 +138,7 @@ def check_end(result: HarnessResult, session: Session, cfg) -> None:
     assert result.byte_exact(), summary
     assert all(r.rechecked for r in result.side("decode")), summary
     for rep in result.side("decode"):
-        records = session.write_logs.get(f"decode{rep.rank}")
+        records = session.write_logs.get(decode_worker_name(rep.rank, rep.instance))
         assert records is not None, "no write log collected"
         late = late_writes_by_log(records, session.plan, rep.rooms, result.ready.t0, cfg.layout.page_size)
         assert not late, "writes after release:\n" + "\n".join(late[:10])

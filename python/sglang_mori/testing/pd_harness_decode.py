@@ -148,9 +148,9 @@ def run_decode_rooms(
                 st.finish(FAILED, clock(), "harness: poll() returned Success before send_metadata()")
                 return True
         if st.phase == "transfer" and st.plan.index in abort_inflight and poll not in (SUCCESS, FAILED):
-            if _transfer_started(st):
+            if not getattr(st, "aborted_inflight", False) and _transfer_started(st):
                 st.receiver.abort()  # an AbortReq for a request whose KV is arriving
-                st.phase = "aborted"
+                st.aborted_inflight = True  # (the room stays in "transfer": its pages are held)
                 return True
         if poll == SUCCESS:
             st.receiver.clear()
