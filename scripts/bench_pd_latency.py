@@ -58,6 +58,9 @@ class ConfigResult:
     kv_bytes_per_req: Optional[float] = None
     kv_ms_per_req: Optional[float] = None
     startup_s: float = 0.0
+    # 1-minute load average when the measurement ended: a shared 2-core host skews latencies, and
+    # the table should say so rather than hide it.
+    load_1m: float = 0.0
     unavailable: str = ""
 
 
@@ -125,7 +128,8 @@ def bench_config(name: str, model: Path, work: Path, args) -> ConfigResult:
             result.kv_bytes_per_req = kv.nbytes / len(prompts)
             result.kv_ms_per_req = kv.seconds * 1000 / len(prompts)
         result.phases["batch"] = run_phase(url, prompts, args.max_new_tokens, concurrency=args.concurrency)
-        print(f"  {name}: done", flush=True)
+        result.load_1m = os.getloadavg()[0]
+        print(f"  {name}: done (load average {result.load_1m:.1f})", flush=True)
     except Exception as exc:  # one broken configuration must not hide the others' numbers
         result.unavailable = f"failed: {str(exc).splitlines()[0][:200]} (logs: {log_dir})"
     finally:
@@ -141,12 +145,12 @@ def table(results: List[ConfigResult], args) -> str:
         f"`batch`: {args.concurrency} concurrent. Times in ms; x = ratio to standalone.",
         "",
         "| config | phase | TTFT p50 | TTFT p90 | ITL mean | ITL p90 | wall s | TTFT p50 x | ITL mean x "
-        "| KV KiB/req | transfer ms/req | errors | tokens = standalone |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| KV KiB/req | transfer ms/req | errors | tokens = standalone | load 1m |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         if r.unavailable:
-            lines.append(f"| {r.name} | - | {r.unavailable} |||||||||||")
+            lines.append(f"| {r.name} | - | {r.unavailable} ||||||||||||")
             continue
         for phase, p in r.phases.items():
             ref = base.phases.get(phase) if base and not base.unavailable else None
@@ -158,7 +162,7 @@ def table(results: List[ConfigResult], args) -> str:
             lines.append(
                 f"| {r.name} | {phase} | {pct(p.ttft, .5) * 1000:.1f} | {pct(p.ttft, .9) * 1000:.1f} "
                 f"| {mean(p.itl) * 1000:.2f} | {pct(p.itl, .9) * 1000:.2f} | {p.wall_s:.1f} "
-                f"| {ratio_ttft} | {ratio_itl} | {kv} | {kv_ms} | {p.errors} | {same} |")
+                f"| {ratio_ttft} | {ratio_itl} | {kv} | {kv_ms} | {p.errors} | {same} | {r.load_1m:.1f} |")
     return "\n".join(lines)
 
 

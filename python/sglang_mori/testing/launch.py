@@ -62,13 +62,12 @@ def pick_free_ports(count: int, avoid: Optional[set] = None) -> List[int]:
 
 
 def _is_free(port: int) -> bool:
-    # Both the loopback and the wildcard address: Mooncake's engine binds 0.0.0.0.
-    for host in (HOST, "0.0.0.0"):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                return False
+    # Loopback only; on Linux this bind also fails if a wildcard socket (Mooncake) holds the port.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((HOST, port))
+        except OSError:
+            return False
     return True
 
 
