@@ -4,12 +4,27 @@ from __future__ import annotations
 
 import logging
 
+from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.common.conn import CommonKVReceiver
 
 logger = logging.getLogger(__name__)
 
 
 class MoriKVReceiver(CommonKVReceiver):
+    def __init__(self, mgr, bootstrap_addr: str, bootstrap_room=None, *args, **kwargs):
+        duplicate = bootstrap_room is not None and bootstrap_room in mgr.request_status
+        super().__init__(mgr, bootstrap_addr, bootstrap_room, *args, **kwargs)
+        if duplicate and self._owns_bootstrap_room:
+            # A second live request with the same bootstrap_room. Every table is keyed by the
+            # room, so neither request can be served safely: fail the room (the first request
+            # with it), and never let this receiver touch the room's state -- its clear() would
+            # pop the first request's status under it (a KeyError in the first one's poll()).
+            # SGLang does the same under its prefill_complete allocation policy.
+            self._owns_bootstrap_room = False
+            mgr.record_failure(bootstrap_room, "Duplicate decode bootstrap room: another live request uses this id")
+            mgr.update_status(bootstrap_room, KVPoll.Failed)
+            self.conclude_state = KVPoll.Failed
+
     def _send_abort_notification(self, *, force_arm: bool = False):
         mgr = self.kv_mgr
         if mgr.enable_deferred_decode_kv_release and (force_arm or self.init_time is not None):
