@@ -17,7 +17,7 @@ pytestmark = pytest.mark.e2e
 LONG_PROMPT = "The worker opens a lane and sends the packet across the network; " * 12
 # An abandoned request asks for this many tokens (ignore_eos): left to run, it would decode for
 # far longer than the drain deadline below, so draining in time proves the abort reached decode.
-HANG_UP_TOKENS = 3000
+HANG_UP_TOKENS = 3000  # + the longest prompt here (LONG_PROMPT x 3, ~650 tokens) < 4096 positions
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,7 @@ def drain_deadline_s(pd):
     assert probe.ok and probe.itl_s, probe.error
     natural_s = HANG_UP_TOKENS * sum(probe.itl_s) / len(probe.itl_s)
     deadline = min(10.0, natural_s / 2)
-    assert deadline >= 2.0, f"decode too fast ({natural_s:.1f} s for {HANG_UP_TOKENS} tokens) to tell an abort"
+    assert deadline >= 1.0, f"decode too fast ({natural_s:.1f} s for {HANG_UP_TOKENS} tokens) to tell an abort"
     return deadline
 
 
