@@ -8,6 +8,8 @@ round 1 runs with every prefill lane held (so each transfer is on the wire when 
   naming the range, and no byte lands outside the rooms' pages;
 - a genuine-looking RoomMetadata replayed for two transferring rooms, retargeted at pages no room
   owns: prefill rejects it (the live writes are never re-targeted), the rooms succeed byte-exact;
+- two live requests share one bootstrap_room: decode fails both with a reason (it cannot tell
+  their KV apart) instead of crashing, and prefill fails them by its bootstrap deadline;
 then the lanes resume, round 2 (a follow-up batch) must succeed, and finished rooms get replays:
 their RoomMetadata (prefill must not resurrect them) and their Success status (decode ignores it).
 Last, registrations whose layout does not match (layer count, item size, dtype, page size, TP
@@ -38,6 +40,8 @@ DECODE_ABORT = (3, 8)
 PREFILL_ABORT = (5, 11)
 BAD_PAGE = (7,)
 REPLAYED = (12, 14)  # transferring rooms whose metadata is replayed, retargeted
+DUPLICATE = (15, 16)  # room 16 reuses room 15's bootstrap_room while both are live
+BOOTSTRAP_TIMEOUT_S = 6  # SGLang's bound on a prefill room that never hears from decode
 LAYOUT = KVLayout(num_layers=2, total_kv_heads=4, head_dim=32, page_size=16)
 TRANSFERRING = 3
 
@@ -110,7 +114,9 @@ def test_aborts_bad_input_and_replays_fail_only_their_rooms():
         decode_abort_inflight=DECODE_ABORT,
         prefill_abort=PREFILL_ABORT,
         bad_decode_pages=BAD_PAGE,
+        duplicate_rooms=(DUPLICATE,),
         env={
+            "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(BOOTSTRAP_TIMEOUT_S),
             "SGLANG_MORI_TRANSFER_TIMEOUT_MS": str(TIMEOUT_MS),
             "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": "20",
         },
@@ -152,7 +158,7 @@ def test_aborts_bad_input_and_replays_fail_only_their_rooms():
         s.wait_done(2, 60)
         # Replays of finished rooms: their metadata to prefill, their Success to decode.
         for i in range(cfg.rooms):
-            if i not in BAD_PAGE:
+            if i not in BAD_PAGE + DUPLICATE:  # (those never had a sender finish with metadata)
                 pusher.send(s.info.prefill_endpoints[0], _retargeted_metadata(s, i, decode_key, decode_endpoint))
             pusher.send(decode_endpoint, protocol.encode(protocol.RoomStatus(room=ids[i], status=4, prefill_rank=0)))
         # Mismatched registrations, each from its own (fake) engine.
@@ -174,7 +180,7 @@ def test_aborts_bad_input_and_replays_fail_only_their_rooms():
     check_end(result, session, cfg)
     pre, dec = outcomes(result, "prefill"), outcomes(result, "decode")
     summary = result.summary()
-    failing = set(DECODE_ABORT + PREFILL_ABORT + BAD_PAGE)
+    failing = set(DECODE_ABORT + PREFILL_ABORT + BAD_PAGE + DUPLICATE)
     for i in range(cfg.rooms):
         want = FAILED if i in failing else SUCCESS
         assert pre[i].status == want and dec[i].status == want, (i, pre[i].failure, dec[i].failure, summary)
@@ -189,8 +195,13 @@ def test_aborts_bad_input_and_replays_fail_only_their_rooms():
         assert dec[i].t_done - dec[i].t_sent <= SLACK_S, (dec[i].t_sent, dec[i].t_done)
     # the replays were rejected as such, and the retargeted pages stayed untouched (check_end:
     # no byte outside the rooms' pages), the replayed rooms succeeded byte-exact
+    a, b = DUPLICATE
+    # (whichever request reads the room's failure first gets the reason)
+    assert any("Duplicate decode bootstrap room" in dec[i].failure for i in DUPLICATE), (dec[a].failure, dec[b].failure)
+    for i in DUPLICATE:
+        assert pre[i].t_done - pre[i].t_open <= BOOTSTRAP_TIMEOUT_S + SLACK_S, (i, pre[i].t_done, pre[i].failure)
     # (the in-flight replays were awaited before the lanes resumed; then one per finished room)
-    replays = len(REPLAYED) + cfg.rooms - len(BAD_PAGE)
+    replays = len(REPLAYED) + cfg.rooms - len(BAD_PAGE + DUPLICATE)
     assert box["rejections"].get("replayed", 0) >= replays, box["rejections"]
 
     rejected = {x["key"]: x["rejected"] for x in box["peers"]}
