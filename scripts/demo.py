@@ -109,7 +109,9 @@ def run_prompts(pd: PDDeployment, standalone: Standalone, prompts, max_new_token
     probe = TransferProbe(pd.prefill_url)
     matches = 0
     print(f"\n{len(prompts)} prompts, greedy, {max_new_tokens} new tokens each, streamed; "
-          "times in ms (TTFT: request to first token; ITL: mean gap between tokens)\n")
+          "times in ms (TTFT: request to first token; ITL: mean gap between tokens).\n"
+          "On 2 cores the PD servers' HTTP front ends compete with two busy schedulers, so tokens\n"
+          "sometimes reach the client in one burst: ITL near 0 and a longer TTFT.\n")
     for i, prompt in enumerate(prompts, 1):
         probe.before()
         ours = client.generate_stream(pd.router_url, prompt, max_new_tokens)
