@@ -1,7 +1,7 @@
 """Fixtures for end-to-end tests: real SGLang servers on CPU with a tiny local model.
 
 One standalone server (the reference) and one PD deployment (prefill + decode + router) are started
-once per session, in parallel, and stopped at the end whatever happens. Start-up costs 45-60 s on
+once for all e2e tests (package scope), in parallel, and stopped after the last one whatever happens. Start-up costs 45-60 s on
 the 2-core host, so every test shares them; the one test that kills the prefill server brings a new
 one up on the same ports before it ends, and runs last.
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 from typing import List
 
 import pytest
@@ -44,8 +45,14 @@ def pytest_runtest_setup(item):
 
 
 def pytest_collection_modifyitems(config, items):
-    # Stable sort: the destructive test goes after every test that expects an untouched deployment.
-    items.sort(key=lambda item: item.get_closest_marker("restarts_prefill") is not None)
+    # The destructive test goes after every e2e test that expects an untouched deployment, but stays
+    # among the e2e tests (moving it past other directories would start the servers a second time).
+    here = Path(__file__).parent
+    slots = [i for i, item in enumerate(items) if here in Path(item.path).parents]
+    ordered = sorted((items[i] for i in slots),
+                     key=lambda item: item.get_closest_marker("restarts_prefill") is not None)
+    for i, item in zip(slots, ordered):
+        items[i] = item
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -57,7 +64,7 @@ def pytest_runtest_makereport(item, call):
         report.sections.append(("server logs (tail)", logs))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def e2e_backend() -> str:
     if BACKEND not in ("mori", "mooncake_tcp"):
         pytest.fail(f"SGLANG_MORI_E2E_BACKEND={BACKEND!r}: use mori or mooncake_tcp", pytrace=False)
@@ -71,19 +78,19 @@ def e2e_backend() -> str:
     return BACKEND
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def tiny_model(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def server_options(tiny_model) -> launch.ServerOptions:
     return launch.ServerOptions(model_dir=tiny_model, chunked_prefill_size=CHUNKED_PREFILL)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def deployments(e2e_backend, server_options, tmp_path_factory):
-    """Start the standalone server and the PD deployment together; stop both at session end."""
+    """Start the standalone server and the PD deployment together; stop both after the last e2e test."""
     log_dir = tmp_path_factory.mktemp("e2e-logs")
     ports: set = set()
     standalone = Standalone(server_options, log_dir, ports, sleep_on_idle=True)
@@ -104,11 +111,11 @@ def deployments(e2e_backend, server_options, tmp_path_factory):
         print(f"\ne2e server logs: {log_dir}")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def standalone(deployments) -> Standalone:
     return deployments[0]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def pd(deployments) -> PDDeployment:
     return deployments[1]
