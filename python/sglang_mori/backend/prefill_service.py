@@ -454,8 +454,25 @@ class PrefillService:
         if unfinished:
             mgr._staging_outstanding[room] = len(unfinished)
             return
-        self.tracker.remove(room)
-        mgr._staging_outstanding.pop(room, None)
+        # A shard that passed its live check before the room concluded may still be adding writes
+        # (it holds the room lock while it submits): never drop the room under it, or those writes
+        # would go untracked (no drain, their in-flight budget never returned).
+        lock = self.room_locks[room % len(self.room_locks)]
+        if not lock.acquire(blocking=False):
+            return  # look again on the next pass
+        try:
+            late = [h for h in rt.handles if not h.released]
+            if late and not rt.poisoned:
+                for h in late:
+                    if h.quiescent():
+                        self._release(h, now)
+                if any(not h.released for h in late):
+                    mgr._staging_outstanding[room] = len(rt.unfinished())
+                    return
+            self.tracker.remove(room)
+            mgr._staging_outstanding.pop(room, None)
+        finally:
+            lock.release()
         if not rt.poisoned and not rt.succeeded and not rt.drain_proven():
             # Every status is terminal, but one failed after it may have posted writes that are
             # still on the wire: nothing proves these pages are safe, so decode gets no ACK.
