@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections import Counter
 from typing import List, Optional, Tuple
 
+import zmq
 from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
 from sglang.srt.disaggregation.common.conn import CommonKVManager
 from sglang.srt.disaggregation.utils import DisaggregationMode
@@ -45,6 +47,7 @@ class MoriKVManager(CommonKVManager):
             logger.warning("sglang-mori: %s", warning)
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         self.protocol_rejections: Counter = Counter()
+        self._push_sockets = threading.local()
         self.metrics = create_transfer_metrics(
             bool(getattr(server_args, "enable_metrics", False)),
             engine_type=disaggregation_mode.value,
@@ -144,11 +147,32 @@ class MoriKVManager(CommonKVManager):
         """Push one protocol message; False (logged) when the peer cannot be reached."""
         ip, port = endpoint
         try:
-            self._send_multipart_locked(f"tcp://{ip}:{port}", protocol.encode(message))
+            self._thread_socket(f"tcp://{ip}:{port}").send_multipart(protocol.encode(message))
             return True
         except Exception as exc:
             logger.warning("sglang-mori: cannot send %s to %s:%s: %s", type(message).__name__, ip, port, exc)
             return False
+
+    def _thread_socket(self, endpoint: str):
+        """A PUSH socket owned by the calling thread.
+
+        SGLang's shared socket cache serialises every send of every thread on one lock and polls a
+        monitor socket per send; with a message per chunk that lock was the hottest spot on the
+        prefill side. ZMQ sockets are single-threaded anyway. Messages of one thread to one peer
+        stay ordered, and a room's data-bearing message (RoomStatus with aux) is a single message.
+        """
+        cache = getattr(self._push_sockets, "cache", None)
+        if cache is None:
+            cache = self._push_sockets.cache = {}
+        sock = cache.get(endpoint)
+        if sock is None:
+            sock = self._zmq_ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            # A dead peer must not block a transfer thread for long: bounded send, then give up.
+            sock.setsockopt(zmq.SNDTIMEO, 5000)
+            sock.connect(endpoint)
+            cache[endpoint] = sock
+        return sock
 
     def reject_message(self, error: protocol.ProtocolError, origin: str) -> None:
         """Count every rejection; log the first of each kind loudly, then every 100th."""
