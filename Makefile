@@ -11,6 +11,7 @@ PYTEST_ARGS ?=
 install: $(STAMP)
 
 $(STAMP): requirements/cpu.txt requirements/sglang.txt requirements/test.txt setup.py
+	scripts/install_system_deps.sh
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(PIP) install -r requirements/cpu.txt -r requirements/test.txt 2>&1 | grep -v "is ignored: it is neither" || true
 	$(PIP) install --no-deps -r requirements/sglang.txt
