@@ -87,6 +87,8 @@ class PrefillService:
         self.threads: list = []
         self._inflight_lock = threading.Condition()
         self._meta_lock = threading.Lock()
+        # Count and publish the queue depth as one step: shards and the scheduler update it at once.
+        self._depth_lock = threading.Lock()
         # Rooms whose sender finished here lately (room -> time): metadata naming one of them is a
         # replay, never the start of a request (see _on_metadata). Bounded in count and age.
         self._finished_rooms: "collections.OrderedDict[int, float]" = collections.OrderedDict()
@@ -320,13 +322,19 @@ class PrefillService:
             q.put_nowait(chunk)
         except queue.Full:
             mgr.fail_room(room, f"transfer queue full ({q.maxsize} chunks, SGLANG_MORI_MAX_QUEUED_CHUNKS)", "backpressure")
-        mgr.metrics.set_queue_depth(sum(x.qsize() for x in self.queues))
+        self._publish_queue_depth()
+
+    def _publish_queue_depth(self) -> None:
+        with self._depth_lock:
+            self.mgr.metrics.set_queue_depth(sum(x.qsize() for x in self.queues))
 
     def _shard_loop(self, q: queue.Queue) -> None:
         while not self.mgr._stopped:
             chunk = q.get()
             if chunk is None:
                 return
+            # Also on dequeue: published only on enqueue, the gauge kept its last value when idle.
+            self._publish_queue_depth()
             try:
                 with self.room_locks[chunk.room % len(self.room_locks)]:
                     self._process(chunk)
@@ -377,14 +385,15 @@ class PrefillService:
             try:
                 handle = mgr.engine.write(peer.engine_key, pairs, deadline=deadline, retry_max=self.cfg.submit_retry_max)
             except SubmitError as exc:
+                mgr.metrics.transfer_started(peer.engine_key)  # before the completion thread can see it
                 rt.add(exc.handle, deadline)
                 mgr._staging_outstanding[room] = len(rt.unfinished())
-                mgr.metrics.transfer_started(peer.engine_key)
                 mgr.fail_room(room, f"submitting KV writes to {peer.engine_key} failed: {exc}", "submit_error")
                 self.tracker.notify()
                 return
-            rt.add(handle, deadline)
+            # Count the start before the handle is visible: the completion thread may finish it at once.
             mgr.metrics.transfer_started(peer.engine_key)
+            rt.add(handle, deadline)
             # Publish the writes at once, not at the completion thread's next pass: SGLang's
             # sender.clear() ACKs a pending abort right away unless this count is positive.
             mgr._staging_outstanding[room] = len(rt.unfinished())
