@@ -258,13 +258,16 @@ def test_tracker_get_or_create_remove_snapshot():
     assert tracker.get(7) is None and len(tracker) == 1
 
 
-def test_tracker_waits_only_when_empty():
+def test_tracker_waits_only_without_news():
     tracker = RoomTracker()
     tracker.wakeup = Wakeup()
-    tracker.wait_for_work(0.25)
+    seen = tracker.generation
+    tracker.wait_for_change(seen, 0.25)
     assert tracker.wakeup.waits == [0.25]
-    tracker.get_or_create(1, [])
-    tracker.wait_for_work(0.25)
-    assert tracker.wakeup.waits == [0.25]
+    tracker.get_or_create(1, [])  # rooms present but nothing new: still sleeps (no spin)
+    tracker.wait_for_change(seen, 0.25)
+    assert tracker.wakeup.waits == [0.25, 0.25]
     tracker.notify()
     assert tracker.wakeup.notified == 1
+    tracker.wait_for_change(seen, 0.25)  # a notify since `seen`: returns at once
+    assert tracker.wakeup.waits == [0.25, 0.25]

@@ -92,6 +92,9 @@ class PrefillService:
         # Rooms whose sender finished here lately (room -> time): metadata naming one of them is a
         # replay, never the start of a request (see _on_metadata). Bounded in count and age.
         self._finished_rooms: "collections.OrderedDict[int, float]" = collections.OrderedDict()
+        # Rooms decode aborted before their sender existed here (room -> time): the sender fails
+        # as soon as it starts instead of waiting out the bootstrap timeout for metadata.
+        self._early_aborts: "collections.OrderedDict[int, float]" = collections.OrderedDict()
         # One lock per shard, taken by that shard while it checks and submits a room's chunk, and by
         # the control thread while it handles that room's Abort: an ACK can then never slip in
         # between "room is still live" and "its writes are tracked".
@@ -258,9 +261,25 @@ class PrefillService:
             mgr.update_status(room, KVPoll.WaitingForInput)
 
     # Called by MoriKVSender: a request's sender starts / is cleared on this rank.
-    def note_sender_started(self, room: int) -> None:
+    def note_sender_started(self, room: int) -> bool:
+        """A sender for `room` starts here; True when decode already aborted the request."""
         with self._meta_lock:
             self._finished_rooms.pop(room, None)
+            at = self._early_aborts.pop(room, None)
+        return at is not None and time.monotonic() - at <= FINISHED_ROOMS_TTL_S
+
+    def _note_early_abort(self, room: int) -> None:
+        now = time.monotonic()
+        with self._meta_lock:
+            if self._finished_recently(room):
+                return  # an abort for the request that already finished under this id
+            self._early_aborts[room] = now
+            self._early_aborts.move_to_end(room)
+            while self._early_aborts and (
+                len(self._early_aborts) > FINISHED_ROOMS_MAX
+                or now - next(iter(self._early_aborts.values())) > FINISHED_ROOMS_TTL_S
+            ):
+                self._early_aborts.popitem(last=False)
 
     def note_sender_finished(self, room: int) -> None:
         now = time.monotonic()
@@ -287,6 +306,8 @@ class PrefillService:
             if current is not None and current not in (KVPoll.Success, KVPoll.Failed):
                 mgr.record_failure(room, "Aborted by decode")
                 mgr.update_status(room, KVPoll.Failed)
+            elif current is None:
+                self._note_early_abort(room)  # the request has not reached this rank yet
             if not mgr.enable_deferred_decode_kv_release or msg.generation is None:
                 return
             target = AckTarget(msg.decode_ip, msg.decode_port, msg.generation)
@@ -426,12 +447,15 @@ class PrefillService:
         poll_ms = max(1, min(self.cfg.wait_poll_ms, 20))
         while not self.mgr._stopped:
             try:
-                self.tracker.wait_for_work(0.2)
+                generation = self.tracker.generation
                 rooms = self.tracker.snapshot()
                 pending = next((s for rt in rooms for h in rt.handles for s in (h.first_running(),) if s), None)
                 if pending is not None:
                     # Bounded wait on the oldest running status (GIL released) instead of a spin.
                     pending.WaitFor(poll_ms)
+                else:
+                    # Nothing running: sleep until a shard submits or an abort arrives.
+                    self.tracker.wait_for_change(generation, 0.2)
                 now = time.monotonic()
                 for rt in rooms:
                     self._advance(rt, now)

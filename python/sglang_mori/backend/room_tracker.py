@@ -76,6 +76,7 @@ class RoomTracker:
         self._lock = threading.Lock()
         self._rooms: dict[int, RoomTransfer] = {}
         self.wakeup = threading.Condition(self._lock)
+        self.generation = 0
 
     def get_or_create(self, room: int, targets: list) -> tuple:
         with self._lock:
@@ -103,10 +104,17 @@ class RoomTracker:
             return len(self._rooms)
 
     def notify(self) -> None:
+        """Something changed (writes submitted, an abort registered): wake the completion thread."""
         with self._lock:
+            self.generation += 1
             self.wakeup.notify_all()
 
-    def wait_for_work(self, timeout: float) -> None:
+    def wait_for_change(self, seen_generation: int, timeout: float) -> None:
+        """Sleep until notify() has been called since `seen_generation` was read, or timeout.
+
+        The completion thread must never spin: with no write running (a chunked prefill between
+        two chunks) a busy loop would hold the GIL against the scheduler computing the next chunk.
+        """
         with self._lock:
-            if not self._rooms:
+            if self.generation == seen_generation:
                 self.wakeup.wait(timeout)
