@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.common.conn import CommonKVSender
 
 
@@ -12,8 +13,11 @@ class MoriKVSender(CommonKVSender):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         service = getattr(self.kv_mgr, "service", None)
-        if service is not None:  # a new request (possibly reusing a finished room's id)
-            service.note_sender_started(self.bootstrap_room)
+        # A new request (possibly reusing a finished room's id). Decode may have aborted it before
+        # it reached this rank: fail now rather than wait for metadata until the bootstrap timeout.
+        if service is not None and service.note_sender_started(self.bootstrap_room):
+            self.kv_mgr.record_failure(self.bootstrap_room, "Aborted by decode before the request reached prefill")
+            self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
 
     def clear(self) -> None:
         super().clear()
