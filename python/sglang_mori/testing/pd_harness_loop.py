@@ -29,6 +29,13 @@ class RoomState:
         self.done = False
         self.outcome = RoomOutcome(index=plan.index, room=plan.room, status=TIMED_OUT, t_open=t_open)
 
+    def release_refs(self) -> None:
+        """Drop what a finished room no longer needs (its sender/receiver and their manager
+        state), so a long run keeps only outcomes (the soak measures process RSS growth)."""
+        for name in ("sender", "receiver", "mgr"):
+            if name in self.__dict__:
+                setattr(self, name, None)
+
     def finish(self, status: int, t: float, failure: Optional[str] = None) -> None:
         self.outcome.status = status
         self.outcome.failure = failure
@@ -62,7 +69,10 @@ def drive(
         for st in active:
             if not st.done:
                 progressed = step_room(st) or progressed
-        finished.extend(st for st in active if st.done)
+        for st in active:
+            if st.done:
+                st.release_refs()
+                finished.append(st)
         active = [st for st in active if not st.done]
         if on_pass is not None:
             on_pass(active, finished)
