@@ -43,6 +43,7 @@ DRAIN_GIVE_UP_DEADLINES = 10
 # Replayed metadata for a finished room is rejected for this long after the room finished.
 FINISHED_ROOMS_TTL_S = 300.0
 FINISHED_ROOMS_MAX = 100_000
+UNCLAIMED_PRUNE_INTERVAL_S = 1.0
 
 
 @dataclass
@@ -95,6 +96,10 @@ class PrefillService:
         # Rooms decode aborted before their sender existed here (room -> time): the sender fails
         # as soon as it starts instead of waiting out the bootstrap timeout for metadata.
         self._early_aborts: "collections.OrderedDict[int, float]" = collections.OrderedDict()
+        # Rooms that decode's messages created here before any sender claimed them (room -> first
+        # message): dropped if no request claims them within the bootstrap timeout (_prune_unclaimed).
+        self._unclaimed: "collections.OrderedDict[int, float]" = collections.OrderedDict()
+        self._next_prune = 0.0
         # One lock per shard, taken by that shard while it checks and submits a room's chunk, and by
         # the control thread while it handles that room's Abort: an ACK can then never slip in
         # between "room is still live" and "its writes are tracked".
@@ -129,6 +134,10 @@ class PrefillService:
         poller.register(sock, zmq.POLLIN)
         while not self.mgr._stopped:
             try:
+                now = time.monotonic()
+                if now >= self._next_prune:
+                    self._next_prune = now + UNCLAIMED_PRUNE_INTERVAL_S
+                    self._prune_unclaimed(now)
                 if not poller.poll(200):
                     continue
                 frames = sock.recv_multipart()
@@ -149,6 +158,7 @@ class PrefillService:
             self.mgr.reject_message(err, "prefill control socket")
             if err.reason == protocol.REJECT_VERSION and err.room is not None:
                 self.mgr.fail_room(err.room, f"decode speaks another protocol: {err.detail}", "protocol", before_sender=True)
+                self._note_unclaimed(err.room)
             return
         if isinstance(message, protocol.Register):
             self._on_register(message)
@@ -216,6 +226,7 @@ class PrefillService:
         if len(msg.kv_indices) % 4:
             mgr.fail_room(room, f"room {room}: page index list of {len(msg.kv_indices)} bytes is truncated", "protocol",
                           before_sender=True)
+            self._note_unclaimed(room)
             return
         target = RoomTarget(
             engine_key=msg.engine_key,
@@ -250,6 +261,8 @@ class PrefillService:
                     "prefill control socket",
                 )
                 return
+            if current is None:
+                self._note_unclaimed(room, locked=True)
             infos = mgr.transfer_infos.setdefault(room, {})
             infos[msg.engine_key] = target
             ready = len(infos) >= target.required_dst_info_num
@@ -265,8 +278,39 @@ class PrefillService:
         """A sender for `room` starts here; True when decode already aborted the request."""
         with self._meta_lock:
             self._finished_rooms.pop(room, None)
+            self._unclaimed.pop(room, None)
             at = self._early_aborts.pop(room, None)
         return at is not None and time.monotonic() - at <= FINISHED_ROOMS_TTL_S
+
+    def _note_unclaimed(self, room: int, locked: bool = False) -> None:
+        if locked:
+            self._unclaimed.setdefault(room, time.monotonic())
+            return
+        with self._meta_lock:
+            if room not in self.mgr.request_status or room in self._unclaimed:
+                self._unclaimed.setdefault(room, time.monotonic())
+
+    def _prune_unclaimed(self, now: float) -> None:
+        """Forget rooms decode's messages created here (metadata, a failure for a room not seen
+        yet) that no request claimed within the bootstrap timeout: metadata for a request that
+        never reaches this rank, or hostile input, would otherwise stay in request_status,
+        transfer_infos and failure_records forever."""
+        mgr = self.mgr
+        ttl = float(getattr(mgr, "bootstrap_timeout", 300) or 300)
+        with self._meta_lock:
+            while self._unclaimed:
+                room, first = next(iter(self._unclaimed.items()))
+                if now - first <= ttl:
+                    break
+                self._unclaimed.popitem(last=False)
+                if mgr.request_status.get(room) not in (None, KVPoll.WaitingForInput, KVPoll.Failed):
+                    continue  # claimed after all (a sender moved it on)
+                mgr.request_status.pop(room, None)
+                mgr.transfer_infos.pop(room, None)
+                mgr.req_to_decode_prefix_len.pop(room, None)
+                with mgr.failure_lock:
+                    mgr.failure_records.pop(room, None)
+                logger.info("sglang-mori: room %s: metadata no request claimed within %.0f s dropped", room, ttl)
 
     def _note_early_abort(self, room: int) -> None:
         now = time.monotonic()
