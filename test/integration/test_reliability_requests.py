@@ -13,19 +13,23 @@ round 1 runs with every prefill lane held (so each transfer is on the wire when 
 then the lanes resume, round 2 (a follow-up batch) must succeed, and finished rooms get replays:
 their RoomMetadata (prefill must not resurrect them) and their Success status (decode ignores it).
 Last, registrations whose layout does not match (layer count, item size, dtype, page size, TP
-layout) are refused at registration with a message naming both sides' values.
+layout) are refused at registration with a message naming both sides' values, and a round of the
+hostile messages of test_malformed_messages.py (metadata, truncated metadata and aborts for rooms
+no request will ever claim, among others) goes to prefill and decode.
 
-At the end every manager table is empty and every worker still serves.
+At the end every manager table is empty (state that hostile or orphaned messages created is
+dropped by the bootstrap deadline) and every worker still serves.
 """
 
 from __future__ import annotations
 
-import time
+import random
 
 import msgspec
 import numpy as np
 import zmq
 from reliability_support import SLACK_S, Session, check_end, outcomes, reliability_config
+from test_malformed_messages import hostile_messages
 
 from sglang_mori import protocol
 from sglang_mori.backend.plans import decode_layout, encode_layout
@@ -169,6 +173,12 @@ def test_aborts_bad_input_and_replays_fail_only_their_rooms():
         box["peers"] = wait_until(
             lambda: (lambda ps: ps if fakes <= {x["key"] for x in ps} else None)(p.peers()), 10, "fake peers"
         )
+        # Hostile and orphaned messages for rooms no request claims, to both managers.
+        rng = random.Random(5)
+        strangers = [x for x in (rng.randrange(1, 2**63) for _ in range(32)) if x not in ids.values()]
+        for msg in hostile_messages(rng, strangers, s.info.decode_registrations[0]):
+            pusher.send(s.info.prefill_endpoints[0], msg)
+            pusher.send(decode_endpoint, msg)
         box["rejections"] = p.protocol_rejections()
         box["decode_rejections"] = d.protocol_rejections()
         s.finish()
