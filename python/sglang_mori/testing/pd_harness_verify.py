@@ -12,6 +12,7 @@ only the valid tokens, so a tail row must be either the prefill's bytes or untou
 
 from __future__ import annotations
 
+import hashlib
 from typing import Sequence
 
 import numpy as np
@@ -143,13 +144,15 @@ def verify_decode(
 
 
 def snapshot_room(pool: RankPool, room: RoomPlan) -> list:
-    """Copies of everything decode holds for a room (its KV pages, aux and state rows)."""
+    """A digest per buffer of everything decode holds for a room (its KV pages, aux and state
+    rows): enough to see any change later, without keeping a copy of the pages (a long run
+    releases thousands of failed rooms, and the soak measures the process's RSS)."""
     ps = pool.cfg.layout.page_size
     slots = (room.decode_pages.astype(np.int64)[:, None] * ps + np.arange(ps)).ravel()
-    snap = [pool.byte_view(t)[slots].copy() for t in pool.kv]
-    snap += [pool.byte_view(t)[room.decode_aux].copy() for t in pool.aux]
-    snap += [pool.byte_view(t)[room.decode_state].copy() for t in pool.state]
-    return snap
+    parts = [pool.byte_view(t)[slots] for t in pool.kv]
+    parts += [pool.byte_view(t)[room.decode_aux] for t in pool.aux]
+    parts += [pool.byte_view(t)[room.decode_state] for t in pool.state]
+    return [hashlib.blake2b(np.ascontiguousarray(p).tobytes(), digest_size=16).digest() for p in parts]
 
 
 def late_writes(pool: RankPool, plan: Plan, snapshots: dict) -> dict:
@@ -157,7 +160,7 @@ def late_writes(pool: RankPool, plan: Plan, snapshots: dict) -> dict:
     out = {}
     for index, snap in snapshots.items():
         now = snapshot_room(pool, plan.rooms[index])
-        changed = [i for i, (a, b) in enumerate(zip(snap, now)) if not np.array_equal(a, b)]
+        changed = [i for i, (a, b) in enumerate(zip(snap, now)) if a != b]
         if changed:
             out[index] = f"buffers {changed} changed after the room's pages were released"
     return out
