@@ -23,6 +23,7 @@ import time
 from integration_support import config
 
 from sglang_mori.testing.pd_harness import KVLayout, RoomShape, run_transfer
+from sglang_mori.testing.pd_harness_control import controls, wait_clean
 from sglang_mori.testing.pd_harness_results import FAILED, SUCCESS, TIMED_OUT
 
 ROOMS = 24
@@ -43,12 +44,16 @@ def _faults(*items) -> str:
     return json.dumps(list(items))
 
 
-def _kill_when_all_sent(victims, killed: dict):
+def _kill_when_all_sent(victims, killed: dict, survivor: str):
     def hook(info) -> None:
+        ctl = controls(info, [survivor])
         assert info.wait_progress("prefill0", "sent", ROOMS, 60.0), info.progress
         killed["t"] = time.monotonic() - info.t0
         for victim in victims:
             os.kill(info.pids[victim], signal.SIGKILL)
+        # The survivor ends every room and then holds nothing (statuses, targets, trackers).
+        assert info.wait_progress(survivor, "done", ROOMS, 90.0), info.progress
+        killed["leftovers"] = wait_clean(ctl, 30.0)[survivor]
 
     return hook
 
@@ -65,9 +70,10 @@ def test_prefill_killed_mid_transfer_fails_decode_rooms_by_deadline():
         },
         decode_env={"SGLANG_MORI_TRANSFER_TIMEOUT_MS": str(decode_timeout_ms)},
         env=FAST_FAILURE_ENV,
+        control=True,
     )
     killed: dict = {}
-    result = run_transfer(cfg, during=_kill_when_all_sent(["prefill0", "bootstrap"], killed))
+    result = run_transfer(cfg, during=_kill_when_all_sent(["prefill0", "bootstrap"], killed, "decode0"))
     summary = result.summary()
     assert result.lost_workers == ["prefill0"], summary
     (dec,) = result.side("decode")
@@ -83,6 +89,7 @@ def test_prefill_killed_mid_transfer_fails_decode_rooms_by_deadline():
     # released rooms' pages (unchanged since release).
     assert dec.verified and dec.mismatch_count == 0 and dec.rechecked and not dec.late_writes, summary
     assert result.alive_at_end.get("decode0") is True, result.alive_at_end
+    assert killed["leftovers"] and not any(killed["leftovers"].values()), killed["leftovers"]
 
 
 def test_decode_killed_mid_transfer_fails_prefill_rooms_by_deadline():
@@ -96,9 +103,10 @@ def test_decode_killed_mid_transfer_fails_prefill_rooms_by_deadline():
             "SGLANG_MORI_SOFTIO_FAULTS": _faults({"kind": "set_bandwidth", "bytes_per_s": 200_000}),
             "SGLANG_MORI_TRANSFER_TIMEOUT_MS": str(prefill_timeout_ms),
         },
+        control=True,
     )
     killed: dict = {}
-    result = run_transfer(cfg, during=_kill_when_all_sent(["decode0"], killed))
+    result = run_transfer(cfg, during=_kill_when_all_sent(["decode0"], killed, "prefill0"))
     summary = result.summary()
     assert result.lost_workers == ["decode0"], summary
     (pre,) = result.side("prefill")
@@ -110,3 +118,4 @@ def test_decode_killed_mid_transfer_fails_prefill_rooms_by_deadline():
         if o.status == FAILED:
             assert o.failure and o.t_done <= bound, f"room#{o.index}: {o.failure} at {o.t_done}s > {bound:.1f}s"
     assert result.alive_at_end == {"bootstrap": True, "prefill0": True}, result.alive_at_end
+    assert killed["leftovers"] and not any(killed["leftovers"].values()), killed["leftovers"]
