@@ -1,6 +1,6 @@
 """The short soak: `sglang-mori bench soak --quick` (300 requests, concurrency 64, 1 % injected
 faults, 5 % aborts over softio) must pass: nothing corrupted, nothing hung, no request failed
-without a cause, tables empty, RSS growth of both processes under 50 MB. The full 10,000-request
+without a cause, tables empty, RSS growth of both processes under 50 MB, no sockets piling up. The full 10,000-request
 run and its figures are in docs/benchmarks.md ("Soak")."""
 
 from __future__ import annotations
@@ -20,4 +20,5 @@ def test_quick_soak_passes():
     assert f["hung"] == 0 and f["failed_unexpected"] == 0, report
     assert f["succeeded"] + f["failed_aborted"] + f["failed_faulted"] == f["requests"], report
     assert all(v < 50 for v in f["rss_growth_mb"].values()) and len(f["rss_growth_mb"]) == 2, report
+    assert all(f["fds_after"][k] - f["fds_warm"][k] <= bench_soak.FD_SLACK for k in f["fds_after"]), report
     assert f["ok"], report

@@ -15,9 +15,10 @@ It reports, and fails (exit 1) unless all hold: 0 corrupted bytes (every success
 byte-exact, no write outside the requests' pages, no change to a failed request's pages after
 decode released them); 0 hung requests (each ends Success, or Failed with a reason, on both sides
 within HUNG_AFTER_S = 30 s, the default transfer deadline); 0 requests failed without a cause
-(neither aborted nor faulted); manager tables empty at the end; and the RSS of the prefill and
+(neither aborted nor faulted); manager tables empty at the end; the RSS of the prefill and
 decode processes grown by less than `--max-rss-growth-mb` from start-up (before the first request)
-to the end.
+to the end; and their open file descriptors (sockets) by at most FD_SLACK from the end of the
+first tenth of the requests (lazily opened sockets are in place by then) to the end.
 
 Two settings differ from the defaults, both so that one injected fault stays one request's fault:
 SGLANG_MORI_PEER_FAIL_FAST_S=0 (a failed transfer would otherwise fail every request to the same,
@@ -37,6 +38,7 @@ QUICK_REQUESTS = 300
 # A request still unresolved this long after it opened counts as hung even if a far-off SGLang
 # timeout (bootstrap, waiting: 300 s by default) ends it later: our transfer deadline's default.
 HUNG_AFTER_S = 30.0
+FD_SLACK = 4  # open file descriptors a process may gain after the warm-up
 DEFAULTS = dict(requests=10_000, concurrency=64, fault_rate=0.01, abort_rate=0.05)
 # Failure reasons by cause (what the backend and SGLang put in failure_exception()).
 ABORT_WORDS = ("abort",)
@@ -109,6 +111,7 @@ class _Driver:
     def __init__(self, n: int, transport_faults: int):
         self.n, self.transport_faults = n, transport_faults
         self.rss_before, self.rss_after, self.leftovers = {}, {}, {}
+        self.fds_before, self.fds_warm, self.fds_after = {}, {}, {}
         self.armed = 0
         self.error = None
 
@@ -116,11 +119,16 @@ class _Driver:
         from sglang_mori.testing.pd_harness_control import rss_bytes
 
         self.rss_before = {n: rss_bytes(info.pids[n]) for n in ("prefill0", "decode0")}
+        self.fds_before = {n: open_fds(info.pids[n]) for n in ("prefill0", "decode0")}
 
     def during(self, info) -> None:
         from sglang_mori.testing.pd_harness_control import controls, rss_bytes, wait_clean
 
         ctl = controls(info)
+        # Sockets opened lazily (peer lanes, one PUSH socket per sending thread and peer) are in
+        # place once the first tenth of the requests is done; from there on the count must hold.
+        if info.wait_progress("decode0", "done", max(1, self.n // 10), max(120.0, self.n / 20)):
+            self.fds_warm = {n: open_fds(info.pids[n]) for n in ("prefill0", "decode0")}
         step = max(1, self.n // (self.transport_faults + 1))
         for k in range(1, self.transport_faults + 1):
             if not info.wait_progress("prefill0", "done", k * step, max(120.0, self.n / 20)):
@@ -131,8 +139,16 @@ class _Driver:
             info.wait_progress(name, "done", self.n, max(300.0, self.n / 10))
         self.leftovers = wait_clean(ctl, 60.0)
         self.rss_after = {n: rss_bytes(info.pids[n]) for n in ("prefill0", "decode0")}
+        self.fds_after = {n: open_fds(info.pids[n]) for n in ("prefill0", "decode0")}
         for c in ctl.values():
             c.close()
+
+
+def open_fds(pid: int) -> int:
+    """Open file descriptors of a process (sockets included)."""
+    import os
+
+    return len(os.listdir(f"/proc/{pid}/fd"))
 
 
 def classify(failure: str, index: int, inj: dict) -> str:
@@ -219,6 +235,9 @@ def soak(n: int, concurrency: int = 64, fault_rate: float = 0.01, abort_rate: fl
             "rss_before_mb": {k: round(v / mb, 1) for k, v in driver.rss_before.items()},
             "rss_after_mb": {k: round(v / mb, 1) for k, v in driver.rss_after.items()},
             "rss_growth_mb": {k: round(v, 1) for k, v in growth.items()},
+            "fds_before": driver.fds_before,
+            "fds_warm": driver.fds_warm,
+            "fds_after": driver.fds_after,
             "requests_per_s": round(n / result.wall_s, 1) if result.wall_s else 0.0,
         }
     )
@@ -233,6 +252,10 @@ def soak(n: int, concurrency: int = 64, fault_rate: float = 0.01, abort_rate: fl
         and not any(figures["leftovers"].values())
         and len(growth) == 2
         and all(v < max_rss_growth_mb for v in growth.values())
+        # sockets: none may pile up after the warm-up (a tenth of the requests)
+        and len(driver.fds_after) == 2
+        and len(driver.fds_warm) == 2
+        and all(driver.fds_after[k] - driver.fds_warm[k] <= FD_SLACK for k in driver.fds_after)
     )
     return figures
 
@@ -253,6 +276,9 @@ def format_figures(f: dict) -> str:
         f"  corrupted            {f['corrupted']}   (checked {f['checked_bytes']} bytes)",
         f"  leftovers            {f['leftovers'] or 'none'}",
         f"  RSS                  {rss}",
+        f"  open fds             " + ", ".join(
+            f"{k} {f['fds_before'].get(k, '?')} (start) {f['fds_warm'].get(k, '?')} (after 10 %) "
+            f"-> {f['fds_after'].get(k, '?')}" for k in ("prefill0", "decode0")),
         f"  result               {'PASS' if f['ok'] else 'FAIL'}" + (f"  error={f['error']}" if f["error"] else ""),
     ]
     lines += [f"    {u}" for u in f["unexpected_examples"]]
