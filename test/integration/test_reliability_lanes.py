@@ -11,11 +11,15 @@ round per fault, armed mid-run through the harness control socket:
 4. a partial post (a later post-batch fails while the earlier ones are on the wire, delayed): the
    status fails before those bytes land, so a failed status is no proof of drain -- decode must not
    release the pages before they have landed;
-5. one lane fails while the others keep writing (held, then resumed): the rooms fail fast, and no
+5. a lane stalls for good: the rooms using it fail by the deadline; prefill never proves their
+   drain, gives up after DRAIN_GIVE_UP_DEADLINES deadlines without an ACK (its tables and in-flight
+   budget clean again), and decode releases the pages only at SGLang's own release timeout;
+6. the decode engine restarts (new engine key; its old one is killed): prefill accepts it without
+   a restart of its own, and the next round succeeds byte-exact;
+7. one lane fails while the others keep writing (held, then resumed): the rooms fail fast, and no
    write of the surviving lanes lands after decode released the pages;
-6. the broken peer: new rooms to it fail fast, with a reason;
-7. the decode engine restarts (new engine key; its old one is killed): prefill accepts it without
-   a restart of its own, and a follow-up round succeeds byte-exact.
+8. the broken peer: new rooms to it fail fast, with a reason;
+9. the decode engine restarts again, and a follow-up round succeeds byte-exact.
 
 Every round's successful rooms are byte-exact; at the end nothing is left in any manager table and
 no byte landed in a page after decode released it (softio's write log on decode).
@@ -29,8 +33,10 @@ from sglang_mori.testing.pd_harness import KVLayout, RoomShape, run_transfer
 from sglang_mori.testing.pd_harness_control import wait_until
 from sglang_mori.testing.pd_harness_results import FAILED, SUCCESS
 
-ROUNDS = (6, 10, 6, 6, 6, 4, 6)
-BASE, STALL, SQ, PARTIAL, LANE, BROKEN, RESTART = range(7)
+ROUNDS = (6, 10, 6, 6, 8, 6, 6, 4, 6)
+BASE, STALL, SQ, PARTIAL, FOREVER, RESTARTED, LANE, BROKEN, RESTART = range(9)
+# prefill_service.DRAIN_GIVE_UP_DEADLINES (not imported: the orchestrator stays free of SGLang)
+DRAIN_GIVE_UP_DEADLINES = 10
 RELEASE_TIMEOUT_S = 4.0  # SGLang holds a failed room this long without the ACK
 SQ_WINDOW_S = 0.4
 LATENCY_MS = 400
@@ -96,7 +102,24 @@ def test_lane_faults_fail_only_their_rooms_and_drain_before_release():
         s.wait_done(PARTIAL, RELEASE_TIMEOUT_S + 20)
         _wait_usable(s)  # a failed status marks the peer failed for SGLANG_MORI_PEER_FAIL_FAST_S
 
-        # 5. one lane fails, the others hold their writes until the rooms have failed
+        # 5. a lane stalls for good (on this engine only: the restart below leaves it behind)
+        s.fault(p, "stall_lane", lane=1, peer=s.ctl["decode0"].engine_key())
+        s.open(FOREVER)
+        s.wait_done(FOREVER, RELEASE_TIMEOUT_S + 30)
+        box["forever_held"] = s.ctl[p].leftovers()  # prefill still trying to prove the drain
+        s.mark("forever_done")
+        wait_until(
+            lambda: (lambda t: t["tracker"] == 0 and t["inflight"] == 0)(s.ctl[p].leftovers()),
+            DRAIN_GIVE_UP_DEADLINES * T + 20, "prefill giving up on the stalled writes",
+        )
+        s.mark("forever_given_up")
+
+        # 6. decode's engine restarts with a new key; prefill serves it
+        box["restart1"] = s.ctl["decode0"].restart_engine()
+        s.open(RESTARTED)
+        s.wait_done(RESTARTED, 60)
+
+        # 7. one lane fails, the others hold their writes until the rooms have failed
         for lane in (0, 2, 3):
             s.fault(p, "stall_lane", lane=lane)
         s.fault(p, "fail_lane", lane=1)
@@ -107,12 +130,12 @@ def test_lane_faults_fail_only_their_rooms_and_drain_before_release():
         s.fault(p, "resume_lane")
         s.wait_done(LANE, RELEASE_TIMEOUT_S + 20)
 
-        # 6. the peer is broken for good: new rooms fail fast
+        # 8. the peer is broken for good: new rooms fail fast
         s.mark("broken_open")
         s.open(BROKEN)
         s.wait_done(BROKEN, RELEASE_TIMEOUT_S + 20)
 
-        # 7. decode's engine restarts with a new key; prefill serves it
+        # 9. decode's engine restarts again; prefill serves it
         s.fault(p, "clear")
         box["restart"] = s.ctl["decode0"].restart_engine()
         s.open(RESTART)
@@ -130,7 +153,7 @@ def test_lane_faults_fail_only_their_rooms_and_drain_before_release():
     def status(k):
         return {i: (pre[i].status, dec[i].status) for i in session.indices(k)}
 
-    for k in (BASE, SQ, RESTART):
+    for k in (BASE, SQ, RESTARTED, RESTART):
         assert all(v == (SUCCESS, SUCCESS) for v in status(k).values()), (k, status(k), summary)
 
     # 2. stalled lane: the affected rooms fail by the deadline, held until the lane resumed, acked
@@ -159,7 +182,17 @@ def test_lane_faults_fail_only_their_rooms_and_drain_before_release():
     for i in partial:
         assert dec[i].t_released - dec[i].t_done >= LATENCY_MS / 1000, (i, dec[i].release)
 
-    # 5. failed lane: every room fails fast with a reason; nothing landed after release (checked
+    # 5. stalled for good: failed by the deadline, never ACKed, released at SGLang's timeout
+    forever = [i for i in session.indices(FOREVER) if pre[i].status == FAILED]
+    assert forever, f"no room used the stalled lane\n{summary}"
+    assert box["forever_held"]["tracker"] > 0, box["forever_held"]  # still draining while decode waited
+    for i in forever:
+        assert "timed out" in pre[i].failure and pre[i].t_done - pre[i].t_sent <= T + SLACK_S, pre[i].failure
+        assert dec[i].status == FAILED and dec[i].release == "timeout", (i, dec[i].release)
+    given_up = session.marks["forever_given_up"] - min(pre[i].t_done for i in forever)
+    assert given_up <= DRAIN_GIVE_UP_DEADLINES * T + SLACK_S + 2, given_up
+
+    # 7. failed lane: every room fails fast with a reason; nothing landed after release (checked
     # for every room by check_end), and the held writes did land while decode held the pages
     lane = list(session.indices(LANE))
     assert all(pre[i].status == FAILED and dec[i].status == FAILED for i in lane), status(LANE)
@@ -170,12 +203,12 @@ def test_lane_faults_fail_only_their_rooms_and_drain_before_release():
     for i in broken:  # its writes on the other lanes were held: decode had to keep the pages
         assert dec[i].t_released >= session.marks["lanes_resumed"], (i, dec[i].release, dec[i].t_released)
 
-    # 6. the broken peer: fail fast, with a reason
+    # 8. the broken peer: fail fast, with a reason
     for i in session.indices(BROKEN):
         assert pre[i].status == FAILED and dec[i].status == FAILED, status(BROKEN)
         assert dec[i].t_done - session.marks["broken_open"] <= T + SLACK_S
 
-    # 7. the restarted engine is a new peer of the same prefill
+    # 6, 9. each restarted engine is a new peer of the same prefill
     keys = {p["key"]: p for p in box["peers"]}
     new = keys[box["restart"]["new_key"]]
     assert new["rejected"] is None and new["failed_reason"] is None, new
