@@ -46,6 +46,16 @@ FINISHED_ROOMS_MAX = 100_000
 UNCLAIMED_PRUNE_INTERVAL_S = 1.0
 
 
+# Submission-side failures that say nothing about the peer's health: one request fails, the peer
+# stays usable (MORI: send queue full after the backoff, a post that could not allocate).
+_TRANSIENT_FAILURES = ("SQ full", "ibv_post_send")
+
+
+def _breaks_peer(message: str) -> bool:
+    """Whether a failed status means the connection to the peer is unusable (fail fast for a while)."""
+    return not any(marker in message for marker in _TRANSIENT_FAILURES)
+
+
 @dataclass
 class RoomTarget:
     """One decode rank's destination for one room (from RoomMetadata).
@@ -594,7 +604,7 @@ class PrefillService:
             rt.conclude(now)
             if code != -1:
                 for h in rt.handles:
-                    if h.result() not in (SUCCESS, IN_PROGRESS):
+                    if h.result() not in (SUCCESS, IN_PROGRESS) and _breaks_peer(h.failure_message()):
                         self.peers.mark_failed(h.peer_key, reason)
             mgr.fail_room(room, reason, "timeout" if code == -1 else "peer_dead")
 
