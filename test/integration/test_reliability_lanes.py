@@ -35,7 +35,7 @@ from sglang_mori.testing.pd_harness_results import FAILED, SUCCESS
 
 ROUNDS = (6, 10, 6, 6, 8, 6, 6, 4, 6)
 BASE, STALL, SQ, PARTIAL, FOREVER, RESTARTED, LANE, BROKEN, RESTART = range(9)
-# prefill_service.DRAIN_GIVE_UP_DEADLINES (not imported: the orchestrator stays free of SGLang)
+# prefill_completion.DRAIN_GIVE_UP_DEADLINES (not imported: the orchestrator stays free of SGLang)
 DRAIN_GIVE_UP_DEADLINES = 10
 RELEASE_TIMEOUT_S = 4.0  # SGLang holds a failed room this long without the ACK
 SQ_WINDOW_S = 0.4
@@ -198,7 +198,11 @@ def test_lane_faults_fail_only_their_rooms_and_drain_before_release():
     assert all(pre[i].status == FAILED and dec[i].status == FAILED for i in lane), status(LANE)
     for i in lane:
         assert pre[i].t_done - pre[i].t_sent <= T + SLACK_S
-    broken = [i for i in lane if "fail_lane" in pre[i].failure and "failed recently" not in pre[i].failure]
+    # Rooms whose own writes failed on the broken lane. A room failed by the engine's peer-failure
+    # event ("peer failure reported by the engine") may have been failed before its chunk was
+    # submitted: nothing of it is on the wire, and an immediate ACK is right for it.
+    broken = [i for i in lane if "fail_lane" in pre[i].failure and "KV transfer to decode engine" in pre[i].failure
+              and "failed recently" not in pre[i].failure]
     assert broken, f"no room wrote through the failed lane\n{summary}"
     for i in broken:  # its writes on the other lanes were held: decode had to keep the pages
         assert dec[i].t_released >= session.marks["lanes_resumed"], (i, dec[i].release, dec[i].t_released)

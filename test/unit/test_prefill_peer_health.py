@@ -1,6 +1,6 @@
 """Which failed statuses put a decode peer into its fail-fast window."""
 
-from sglang_mori.backend.prefill_service import _breaks_peer
+from sglang_mori.backend.prefill_completion import _breaks_peer
 
 
 def test_transport_errors_break_the_peer():
