@@ -198,14 +198,18 @@ def test_lane_faults_fail_only_their_rooms_and_drain_before_release():
     assert all(pre[i].status == FAILED and dec[i].status == FAILED for i in lane), status(LANE)
     for i in lane:
         assert pre[i].t_done - pre[i].t_sent <= T + SLACK_S
-    # Rooms whose own writes failed on the broken lane. A room failed by the engine's peer-failure
-    # event ("peer failure reported by the engine") may have been failed before its chunk was
-    # submitted: nothing of it is on the wire, and an immediate ACK is right for it.
-    broken = [i for i in lane if "fail_lane" in pre[i].failure and "KV transfer to decode engine" in pre[i].failure
-              and "failed recently" not in pre[i].failure]
+    # Rooms failed through the broken lane (by their own status or by the engine's peer-failure
+    # event). One failed by the event before its chunk was submitted has nothing on the wire and is
+    # rightly ACKed at once; one with writes held on the stalled lanes must keep its pages until the
+    # lanes resume. Both kinds occur, in proportions that depend on timing; check_end proves for
+    # every room that nothing landed after release, and here at least one room must have been held.
+    broken = [i for i in lane if "fail_lane" in pre[i].failure and "failed recently" not in pre[i].failure]
     assert broken, f"no room wrote through the failed lane\n{summary}"
-    for i in broken:  # its writes on the other lanes were held: decode had to keep the pages
-        assert dec[i].t_released >= session.marks["lanes_resumed"], (i, dec[i].release, dec[i].t_released)
+    held = [i for i in broken if dec[i].t_released >= session.marks["lanes_resumed"]]
+    early = [i for i in broken if i not in held]
+    assert held, f"no room was held until the stalled lanes resumed: {[(i, dec[i].release) for i in early]}"
+    for i in early:  # released before the lanes resumed: only on a drain proof (ACK), never a timeout
+        assert dec[i].release == "acked", (i, dec[i].release, dec[i].t_released)
 
     # 8. the broken peer: fail fast, with a reason
     for i in session.indices(BROKEN):
