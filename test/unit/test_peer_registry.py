@@ -1,29 +1,13 @@
 """PeerRegistry: registration, replacement on restart, rejection, fail-fast window, up count."""
 
-import importlib.util
-import sys
 import threading
 import types
-from pathlib import Path
 
 import pytest
 
-import sglang_mori
+# backend/__init__.py exports lazily, so this imports no SGLang.
+from sglang_mori.backend import peers
 
-
-def load_backend_module(name):
-    """backend/<name>.py without running backend/__init__.py, which imports all of SGLang (~10 s)."""
-    modname = f"_unit_sglang_mori_backend_{name}"
-    if modname not in sys.modules:
-        path = Path(sglang_mori.__file__).parent / "backend" / f"{name}.py"
-        spec = importlib.util.spec_from_file_location(modname, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[modname] = module  # dataclasses looks the module up while building classes
-        spec.loader.exec_module(module)
-    return sys.modules[modname]
-
-
-peers = load_backend_module("peers")
 DecodePeer, PeerRegistry = peers.DecodePeer, peers.PeerRegistry
 
 FAIL_FAST_S = 5.0

@@ -1,12 +1,8 @@
 """RoomTransfer.verdict / unfinished, RoomTracker, and TransferHandle result / quiescence."""
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
-import sglang_mori
 from sglang_mori.engine.transfer_engine import (
     ERR_BAD_STATE,
     ERR_NOT_FOUND,
@@ -17,20 +13,9 @@ from sglang_mori.engine.transfer_engine import (
     TransferHandle,
 )
 
+# backend/__init__.py exports lazily, so this imports no SGLang.
+from sglang_mori.backend import room_tracker
 
-def load_backend_module(name):
-    """backend/<name>.py without running backend/__init__.py, which imports all of SGLang (~10 s)."""
-    modname = f"_unit_sglang_mori_backend_{name}"
-    if modname not in sys.modules:
-        path = Path(sglang_mori.__file__).parent / "backend" / f"{name}.py"
-        spec = importlib.util.spec_from_file_location(modname, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[modname] = module  # dataclasses looks the module up while building classes
-        spec.loader.exec_module(module)
-    return sys.modules[modname]
-
-
-room_tracker = load_backend_module("room_tracker")
 RoomTracker, RoomTransfer = room_tracker.RoomTracker, room_tracker.RoomTransfer
 
 
