@@ -32,6 +32,8 @@ def add_arguments(p) -> None:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--chunks", type=int, default=1, help="send() calls per request (chunked prefill)")
     p.add_argument("--compare", action="store_true", help="also run SGLang's built-in mori and mooncake")
+    p.add_argument("--backends", default=None,
+                   help=f"comma-separated subset of {','.join(BACKENDS)} (overrides --compare)")
     p.add_argument("--no-verify", action="store_true", help="skip decode's byte check (faster)")
     p.add_argument("--timeout", type=float, default=600.0, help="deadline for one run, seconds")
 
@@ -135,6 +137,13 @@ def format_table(rows: list) -> str:
 
 def run(args) -> int:
     labels = ["ours"] + (["sglang-mori-builtin", "mooncake-tcp"] if args.compare else [])
+    if args.backends:
+        labels = [b.strip() for b in args.backends.split(",") if b.strip()]
+        unknown = [b for b in labels if b not in BACKENDS]
+        if unknown:
+            print(f"bench transfer: unknown backend(s) {unknown}; choose from {list(BACKENDS)}",
+                  file=sys.stderr)
+            return 2
     per_token = args.layers * 2 * args.kv_heads * args.head_dim * 2
     print(
         f"bench transfer: {args.requests} requests x {args.prompt_tokens} tokens, {args.layers} layers x "
