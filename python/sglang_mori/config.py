@@ -170,6 +170,10 @@ KNOBS: Tuple[Knob, ...] = (
     Knob("SGLANG_MORI_ENABLE_NOTIFICATION", "enable_notification", "bool", False,
          "MORI-IO target-side completion notifications (RdmaBackendConfig.enable_notification). "
          "Completion is signalled over our protocol either way.", boolean, _BOOL_SPELLINGS),
+    Knob("SGLANG_MORI_GC_FREEZE", "gc_freeze", "bool", True,
+         "Freeze the objects alive when our manager finishes start-up (`gc.freeze()`, as SGLang's "
+         "`/freeze_gc` does) so full garbage collections skip them and do not stall transfer "
+         "threads for hundreds of milliseconds.", boolean, _BOOL_SPELLINGS),
     Knob("SGLANG_MORI_XGMI", "xgmi", "bool", False,
          "Let MORI-IO create its XGMI backend for peers on the same node (sets "
          "MORI_DISABLE_AUTO_XGMI=0).", boolean, _BOOL_SPELLINGS),
@@ -192,6 +196,7 @@ class MoriConfig:
     peer_fail_fast_s: float = 5.0
     host: str = ""
     enable_notification: bool = False
+    gc_freeze: bool = True
     xgmi: bool = False
 
     @classmethod

@@ -70,6 +70,10 @@ class MoriKVManager(CommonKVManager):
             self.service = DecodeService(self)
             self._heartbeat_thread = self._start_heartbeat_checker_thread()
         self.service.start()
+        if self.mori_config.gc_freeze:
+            from sglang_mori.gc_tuning import freeze_startup_heap
+
+            freeze_startup_heap(f"{disaggregation_mode.value} tp{self.attn_tp_rank}")
 
     # --- engine and registration --------------------------------------------------------
     def _start_engine(self) -> TransferEngine:

@@ -34,6 +34,9 @@ def add_arguments(p) -> None:
     p.add_argument("--compare", action="store_true", help="also run SGLang's built-in mori and mooncake")
     p.add_argument("--backends", default=None,
                    help=f"comma-separated subset of {','.join(BACKENDS)} (overrides --compare)")
+    p.add_argument("--freeze-gc-all", action="store_true",
+                   help="gc.freeze() in every backend's processes after start-up (ours does it by "
+                        "default; this gives the others the same, as SGLang's /freeze_gc would)")
     p.add_argument("--no-verify", action="store_true", help="skip decode's byte check (faster)")
     p.add_argument("--timeout", type=float, default=600.0, help="deadline for one run, seconds")
 
@@ -54,6 +57,7 @@ def _config(args, backend: str):
         max_inflight=args.concurrency,
         shape=RoomShape(min_tokens=args.prompt_tokens, max_tokens=args.prompt_tokens, chunks=args.chunks),
         verify=not args.no_verify,
+        freeze_gc_all=args.freeze_gc_all,
         transfer_timeout_s=args.timeout,
         sglang_timeout_s=min(args.timeout / 2, 300.0),
     )

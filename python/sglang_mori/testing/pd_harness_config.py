@@ -130,6 +130,9 @@ class HarnessConfig:
     prefill_env: Dict[str, str] = field(default_factory=dict)
     decode_env: Dict[str, str] = field(default_factory=dict)
     host: str = "127.0.0.1"
+    # Benchmarks: gc.freeze() in every worker once its manager exists, whatever the backend (what
+    # an operator calling SGLang's /freeze_gc gets), to compare backends without GC pauses.
+    freeze_gc_all: bool = False
     # Deadlines (seconds): worker start-up (imports + manager construction), all rooms terminal,
     # the whole run including teardown.
     startup_timeout_s: float = 120.0

@@ -155,6 +155,11 @@ def _run_rank(side: str, rank: int, cfg: HarnessConfig, model_dir: str, port: in
         pool.fill_prefill()
     mode = DisaggregationMode.PREFILL if side == "prefill" else DisaggregationMode.DECODE
     mgr = mgr_cls(pool.kv_args(kv_args_cls), mode, server_args, cfg.layout.mla)
+    if cfg.freeze_gc_all:
+        import gc
+
+        gc.collect()
+        gc.freeze()
     # Reliability tests: rounds, and the control socket (before "ready", so on_ready can use it).
     from sglang_mori.testing.pd_harness_control import ManagerRef, RoundGate, start_control
 
