@@ -65,12 +65,6 @@ def test_many_rooms_through_a_sliding_window(run_clean):
 AUX3 = (AuxBufferSpec("int32", 16), AuxBufferSpec("float32", 16), AuxBufferSpec("int64", 8))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="planning/compatibility.py refuses a decode whose aux buffer list differs from prefill's "
-    "(aux_item_lens equality), failing every request; SGLang pairs aux buffers by position and "
-    "moves the leading ones (CommonKVManager.check_peer_aux_buffer_count, Mooncake send_aux)",
-)
 @pytest.mark.parametrize("decode_aux", [AUX3[:2], AUX3 + (AuxBufferSpec("int64", 8),)], ids=["fewer", "more"])
 def test_aux_buffer_count_differs_between_engines(run_clean, decode_aux):
     # An optional metadata buffer enabled on one engine only (--disaggregation-enable-kv-checksum,

@@ -150,6 +150,18 @@ def test_mismatches_name_both_values(field, prefill, decode, message):
         check_compatible(kv(**prefill), kv(**decode))
 
 
+def test_aux_buffer_counts_may_differ_when_the_leading_buffers_match():
+    # SGLang pairs aux buffers by position: an extra optional buffer on one side is not an error.
+    base = {"aux_item_lens": (8, 64), "aux_data_lens": (80, 640)}
+    extra = {"aux_item_lens": (8, 64, 4), "aux_data_lens": (80, 640, 40)}
+    check_compatible(kv(**base), kv(**extra))
+    check_compatible(kv(**extra), kv(**base))
+    # ...but the buffers both sides have must agree, or fields would mix.
+    shifted = {"aux_item_lens": (4, 8, 64), "aux_data_lens": (40, 80, 640)}
+    with pytest.raises(LayoutMismatchError, match=r"aux_item_lens: prefill=\[8, 64\] decode=\[4, 8, 64\]"):
+        check_compatible(kv(**base), kv(**shifted))
+
+
 def test_tp_mismatch_item_lengths_must_match_the_head_split():
     # TP 1 -> 2 with 2 heads: decode pages hold 1 head, so half the prefill item length.
     prefill = kv(n_buffers=2)

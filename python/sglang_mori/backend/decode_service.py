@@ -164,14 +164,17 @@ class DecodeService:
         )
 
     def _copy_aux(self, msg: protocol.RoomStatus) -> Optional[str]:
-        """Copy the aux items into this room's aux slot; an error string if they do not fit."""
+        """Copy the aux items into this room's aux slot; an error string if they do not fit.
+
+        Items pair with our aux buffers by position; when prefill has more or fewer buffers (an
+        optional one enabled on one engine only), the leading ones move, as in SGLang, and the
+        mismatch was logged at registration.
+        """
         with self.rooms_lock:
             room = self.rooms.get(msg.room)
         if room is None or room.aux_index is None or not msg.aux:
             return None
         args = self.mgr.kv_args
-        if len(msg.aux) > len(args.aux_data_ptrs):
-            return f"prefill sent {len(msg.aux)} aux items, this decode has {len(args.aux_data_ptrs)} aux buffers"
         for data, ptr, item_len, buf_len in zip(msg.aux, args.aux_data_ptrs, args.aux_item_lens, args.aux_data_lens):
             offset = room.aux_index * item_len
             if len(data) != item_len or offset + item_len > buf_len:

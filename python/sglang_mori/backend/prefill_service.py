@@ -190,6 +190,8 @@ class PrefillService(CompletionMixin):
         )
         try:
             peer.layout = mgr.planner.accept_peer(key, msg.layout, kv, aux, state)
+            # A different aux buffer count is served (leading buffers move), with SGLang's warning.
+            mgr.check_peer_aux_buffer_count(f"{msg.decode_ip}:{msg.decode_port}", len(aux))
         except PlanningError as exc:
             peer.rejected = f"decode {msg.decode_ip}:{msg.decode_port} refused at registration: {exc}"
             logger.error("sglang-mori: %s", peer.rejected)

@@ -33,8 +33,14 @@ def check_scalar_fields(prefill: KVLayout, decode: KVLayout) -> None:
     if prefill.kv_layout != decode.kv_layout:
         raise mismatch("kv_layout", prefill.kv_layout, decode.kv_layout)
     check_tp_sizes(prefill.tp_size, decode.tp_size)
-    if prefill.aux_item_lens != decode.aux_item_lens:
-        raise mismatch("aux_item_lens", list(prefill.aux_item_lens), list(decode.aux_item_lens))
+    # Aux buffers pair up by position, as in SGLang: an optional one enabled on one engine only
+    # (--disaggregation-enable-kv-checksum, SGLANG_ENABLE_DISAGG_SAMPLING_MASK, the DSA top-k
+    # buffer) is appended last, so the leading ones still match and only those move. Their item
+    # sizes must agree, or the copy would mix fields.
+    common = min(len(prefill.aux_item_lens), len(decode.aux_item_lens))
+    if tuple(prefill.aux_item_lens[:common]) != tuple(decode.aux_item_lens[:common]):
+        raise mismatch("aux_item_lens", list(prefill.aux_item_lens), list(decode.aux_item_lens),
+                       "the aux buffers both sides have must have the same item sizes")
     src_types = [s.state_type for s in prefill.states]
     dst_types = [s.state_type for s in decode.states]
     if src_types != dst_types:
