@@ -17,19 +17,29 @@ holds the run to what every case must show:
 
 from __future__ import annotations
 
+import os
+import re
+import signal
 import time
-from typing import Dict, Iterable, List
+from typing import Dict, Iterable, List, Tuple
 
 from integration_support import config
 
-from sglang_mori.testing.pd_harness import HarnessResult, decode_worker_name
-from sglang_mori.testing.pd_harness_control import controls, late_writes_by_log, wait_clean, wait_until
+from sglang_mori.testing.pd_harness import HarnessResult, KVLayout, RoomShape, decode_worker_name, run_transfer
+from sglang_mori.testing.pd_harness_control import (
+    WorkerControl,
+    controls,
+    late_writes_by_log,
+    wait_clean,
+    wait_until,
+)
 from sglang_mori.testing.pd_harness_plan import build_plan
 from sglang_mori.testing.pd_harness_results import FAILED, SUCCESS
 
 TIMEOUT_MS = 2000  # SGLANG_MORI_TRANSFER_TIMEOUT_MS of every reliability session
 SLACK_S = 8.0  # scheduling noise on a loaded 2-core host
 CLEAN_TIMEOUT_S = 30.0
+TRANSFERRING = 3  # KVPoll.Transferring
 
 BASE_ENV = {
     "SGLANG_MORI_TRANSFER_TIMEOUT_MS": str(TIMEOUT_MS),
@@ -42,6 +52,20 @@ def reliability_config(**kw):
     env = {**BASE_ENV, **kw.pop("env", {})}
     decode_env = {"SGLANG_MORI_SOFTIO_RECORD_WRITES": "1", **kw.pop("decode_env", {})}
     return config(control=True, env=env, decode_env=decode_env, **kw)
+
+
+def two_decode_config(rounds, **env):
+    """One prefill, two decode servers (room i goes to decode server i % 2), the rooms in `rounds`;
+    the transfer deadline is long, so peer failures must be detected by the engine's report (or
+    SGLang's heartbeat), not by the deadline. `env`: more settings for every worker."""
+    return reliability_config(
+        rooms=sum(rounds),
+        rounds=rounds,
+        decode_instances=2,
+        layout=KVLayout(num_layers=2, total_kv_heads=4, head_dim=32, page_size=16),
+        shape=RoomShape(min_tokens=32, max_tokens=128, chunks=2),
+        env={"SGLANG_MORI_TRANSFER_TIMEOUT_MS": "30000", **env},
+    )
 
 
 class Session:
@@ -59,6 +83,7 @@ class Session:
         self.leftovers: Dict[str, Dict[str, int]] = {}
         self.write_logs: Dict[str, list] = {}
         self.marks: Dict[str, float] = {}  # named moments, relative to t0
+        self.firsts: Dict[str, int] = {}  # restarted decode workers: first plan index they serve
 
     # --- rounds ---------------------------------------------------------------------------
     def indices(self, k: int) -> range:
@@ -75,9 +100,10 @@ class Session:
         """Rooms of rounds 0..k that worker `name` runs (decode instance j: rooms i % n == j)."""
         if name.startswith("prefill"):
             return self.ends[k]
-        j = int(name.split(".i")[1]) if ".i" in name else 0
+        m = re.search(r"\.i(\d+)", name)
+        j = int(m.group(1)) if m else 0
         n = self.cfg.decode_instances
-        return sum(1 for i in range(self.ends[k]) if i % n == j)
+        return sum(1 for i in range(self.firsts.get(name, 0), self.ends[k]) if i % n == j)
 
     def wait_done(self, k: int, timeout_s: float, sides: Iterable[str] = ("prefill", "decode"), skip=()) -> None:
         """Every room up to round k finished (decode: released) on every worker of `sides`."""
@@ -86,6 +112,36 @@ class Session:
             if side in sides and name not in skip:
                 ok = self.info.wait_progress(name, "done", self.expected(name, k), timeout_s)
                 assert ok, f"round {k}: {name} progress {self.info.progress.get(name)} after {timeout_s} s"
+
+    def restart_decode(self, victim: str, k: int, same_ports: bool = True) -> str:
+        """Start a new decode process in place of the dead worker `victim` (see
+        ReadyInfo.restart_decode); it serves the victim's rooms from round k on. Returns its name,
+        with its control connection in self.ctl."""
+        first = self.ends[k - 1] if k else 0
+        name = self.info.restart_decode(victim, first, same_ports=same_ports)
+        self.firsts[name] = first
+        self.ctl[name] = WorkerControl(self.info.pids[name])
+        return name
+
+    def transferring(self, indices):
+        """A predicate: every room of `indices` is Transferring on prefill0."""
+        ids = [self.plan.rooms[i].room for i in indices]
+        p = self.ctl["prefill0"]
+        return lambda: all(p.room_states()["status"].get(r) == TRANSFERRING for r in ids)
+
+    def kill_decode_mid_transfer(self, victim: str, k: int, indices, mark: str = "decode_killed") -> str:
+        """Hold prefill0's lanes to decode worker `victim`, open round k, wait until the rooms of
+        `indices` (the victim's) are on the wire, then SIGKILL the victim (moment `mark`).
+        Returns the victim's engine key. The caller clears the fault."""
+        key = self.ctl[victim].engine_key()
+        for lane in range(4):
+            self.ctl["prefill0"].fault("stall_lane", lane=lane, peer=key)
+        self.open(k)
+        wait_until(self.transferring(indices), 20, f"{victim}'s rooms transferring")
+        self.mark(mark)
+        os.kill(self.info.pids[victim], signal.SIGKILL)
+        del self.ctl[victim]
+        return key
 
     def mark(self, name: str) -> None:
         self.marks[name] = time.monotonic() - self.info.t0
@@ -127,9 +183,27 @@ class Session:
                 self.write_logs[name] = c.write_log()
 
 
-def check_end(result: HarnessResult, session: Session, cfg) -> None:
+def run_session(cfg, steps) -> Tuple[HarnessResult, Session]:
+    """Run one harness session whose `during` hook is `steps(session)` (see Session.run); the
+    result and the session, once the session collected the leftovers."""
+    box: dict = {}
+
+    def during(info) -> None:
+        box["session"] = Session(info, cfg)
+        box["session"].run(steps)
+
+    result = run_transfer(cfg, during=during)
+    session = box.get("session")
+    assert session is not None and session.leftovers, result.summary()
+    return result, session
+
+
+def check_end(result: HarnessResult, session: Session, cfg, lost: Iterable[str] = ()) -> None:
+    """The end-of-run contract; `lost`: workers the test killed (they never report)."""
     summary = result.summary()
-    assert result.error is None, summary
+    lost = sorted(lost)
+    assert sorted(result.lost_workers) == lost, summary
+    assert result.error == (f"workers died before reporting: {', '.join(result.lost_workers)}" if lost else None), summary
     for rep in result.ranks:
         for o in rep.rooms:
             assert o.status in (SUCCESS, FAILED), f"{rep.side}{rep.rank} room#{o.index}: {o.status_name}\n{summary}"
@@ -138,7 +212,7 @@ def check_end(result: HarnessResult, session: Session, cfg) -> None:
     assert result.byte_exact(), summary
     assert all(r.rechecked for r in result.side("decode")), summary
     for rep in result.side("decode"):
-        records = session.write_logs.get(decode_worker_name(rep.rank, rep.instance))
+        records = session.write_logs.get(rep.worker or decode_worker_name(rep.rank, rep.instance))
         assert records is not None, "no write log collected"
         late = late_writes_by_log(records, session.plan, rep.rooms, result.ready.t0, cfg.layout.page_size)
         assert not late, "writes after release:\n" + "\n".join(late[:10])

@@ -21,39 +21,25 @@ from __future__ import annotations
 import os
 import signal
 
-from reliability_support import SLACK_S, Session, outcomes, reliability_config
+from reliability_support import SLACK_S, Session, outcomes, two_decode_config
 
-from sglang_mori.testing.pd_harness import KVLayout, RoomShape, run_transfer
+from sglang_mori.testing.pd_harness import run_transfer
 from sglang_mori.testing.pd_harness_control import late_writes_by_log, wait_until
 from sglang_mori.testing.pd_harness_results import FAILED, SUCCESS
 
 ROUNDS = (4, 8, 8, 8)
 BASE, DECODE_DIES, FOLLOW_UP, BOOTSTRAP_DIES = range(4)
 VICTIM = "decode0.i1"
-TRANSFERRING = 3
 BOOTSTRAP_TIMEOUT_S = 6
 HEARTBEAT_BOUND_S = 2 * (2 + 1) + 5.0  # interval x (misses + 1) + one probe's timeout
 
 
-def _transferring(session: Session, indices):
-    ids = [session.plan.rooms[i].room for i in indices]
-    p = session.ctl["prefill0"]
-    return lambda: all(p.room_states()["status"].get(r) == TRANSFERRING for r in ids)
-
-
 def test_decode_and_bootstrap_death_fail_their_rooms_and_the_rest_keeps_serving():
-    cfg = reliability_config(
-        rooms=sum(ROUNDS),
-        rounds=ROUNDS,
-        decode_instances=2,
-        layout=KVLayout(num_layers=2, total_kv_heads=4, head_dim=32, page_size=16),
-        shape=RoomShape(min_tokens=32, max_tokens=128, chunks=2),
-        env={
-            # Detection must come from the peer-failure report and the heartbeat, not a deadline.
-            "SGLANG_MORI_TRANSFER_TIMEOUT_MS": "30000",
-            "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(BOOTSTRAP_TIMEOUT_S),
-            "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": "30",
-        },
+    # Detection must come from the peer-failure report and the heartbeat, not a deadline.
+    cfg = two_decode_config(
+        ROUNDS,
+        SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT=str(BOOTSTRAP_TIMEOUT_S),
+        SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT="30",
     )
     box: dict = {}
 
@@ -67,14 +53,7 @@ def test_decode_and_bootstrap_death_fail_their_rooms_and_the_rest_keeps_serving(
         mine = lambda k, j: [i for i in s.indices(k) if i % 2 == j]  # noqa: E731
 
         # 2. decode server 1 dies with its writes on the wire
-        victim_key = box["victim_key"] = s.ctl[VICTIM].engine_key()
-        for lane in range(4):
-            p.fault("stall_lane", lane=lane, peer=victim_key)
-        s.open(DECODE_DIES)
-        wait_until(_transferring(s, mine(DECODE_DIES, 1)), 20, "victim's rooms transferring")
-        s.mark("decode_killed")
-        os.kill(s.info.pids[VICTIM], signal.SIGKILL)
-        del s.ctl[VICTIM]
+        box["victim_key"] = s.kill_decode_mid_transfer(VICTIM, DECODE_DIES, mine(DECODE_DIES, 1))
         s.wait_done(DECODE_DIES, 30)
 
         # 3. the survivors keep serving
@@ -86,7 +65,7 @@ def test_decode_and_bootstrap_death_fail_their_rooms_and_the_rest_keeps_serving(
         for lane in range(4):
             p.fault("stall_lane", lane=lane)
         s.open(BOOTSTRAP_DIES)
-        wait_until(_transferring(s, mine(BOOTSTRAP_DIES, 0)), 20, "rooms transferring")
+        wait_until(s.transferring(mine(BOOTSTRAP_DIES, 0)), 20, "rooms transferring")
         s.mark("bootstrap_killed")
         os.kill(s.info.pids["bootstrap"], signal.SIGKILL)
         ids = {s.plan.rooms[i].room for i in mine(BOOTSTRAP_DIES, 0)}

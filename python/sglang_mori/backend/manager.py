@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections import Counter
 from typing import List, Optional, Tuple
 
@@ -47,6 +48,9 @@ class MoriKVManager(CommonKVManager):
             logger.warning("sglang-mori: %s", warning)
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         self.protocol_rejections: Counter = Counter()
+        # Decode: bootstrap addresses whose parallel info could not be fetched yet (addr -> first
+        # failed attempt, failed attempts), for the reason of the rooms SGLang aborts over it.
+        self.bootstrap_unreachable: dict = {}
         self._push_sockets = threading.local()
         self.metrics = create_transfer_metrics(
             bool(getattr(server_args, "enable_metrics", False)),
@@ -145,6 +149,40 @@ class MoriKVManager(CommonKVManager):
             return get_device().device not in ("cpu",)
         except Exception:
             return True
+
+    # --- bootstrap reachability (decode) ------------------------------------------------
+    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+        """SGLang's single attempt, remembering failures per address.
+
+        When the bootstrap server cannot be reached, SGLang's decode scheduler retries this (15
+        attempts, 1 s apart) and then calls `abort()` on every request waiting on the address,
+        which would record only "Aborted by AbortReq.". MoriKVReceiver.abort() uses what is kept
+        here to say instead that the bootstrap server was unreachable, for how long."""
+        ok = super().try_ensure_parallel_info(bootstrap_addr)
+        if ok:
+            self.bootstrap_unreachable.pop(bootstrap_addr, None)
+        else:
+            first, attempts = self.bootstrap_unreachable.get(bootstrap_addr, (time.monotonic(), 0))
+            if bootstrap_addr not in self.bootstrap_unreachable and len(self.bootstrap_unreachable) >= 1024:
+                self.bootstrap_unreachable.pop(next(iter(self.bootstrap_unreachable)))  # bounded
+            self.bootstrap_unreachable[bootstrap_addr] = (first, attempts + 1)
+        return ok
+
+    def bootstrap_unreachable_reason(self, bootstrap_addr: str) -> Optional[str]:
+        """Why rooms on `bootstrap_addr` never got past the parallel-info fetch, or None."""
+        if bootstrap_addr in self.prefill_info_table:
+            return None
+        entry = self.bootstrap_unreachable.get(bootstrap_addr)
+        if entry is None:
+            return None
+        first, attempts = entry
+        return (f"bootstrap server {bootstrap_addr} unreachable: {attempts} attempts over "
+                f"{time.monotonic() - first:.1f} s could not fetch the prefill server's parallel info")
+
+    def forget_bootstrap_failures(self, bootstrap_addr: str) -> None:
+        """No room waits on `bootstrap_addr` any more: drop its failure count."""
+        if not self.addr_to_rooms_tracker.get(bootstrap_addr):
+            self.bootstrap_unreachable.pop(bootstrap_addr, None)
 
     # --- messaging ----------------------------------------------------------------------
     def send_message(self, endpoint: Tuple[str, int], message) -> bool:

@@ -25,6 +25,18 @@ class MoriKVReceiver(CommonKVReceiver):
             mgr.update_status(bootstrap_room, KVPoll.Failed)
             self.conclude_state = KVPoll.Failed
 
+    def abort(self):
+        if self._owns_bootstrap_room and self.conclude_state != KVPoll.Failed:
+            # Aborted before init: SGLang's scheduler gives up on a bootstrap server it could not
+            # reach (after 15 attempts) by aborting the request, which alone would read "Aborted by
+            # AbortReq.". Record the real cause first; super().abort() keeps a Failed room's reason.
+            reason = self.kv_mgr.bootstrap_unreachable_reason(self.bootstrap_addr)
+            if reason is not None and getattr(self, "bootstrap_infos", None) is None:
+                self.kv_mgr.record_failure(self.bootstrap_room, f"Aborted: {reason}")
+                self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
+                self.conclude_state = KVPoll.Failed
+        super().abort()
+
     def _send_abort_notification(self, *, force_arm: bool = False):
         mgr = self.kv_mgr
         if mgr.enable_deferred_decode_kv_release and (force_arm or self.init_time is not None):
@@ -42,3 +54,4 @@ class MoriKVReceiver(CommonKVReceiver):
     def _clear(self) -> None:
         super()._clear()
         self.kv_mgr.service.forget(self.bootstrap_room)
+        self.kv_mgr.forget_bootstrap_failures(self.bootstrap_addr)

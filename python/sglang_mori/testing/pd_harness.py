@@ -82,14 +82,17 @@ def _context(method: str):
 
 
 class _Worker:
-    def __init__(self, ctx, name: str, role: str, rank: int, cfg, model_dir: str, port: int, instance: int = 0):
+    def __init__(
+        self, ctx, name: str, role: str, rank: int, cfg, model_dir: str, port: int, instance: int = 0,
+        first_index: int = 0, pin: Optional[dict] = None,
+    ):
         from sglang_mori.testing.pd_harness_worker import worker_main
 
-        self.name, self.role, self.rank = name, role, rank
+        self.name, self.role, self.rank, self.instance = name, role, rank, instance
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(
             target=worker_main,
-            args=(role, rank, cfg, model_dir, port, child, instance),
+            args=(role, rank, cfg, model_dir, port, child, instance, first_index, pin),
             name=f"pd-harness-{name}",
             # Also reaped by multiprocessing's exit handler if the caller dies between our
             # try/finally and the join (e.g. KeyboardInterrupt); workers start only threads.
@@ -126,11 +129,14 @@ def _collect(
     deadline: float,
     progress: Optional[Dict[str, dict]] = None,
     lost: Optional[List[str]] = None,
+    joiners: Optional[List[_Worker]] = None,
 ) -> None:
     """Wait for message `kind` from every worker in the list; raise on error/deadline, and on a
     death unless `lost` is given (then the dead worker's name is appended and the rest awaited).
-    Progress messages met on the way update `progress`."""
+    Progress messages met on the way update `progress`. Workers appended to `joiners` meanwhile
+    (restart_decode, once they are up) are awaited too."""
     waiting = {w.conn: w for w in workers}
+    joined = 0
 
     def died(w: _Worker, why: str) -> None:
         if lost is None:
@@ -139,6 +145,10 @@ def _collect(
         del waiting[w.conn]
 
     while waiting:
+        if joiners is not None and len(joiners) > joined:
+            for w in joiners[joined:]:
+                waiting[w.conn] = w
+            joined = len(joiners)
         left = deadline - time.monotonic()
         if left <= 0:
             names = ", ".join(w.name for w in waiting.values())
@@ -224,25 +234,31 @@ def run_transfer(cfg: HarnessConfig, *, on_ready: Optional[Hook] = None, during:
             t0 = result.ready.t0 = time.monotonic()
             for w in prefill + decode:
                 w.conn.send(("go", t0))
+            joiners: List[_Worker] = []  # decode workers started by restart_decode, once up
+            result.ready.restart_decode = _restarter(ctx, cfg, model_dir, port, result.ready, workers, joiners)
             thread = None
             if during is not None:
                 thread = threading.Thread(target=_guard(during, result.ready, hook_error), daemon=True)
                 thread.start()
             lost = result.lost_workers
+            report_deadline = t0 + cfg.transfer_timeout_s + VERIFY_MARGIN_S
             _collect(
-                prefill + decode, "report", t0 + cfg.transfer_timeout_s + VERIFY_MARGIN_S,
-                progress=result.ready.progress, lost=lost,
+                prefill + decode, "report", report_deadline,
+                progress=result.ready.progress, lost=lost, joiners=joiners,
             )  # fmt: skip
             result.wall_s = time.monotonic() - t0
             if thread is not None:
                 thread.join(cfg.transfer_timeout_s)
                 if thread.is_alive():
                     raise HarnessError("the 'during' hook did not return before the deadline")
+            late_joiners = [w for w in joiners if w.report is None and w.name not in lost]
+            if late_joiners:  # started after every other worker had reported
+                _collect(late_joiners, "report", report_deadline, progress=result.ready.progress, lost=lost)
             if hook_error:
                 raise HarnessError(f"the 'during' hook raised: {hook_error[0]!r}") from hook_error[0]
             # Every prefill rank has concluded every room: a failed room released on decode must
             # not have changed since its release.
-            survivors = [w for w in decode if w.name not in lost]
+            survivors = [w for w in decode + joiners if w.name not in lost]
             for w in survivors:
                 w.conn.send(("recheck",))
             _collect(survivors, "rechecked", time.monotonic() + VERIFY_MARGIN_S)
@@ -259,8 +275,39 @@ def run_transfer(cfg: HarnessConfig, *, on_ready: Optional[Hook] = None, during:
             end = time.monotonic() + STOP_GRACE_S
             for w in workers:
                 w.reap(end)
+        for w in workers:
+            if w.report is not None:
+                w.report.worker = w.name
         result.ranks = [w.report for w in workers if w.report is not None]
     return result
+
+
+def _restarter(ctx, cfg: HarnessConfig, model_dir: str, port: int, info: ReadyInfo, workers, joiners):
+    """ReadyInfo.restart_decode for this run (see there). Runs on the hook's thread: it reads only
+    the new worker's pipe until that worker is up, then hands it to the orchestrator's loop."""
+    count = [0]
+
+    def restart_decode(victim: str, first_index: int, same_ports: bool = True, timeout_s: Optional[float] = None) -> str:
+        old = next((w for w in workers if w.name == victim), None)
+        if old is None or old.role != "decode":
+            raise ValueError(f"no decode worker named {victim!r}")
+        if old.proc.is_alive():
+            raise ValueError(f"{victim} is still running; kill it first")
+        pin = None
+        if same_ports:
+            pin = {"rank_port": old.ready["endpoint"][1], "engine_port": old.ready.get("engine_port")}
+        count[0] += 1
+        name = f"{decode_worker_name(old.rank, old.instance)}.r{count[0]}"
+        w = _Worker(ctx, name, "decode", old.rank, cfg, model_dir, port, old.instance, first_index, pin)
+        workers.append(w)  # stopped and reaped with the others, whatever happens next
+        _collect([w], "ready", time.monotonic() + (timeout_s or cfg.startup_timeout_s))
+        info.pids[name] = w.ready["pid"]
+        info.decode_endpoints.append(tuple(w.ready["endpoint"]))
+        w.conn.send(("go", info.t0))
+        joiners.append(w)
+        return name
+
+    return restart_decode
 
 
 def _guard(fn: Hook, info: ReadyInfo, errors: List[BaseException]) -> Callable[[], None]:

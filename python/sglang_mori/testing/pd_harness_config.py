@@ -121,6 +121,16 @@ class HarnessConfig:
     decode_abort_inflight: Tuple[int, ...] = ()
     bad_decode_pages: Tuple[int, ...] = ()
     duplicate_rooms: Tuple[Tuple[int, int], ...] = ()
+    # Plan indices whose decode receiver is given a bootstrap address where nothing listens (a
+    # port decode keeps bound but never listens on): the bootstrap server cannot be reached from
+    # the start. Prefill still runs these rooms against the live bootstrap server.
+    unreachable_bootstrap: Tuple[int, ...] = ()
+    # Decode's "ensure parallel info" retries, as SGLang's DecodePreallocQueue._ensure_prefill_info
+    # does them: one attempt per bootstrap address at most every ensure_retry_s, and after
+    # ensure_max_attempts failed attempts every room still waiting on that address is aborted
+    # (SGLang: 15 attempts, 1.0 s apart). 0 = retry until the run deadline (the harness default).
+    ensure_max_attempts: int = 0
+    ensure_retry_s: float = 0.05
     seed: int = 1234
     # Decode pages never given to any room, checked to stay zero.
     spare_decode_pages: int = 16
@@ -181,9 +191,16 @@ class HarnessConfig:
             raise ValueError("prefill_abort_trigger must be 'sent' or 'first_success'")
         if self.rounds and (sum(self.rounds) != self.rooms or min(self.rounds) < 1):
             raise ValueError("rounds must be positive room counts summing to rooms")
-        named = [*self.decode_abort_inflight, *self.bad_decode_pages, *(i for p in self.duplicate_rooms for i in p)]
+        named = [
+            *self.decode_abort_inflight,
+            *self.bad_decode_pages,
+            *(i for p in self.duplicate_rooms for i in p),
+            *self.unreachable_bootstrap,
+        ]
         if any(not 0 <= i < self.rooms for i in named):
             raise ValueError("room indices of the reliability options must name rooms of the plan")
+        if self.ensure_max_attempts < 0 or self.ensure_retry_s < 0:
+            raise ValueError("ensure_max_attempts and ensure_retry_s must be >= 0")
         if self.shape.chunks < 1:
             raise ValueError("chunks must be >= 1")
         if self.start_method not in ("forkserver", "spawn"):

@@ -12,6 +12,8 @@ UNIX socket named after its PID (`WorkerControl(pid)` connects to it), answering
   the in-flight count, plus the highest in-flight count seen since start;
 - `write_log()` (decode): every write softio logged into this rank's KV/aux/state buffers, as
   (buffer kind, buffer index, first row, last row, landing time, writer key);
+- `engine_endpoint()`, `engine_peers()`: where this rank's engine listens; the remote engines
+  registered with it (prefill: which decode incarnations it still knows);
 - `restart_engine()` (decode): kill this rank's engine (RST every connection, like a crashed
   process) and build a fresh manager with a new engine key in its place, on the same buffers.
   Later rounds run on the new manager.
@@ -149,6 +151,15 @@ class ControlServer:
     def cmd_engine_key(self):
         return self.mgr.engine.key
 
+    def cmd_engine_endpoint(self):
+        """(host, port) this rank's engine listens on."""
+        desc = self.mgr.engine.desc
+        return (desc.host, int(desc.port))
+
+    def cmd_engine_peers(self):
+        """Keys of the remote engines registered with this rank's engine."""
+        return sorted(self.mgr.engine._peers)
+
     def cmd_leftovers(self):
         total: Dict[str, int] = {}
         for mgr in [*self.retired, self.mgr]:
@@ -279,6 +290,7 @@ def leftovers(mgr) -> Dict[str, int]:
         "required_prefill_response_num_table",
         "prefill_response_tracker",
         "_deferred_abort_ack_tracker",
+        "bootstrap_unreachable",
     ]
     out = {n: _count(getattr(mgr, n, None)) for n in names if hasattr(mgr, n)}
     if hasattr(mgr, "addr_to_rooms_tracker"):
@@ -369,6 +381,12 @@ class WorkerControl:
 
     def engine_key(self) -> str:
         return self.call("engine_key")
+
+    def engine_endpoint(self) -> tuple:
+        return tuple(self.call("engine_endpoint"))
+
+    def engine_peers(self) -> list:
+        return self.call("engine_peers")
 
     def restart_engine(self) -> dict:
         return self.call("restart_engine", timeout_s=120.0)

@@ -2,8 +2,11 @@
 scheduler uses (disaggregation/decode.py, DecodePreallocQueue and DecodeTransferQueue):
 
 1. construct the receiver (`_create_receiver_and_enqueue`);
-2. `mgr.try_ensure_parallel_info(bootstrap_addr)` until it answers True, retried at most every
-   RETRY_S like `_ensure_prefill_info`, then `init(prefill_dp_rank=0)` (a DP-1 prefill);
+2. `mgr.try_ensure_parallel_info(bootstrap_addr)` until it answers True, one attempt per address
+   at most every cfg.ensure_retry_s like `_ensure_prefill_info`, then `init(prefill_dp_rank=0)` (a
+   DP-1 prefill). With cfg.ensure_max_attempts, after that many failed attempts on an address
+   every room still waiting on it is aborted (`kv_receiver.abort()`), as SGLang's scheduler does
+   after its 15 attempts; the room then polls Failed and is dropped with its failure text;
 3. poll until WaitingForInput, then `send_metadata(page_indices, aux_index, state_indices,
    decode_prefix_len=0)` (`_send_kv_metadata`, no prefix cache);
 4. poll until Success (then `clear()`) or Failed. Failed before send_metadata: just
@@ -14,6 +17,9 @@ scheduler uses (disaggregation/decode.py, DecodePreallocQueue and DecodeTransfer
    `clear_deferred_abort_state(room)` and `clear()` (`resolve_deferred_releases`/`_do_release`).
    The pages are snapshotted at release so a write landing after it can be caught later.
 
+Rooms listed in cfg.unreachable_bootstrap get `unreachable_addr` (nothing listens there) as their
+bootstrap address instead of the live one.
+
 Rooms listed in cfg.decode_abort are aborted while still in the pre-allocation queue (after
 `init`, before `send_metadata`), like an AbortReq there. As on prefill, the TP all-reduce of poll
 results is left out.
@@ -23,7 +29,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 from sglang_mori.testing.pd_harness_loop import RoomState, drive
 from sglang_mori.testing.pd_harness_plan import Plan
@@ -31,7 +37,6 @@ from sglang_mori.testing.pd_harness_pool import RankPool
 from sglang_mori.testing.pd_harness_results import FAILED, SUCCESS, WAITING_FOR_INPUT, RoomOutcome
 from sglang_mori.testing.pd_harness_verify import snapshot_room
 
-RETRY_S = 0.05
 
 
 def _release_timeout_s() -> float:
@@ -51,10 +56,16 @@ def run_decode_rooms(
     snapshots: Dict[int, object] = None,
     may_open=None,
     rooms=None,
+    unreachable_addr: Optional[str] = None,
 ) -> List[RoomOutcome]:
     """Run `rooms` (default: every room of the plan); `snapshots` (if given) receives the pages
     of every released failed room."""
-    last_ensure = [0.0]
+    cfg = pool.cfg
+    # Per bootstrap address, as in _ensure_prefill_info: [time of the last attempt, failed attempts],
+    # and the rooms still waiting on it.
+    ensure: Dict[str, list] = {}
+    waiting: Dict[str, List[RoomState]] = {}
+    unreachable = set(cfg.unreachable_bootstrap)
     abort = set(pool.cfg.decode_abort)
     abort_inflight = set(pool.cfg.decode_abort_inflight)
     bad_pages = set(pool.cfg.bad_decode_pages)
@@ -65,9 +76,40 @@ def run_decode_rooms(
         # A receiver stays bound to the manager it was made with (mgr may be a ManagerRef that a
         # restart_engine re-points; see pd_harness_control.py).
         st.mgr = getattr(mgr, "current", mgr)
-        st.receiver = receiver_cls(mgr=st.mgr, bootstrap_addr=bootstrap_addr, bootstrap_room=room.room)
+        st.addr = unreachable_addr if room.index in unreachable else bootstrap_addr
+        if st.addr is None:
+            raise ValueError("rooms with an unreachable bootstrap address need unreachable_addr")
+        st.receiver = receiver_cls(mgr=st.mgr, bootstrap_addr=st.addr, bootstrap_room=room.room)
         st.phase = "ensure"
+        waiting.setdefault(st.addr, []).append(st)
         return st
+
+    def ensure_step(st: RoomState) -> bool:
+        """One scheduler pass of the pre-allocation queue for this room's address."""
+        addr = st.addr
+        now = time.monotonic()
+        last, attempts = ensure.get(addr, (None, 0))
+        if last is not None and now - last < cfg.ensure_retry_s:
+            return False
+        if st.mgr.try_ensure_parallel_info(addr):
+            ensure.pop(addr, None)  # cached now: the other rooms of this address pass at once
+            waiting[addr].remove(st)
+            st.receiver.init(0)
+            st.phase = "handshake"
+            if st.plan.index in abort:
+                st.receiver.abort()
+            return True
+        attempts += 1
+        if cfg.ensure_max_attempts and attempts >= cfg.ensure_max_attempts:
+            # SGLang: "Could not fetch prefill parallel info from <addr> after N attempts" -- abort
+            # every request still waiting on the address; each then polls Failed.
+            ensure.pop(addr, None)
+            for other in waiting.pop(addr, []):
+                other.receiver.abort()
+                other.phase = "handshake"
+            return True
+        ensure[addr] = [now, attempts]
+        return False
 
     def fail(st: RoomState) -> None:
         try:
@@ -111,18 +153,7 @@ def run_decode_rooms(
 
     def step_room(st: RoomState) -> bool:
         if st.phase == "ensure":
-            now = time.monotonic()
-            if now - last_ensure[0] < RETRY_S:
-                return False
-            last_ensure[0] = now
-            if not st.mgr.try_ensure_parallel_info(bootstrap_addr):
-                return False
-            last_ensure[0] = 0.0  # cached now: the other rooms pass at once
-            st.receiver.init(0)
-            st.phase = "handshake"
-            if st.plan.index in abort:
-                st.receiver.abort()
-            return True
+            return ensure_step(st)
         if st.phase == "release":
             return release(st)
         poll = st.receiver.poll()

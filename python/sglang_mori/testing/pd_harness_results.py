@@ -10,7 +10,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 # KVPoll values (sglang.srt.disaggregation.base.conn.KVPoll) plus the harness's own "no terminal
 # state before the deadline".
@@ -63,6 +63,7 @@ class RankReport:
     rank: int
     pid: int
     instance: int = 0  # decode instance (cfg.decode_instances)
+    worker: str = ""  # the orchestrator's name for the worker ("decode0.i1", "decode0.i1.r1", ...)
     rooms: List[RoomOutcome] = field(default_factory=list)
     error: Optional[str] = None  # traceback if the worker itself crashed
     # Decode only: byte checks.
@@ -93,6 +94,12 @@ class ReadyInfo:
     # orchestrator while the rooms run; read it from a `during` hook.
     progress: Dict[str, Dict[str, int]] = field(default_factory=dict)
     t0: Optional[float] = None  # time.monotonic() of "go"; room times are relative to it
+    # Set by run_transfer for `during` hooks: restart_decode(victim, first_index, same_ports=True)
+    # starts a new decode process in place of the dead worker `victim` (same TP rank and decode
+    # instance; with same_ports, bound to the victim's ZMQ rank port and engine port), waits until
+    # it is up, says "go" to it and returns its worker name (also added to `pids`). It serves the
+    # victim's rooms from plan index `first_index` on, and reports like any decode worker.
+    restart_decode: Optional[Callable[..., str]] = None
 
     def wait_progress(self, worker: str, key: str, at_least: int, timeout_s: float) -> bool:
         """Poll until progress[worker][key] >= at_least; False if the deadline passes first."""
@@ -147,7 +154,7 @@ class HarnessResult:
         for rep in self.ranks:
             for o in rep.rooms:
                 if o.status != SUCCESS:
-                    where = f"{rep.side}{rep.rank}{f'.i{rep.instance}' if rep.instance else ''}"
+                    where = rep.worker or f"{rep.side}{rep.rank}{f'.i{rep.instance}' if rep.instance else ''}"
                     out.append(f"{where} room#{o.index}: {o.status_name}: {o.failure}")
         return out
 
@@ -170,7 +177,7 @@ class HarnessResult:
             lat = [o.latency for o in rep.rooms if o.latency is not None]
             p50 = f"{statistics.median(lat) * 1e3:.1f}ms" if lat else "-"
             lines.append(
-                f"  {rep.side}{rep.rank}{f'.i{rep.instance}' if rep.instance else ''} pid={rep.pid} {counts} p50={p50} "
+                f"  {rep.worker or rep.side + str(rep.rank) + (f'.i{rep.instance}' if rep.instance else '')} pid={rep.pid} {counts} p50={p50} "
                 f"checked={rep.checked_bytes}B mismatches={rep.mismatch_count}"
                 + (f" ERROR:\n{rep.error}" if rep.error else "")
             )

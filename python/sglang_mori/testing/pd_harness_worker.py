@@ -18,10 +18,12 @@ backend can never keep it alive after "stop".
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import time
 import traceback
 import urllib.request
+from typing import Optional
 
 from sglang_mori.testing.pd_harness_config import HarnessConfig
 from sglang_mori.testing.pd_harness_results import RankReport
@@ -31,14 +33,25 @@ LINGER_S = 600.0
 
 
 def worker_main(
-    role: str, rank: int, cfg: HarnessConfig, model_dir: str, bootstrap_port: int, conn, instance: int = 0
+    role: str,
+    rank: int,
+    cfg: HarnessConfig,
+    model_dir: str,
+    bootstrap_port: int,
+    conn,
+    instance: int = 0,
+    first_index: int = 0,
+    pin: Optional[dict] = None,
 ) -> None:
+    """`first_index`, `pin`: a decode server started in place of a dead one (see
+    pd_harness.ReadyInfo.restart_decode) serves only the rooms from `first_index` on, and with
+    `pin` binds the dead one's ports ({"rank_port", "engine_port"})."""
     code = 0
     try:
         if role == "bootstrap":
             _run_bootstrap(cfg, model_dir, bootstrap_port, conn)
         else:
-            _run_rank(role, rank, cfg, model_dir, bootstrap_port, conn, instance)
+            _run_rank(role, rank, cfg, model_dir, bootstrap_port, conn, instance, first_index, pin)
     except BaseException:
         code = 1
         try:
@@ -131,6 +144,18 @@ def _registration_frames(mgr):
         return None
 
 
+def _engine_port(mgr) -> Optional[int]:
+    """The port of this manager's MORI-IO engine (None for backends without one)."""
+    desc = getattr(getattr(mgr, "engine", None), "desc", None)
+    return None if desc is None else int(desc.port)
+
+
+def _unreachable_port(cfg: HarnessConfig) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind((cfg.host, 0))
+    return sock
+
+
 def _run_bootstrap(cfg: HarnessConfig, model_dir: str, port: int, conn) -> None:
     from sglang_mori.testing.pd_harness_sglang import kv_classes, setup_process
 
@@ -153,10 +178,17 @@ def _run_bootstrap(cfg: HarnessConfig, model_dir: str, port: int, conn) -> None:
     _serve_until_stop(conn, time.monotonic() + cfg.startup_timeout_s + cfg.transfer_timeout_s + LINGER_S)
 
 
-def _run_rank(side: str, rank: int, cfg: HarnessConfig, model_dir: str, port: int, conn, instance: int) -> None:
+def _run_rank(
+    side: str, rank: int, cfg: HarnessConfig, model_dir: str, port: int, conn, instance: int,
+    first_index: int = 0, pin: Optional[dict] = None,
+) -> None:
     from sglang_mori.testing.pd_harness_sglang import kv_classes, setup_process
 
     server_args = setup_process(cfg, model_dir, side, rank, port)
+    if pin:
+        from sglang_mori.testing.pd_harness_pin import pin_ports
+
+        pin_ports(cfg, pin)
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
     from sglang_mori.testing.pd_harness_decode import run_decode_rooms
@@ -192,6 +224,7 @@ def _run_rank(side: str, rank: int, cfg: HarnessConfig, model_dir: str, port: in
                 "endpoint": (mgr.local_ip, mgr.rank_port),
                 "class": f"{type(mgr).__module__}.{type(mgr).__name__}",
                 "registration": _registration_frames(mgr) if side == "decode" else None,
+                "engine_port": _engine_port(mgr),
             },
         )
     )
@@ -206,6 +239,10 @@ def _run_rank(side: str, rank: int, cfg: HarnessConfig, model_dir: str, port: in
     addr = f"{cfg.host}:{port}"
     report = RankReport(side=side, rank=rank, pid=os.getpid(), instance=instance)
     mine = rooms_of_instance(plan, instance, cfg.decode_instances) if side == "decode" else plan.rooms
+    mine = [r for r in mine if r.index >= first_index]
+    # cfg.unreachable_bootstrap: a port this process keeps bound and never listens on, so a
+    # connection to it is refused (and no other process can take the port meanwhile).
+    dead = _unreachable_port(cfg) if side == "decode" and cfg.unreachable_bootstrap else None
     progress = _Progress(conn)
     snapshots: dict = {}
     if side == "prefill":
@@ -215,7 +252,7 @@ def _run_rank(side: str, rank: int, cfg: HarnessConfig, model_dir: str, port: in
     else:
         report.rooms = run_decode_rooms(
             pool, plan, mgr, receiver_cls, addr, clock, deadline, progress, snapshots, may_open=gate.may_open,
-            rooms=mine,
+            rooms=mine, unreachable_addr=None if dead is None else f"{cfg.host}:{dead.getsockname()[1]}",
         )
     progress.flush()
     done = [o.t_done for o in report.rooms if o.t_done is not None]
