@@ -191,3 +191,28 @@ def test_concurrent_adds_keep_one_key_per_endpoint():
     assert len(keys) == 4
     assert sorted(reg.get(k).endpoint[1] for k in keys) == [17000, 17001, 17002, 17003]
     assert reg.up_count() == 4
+
+
+def test_prune_dead_forgets_broken_silent_idle_peers_only(clock):
+    reg = PeerRegistry(FAIL_FAST_S)
+    dead, busy, chatty, healthy = peer("dead", 1), peer("busy", 2), peer("chatty", 3), peer("ok", 4)
+    for p in (dead, busy, chatty, healthy):
+        reg.add(p)
+    for key in ("dead", "busy", "chatty"):
+        reg.mark_failed(key, "lane broke")
+    busy.inflight = 1
+    clock.now += 60
+    reg.touch("chatty")  # it sent room metadata: not gone
+    # Past the fail-fast window the failure is forgotten for use, but not for pruning.
+    assert reg.unusable_reason("dead") is None
+    assert reg.prune_dead(100.0) == []  # too early for everybody
+    clock.now += 50
+    assert [p.engine_key for p in reg.prune_dead(100.0)] == ["dead"]
+    assert reg.get("dead") is None and reg.get("busy") is busy and reg.get("chatty") is chatty
+    assert reg.unusable_reason("dead") == "decode engine dead has not registered with this prefill rank"
+    # Its endpoint is free again: a new engine there replaces nobody.
+    assert reg.add(peer("dead2", 1)) is None
+    busy.inflight = 0
+    clock.now += 100
+    assert {p.engine_key for p in reg.prune_dead(100.0)} == {"busy", "chatty"}
+    assert reg.get("ok") is healthy and reg.get("dead2") is not None

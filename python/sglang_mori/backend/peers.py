@@ -22,8 +22,12 @@ class DecodePeer:
     rejected: Optional[str] = None
     failed_reason: Optional[str] = None
     failed_at: Optional[float] = None
+    # Last transport failure; unlike failed_at it is not cleared when the fail-fast window ends,
+    # because MORI never rebuilds a broken connection: only a new engine key brings the peer back.
+    broken_at: Optional[float] = None
     inflight: int = 0
     registered_at: float = field(default_factory=time.monotonic)
+    last_seen: float = field(default_factory=lambda: time.monotonic())  # registration or room metadata
 
 
 class PeerRegistry:
@@ -67,8 +71,36 @@ class PeerRegistry:
                 return False
             news = peer.failed_reason is None
             peer.failed_reason = reason
-            peer.failed_at = time.monotonic()
+            peer.failed_at = peer.broken_at = time.monotonic()
             return news
+
+    def touch(self, key: str) -> None:
+        """The peer spoke (room metadata): it is not gone, whatever its connection's state."""
+        with self._lock:
+            peer = self._by_key.get(key)
+            if peer is not None:
+                peer.last_seen = time.monotonic()
+
+    def prune_dead(self, retention_s: float) -> list:
+        """Remove and return peers whose connection broke and that have been silent since, for
+        `retention_s`, with nothing in flight.
+
+        A decode that restarts on new ports (SGLang binds random ones) leaves its old engine key
+        here for good otherwise: one entry, planner and engine registration per restart.
+        """
+        now = time.monotonic()
+        removed = []
+        with self._lock:
+            for key, peer in list(self._by_key.items()):
+                if peer.broken_at is None or peer.inflight:
+                    continue
+                if now - max(peer.broken_at, peer.last_seen) < retention_s:
+                    continue
+                del self._by_key[key]
+                if self._key_by_endpoint.get(peer.endpoint) == key:
+                    del self._key_by_endpoint[peer.endpoint]
+                removed.append(peer)
+        return removed
 
     def unusable_reason(self, key: str) -> Optional[str]:
         """Why rooms to `key` must fail now, or None when it can be used."""

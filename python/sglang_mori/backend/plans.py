@@ -72,7 +72,9 @@ class KVPlanner:
 
     def write_pairs(self, peer, chunk, target) -> list:
         """Every (local region, remote region) write of one chunk to one decode rank."""
-        planner = self._planners[peer.engine_key]
+        planner = self._planners.get(peer.engine_key)
+        if planner is None:  # forgotten (replaced or pruned) after the caller looked it up
+            raise PlanError(f"decode engine {peer.engine_key} is no longer registered with this prefill rank")
         dst = target.kv_indices[chunk.index_slice]
         mgr = self.mgr
         pairs = _to_pairs(planner.plan_kv(chunk.kv_indices, dst), mgr.kv_descs, peer.kv_descs)

@@ -37,6 +37,9 @@ logger = logging.getLogger(__name__)
 FINISHED_ROOMS_TTL_S = 300.0
 FINISHED_ROOMS_MAX = 100_000
 UNCLAIMED_PRUNE_INTERVAL_S = 1.0
+# A decode peer whose connection broke (MORI does not rebuild it) and that sent nothing since is
+# forgotten after this long; at least 10 fail-fast windows.
+DEAD_PEER_RETENTION_S = 120.0
 
 
 @dataclass
@@ -131,6 +134,7 @@ class PrefillService(CompletionMixin):
                 if now >= self._next_prune:
                     self._next_prune = now + UNCLAIMED_PRUNE_INTERVAL_S
                     self._prune_unclaimed(now)
+                    self._prune_dead_peers()
                 if not poller.poll(200):
                     continue
                 frames = sock.recv_multipart()
@@ -207,6 +211,7 @@ class PrefillService(CompletionMixin):
         if replaced is not None:
             self._fail_rooms_of_peer(replaced.engine_key, f"decode engine {replaced.engine_key} was replaced by a restarted engine")
             mgr.engine.remove_peer(replaced.engine_key)
+            mgr.planner.forget_peer(replaced.engine_key)
         if peer.rejected is None:
             mgr.metrics.peer_up(key)
         else:
@@ -235,6 +240,7 @@ class PrefillService(CompletionMixin):
             is_dummy=msg.is_dummy,
         )
         if not target.is_dummy:
+            self.peers.touch(msg.engine_key)
             target.reject_reason = self.peers.unusable_reason(msg.engine_key) or mgr.planner.check_destination(
                 self.peers.get(msg.engine_key), target
             )
@@ -284,6 +290,15 @@ class PrefillService(CompletionMixin):
         with self._meta_lock:
             if room not in self.mgr.request_status or room in self._unclaimed:
                 self._unclaimed.setdefault(room, time.monotonic())
+
+    def _prune_dead_peers(self) -> None:
+        retention = max(DEAD_PEER_RETENTION_S, 10 * self.cfg.peer_fail_fast_s)
+        for peer in self.peers.prune_dead(retention):
+            logger.info("sglang-mori: forgetting decode engine %s (%s:%s): its connection broke %.0f s "
+                        "ago (%s) and it has not spoken since", peer.engine_key, *peer.endpoint,
+                        time.monotonic() - peer.broken_at, peer.failed_reason or "failure")
+            self.mgr.planner.forget_peer(peer.engine_key)
+            self.mgr.engine.remove_peer(peer.engine_key)
 
     def _prune_unclaimed(self, now: float) -> None:
         """Forget rooms decode's messages created here (metadata, a failure for a room not seen
