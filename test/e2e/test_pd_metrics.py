@@ -17,7 +17,7 @@ prefill (SGLang's, filled from the sender's get_transfer_metric()):
   sglang:kv_transfer_bootstrap_ms / _alloc_ms counts +N
 decode:
   sglang:kv_transfer_bootstrap_ms / _alloc_ms counts +N; our series exported with engine_type decode
-  and no failures.
+  and no failures; sglang_mori_requests_total{outcome="ok"} +N.
 
 Values reach /metrics asynchronously (the prefill scheduler observes SGLang's histograms when it
 next polls its in-flight queue, possibly after decode answered), so the checks are polled against a
@@ -133,6 +133,7 @@ def test_pd_metrics_move_with_requests(pd, tiny_model):
             "sglang decode kv_transfer_alloc_ms count": delta(d1, d0, "sglang:kv_transfer_alloc_ms_count"),
             "decode failures": delta(d1, d0, "sglang_mori_failures_total", **D),
             "decode requests failed": delta(d1, d0, "sglang_mori_requests_total", outcome="failed", **D),
+            "decode requests ok": delta(d1, d0, "sglang_mori_requests_total", outcome="ok", **D),
         }
         checks = [
             ("prefill requests ok", lambda v: v == n, f"== {n} requests sent"),
@@ -158,6 +159,7 @@ def test_pd_metrics_move_with_requests(pd, tiny_model):
             ("sglang decode kv_transfer_alloc_ms count", lambda v: v == n, f"== {n}"),
             ("decode failures", lambda v: v == 0, "== 0"),
             ("decode requests failed", lambda v: v == 0, "== 0"),
+            ("decode requests ok", lambda v: v == n, f"== {n} requests received"),
         ]
         out = [f"{k}: got {got[k]:g}, want {want}" for k, ok, want in checks if not ok(got[k])]
         # The decode scheduler's collectors must reach the decode server's /metrics too.

@@ -152,6 +152,7 @@ class DecodeService:
             if error:
                 mgr.record_failure(msg.room, error)
                 mgr.update_status(msg.room, KVPoll.Failed)
+                mgr.metrics.request_finished(ok=False, reason="other")
                 return
         elif msg.status != int(KVPoll.Failed):
             mgr.reject_message(
@@ -159,9 +160,15 @@ class DecodeService:
                 "decode status socket",
             )
             return
+        before = mgr.request_status.get(msg.room)
         mgr.apply_prefill_status(
             bootstrap_room=msg.room, status=msg.status, prefill_rank=msg.prefill_rank, failure_reason=msg.reason
         )
+        # Count the room once, when this message made it terminal (with several prefill ranks,
+        # the last Success does; a Failed from any rank does).
+        after = mgr.request_status.get(msg.room)
+        if after != before and after in (KVPoll.Success, KVPoll.Failed):
+            mgr.metrics.request_finished(ok=after == KVPoll.Success, reason=None if after == KVPoll.Success else "other")
 
     def _copy_aux(self, msg: protocol.RoomStatus) -> Optional[str]:
         """Copy the aux items into this room's aux slot; an error string if they do not fit.
