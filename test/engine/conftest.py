@@ -1,9 +1,10 @@
 """Fixtures of the engine conformance suite.
 
-Tests that take `engine_kind` run once per available engine: softio always, real `mori.io` only
-when SGLANG_MORI_MANUAL_E2E=1 and it imports (otherwise that parameter is simply not generated).
-Tests that exercise softio-only features (fault injection, write log, wire robustness) use
-softio directly and say so in their names.
+Tests that take `engine_kind` run once per available engine: softio always, on each of its two
+paths ("softio-tcp": TCP lanes; "softio-intrahost": cross-memory attach between processes of one
+host), and real `mori.io` only when SGLANG_MORI_MANUAL_E2E=1 and it imports (otherwise that
+parameter is simply not generated). Tests of softio-only features (fault injection, write log,
+wire robustness) run on both softio paths and say so in their names.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ import os
 import numpy as np
 import pytest
 
-from engine_peer import EnginePeer, engine_module, unique_key
+from engine_peer import (SOFTIO_KINDS, EnginePeer, check_paths, engine_env, engine_module,
+                         unique_key)
 
 
 def _available_kinds() -> list[str]:
-    kinds = ["softio"]
+    kinds = list(SOFTIO_KINDS)
     if os.environ.get("SGLANG_MORI_MANUAL_E2E") == "1":
         try:
             importlib.import_module("mori.io")
@@ -35,19 +37,23 @@ ENGINE_KINDS = _available_kinds()
 def pytest_generate_tests(metafunc):
     if "engine_kind" in metafunc.fixturenames:
         # Modules about softio's own features (faults, write log, wire) set SOFTIO_ONLY.
-        kinds = ["softio"] if getattr(metafunc.module, "SOFTIO_ONLY", False) else ENGINE_KINDS
+        kinds = SOFTIO_KINDS if getattr(metafunc.module, "SOFTIO_ONLY", False) else ENGINE_KINDS
+        kinds = getattr(metafunc.module, "KINDS", kinds)  # a module about one softio path
         metafunc.parametrize("engine_kind", kinds, scope="module")
 
 
 class Initiator:
     """An engine in the test process, plus helpers to make local buffers and reach a peer."""
 
-    def __init__(self, io, qp: int = 2, notify: bool = False, post_batch_size: int = -1):
+    def __init__(self, io, kind: str, qp: int = 2, notify: bool = False,
+                 post_batch_size: int = -1):
         self.io = io
+        self.kind = kind
         self.key = unique_key("initiator")
         self.engine = io.IOEngine(self.key, io.IOEngineConfig("127.0.0.1", 0))
-        self.engine.create_backend(io.BackendType.RDMA, io.RdmaBackendConfig(
-            qp, post_batch_size, -1, io.PollCqMode.POLLING, notify))
+        with engine_env(kind):
+            self.engine.create_backend(io.BackendType.RDMA, io.RdmaBackendConfig(
+                qp, post_batch_size, -1, io.PollCqMode.POLLING, notify))
         self._keep = []
 
     def local(self, size: int, seed: int = 1) -> tuple[np.ndarray, object]:
@@ -67,6 +73,7 @@ class Initiator:
         return buf.array, self.io.MemoryDesc.unpack(blob)
 
     def close(self) -> None:
+        check_paths(self.engine, self.kind)
         self.engine.remove_backend(self.io.BackendType.RDMA)
         self.engine = None
 
@@ -99,11 +106,11 @@ def make_peer(engine_kind):
 
 
 @pytest.fixture
-def make_initiator(io):
+def make_initiator(io, engine_kind):
     made = []
 
     def make(**kwargs) -> Initiator:
-        initiator = Initiator(io, **kwargs)
+        initiator = Initiator(io, engine_kind, **kwargs)
         made.append(initiator)
         return initiator
 

@@ -3,10 +3,13 @@
 The peer process imports the engine module under test (softio, or real `mori.io`), creates one
 engine with an RDMA backend, and answers commands. Its memory lives in files on /dev/shm that the
 test process maps too, so tests check the bytes that landed directly, without asking the peer.
+softio runs as two kinds: "softio-tcp" (every engine forces TCP lanes) and "softio-intrahost"
+(engines on this host use intra-host lanes).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import mmap
 import multiprocessing as mp
@@ -20,9 +23,51 @@ import numpy as np
 _SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
 
 
+SOFTIO_KINDS = ["softio-tcp", "softio-intrahost"]
+FORCE_TCP_ENV = "SGLANG_MORI_SOFTIO_FORCE_TCP"
+
+
 def engine_module(kind: str):
     """The module whose API is under test: softio, or the real mori.io."""
-    return importlib.import_module("sglang_mori.softio" if kind == "softio" else "mori.io")
+    return importlib.import_module("sglang_mori.softio" if kind.startswith("softio") else "mori.io")
+
+
+def kind_env(kind: str) -> dict:
+    """Environment an engine of this kind is created with."""
+    return {FORCE_TCP_ENV: "1" if kind == "softio-tcp" else "0"} if kind in SOFTIO_KINDS else {}
+
+
+@contextlib.contextmanager
+def engine_env(kind: str):
+    """Set the kind's environment around creating a backend in this process (read there)."""
+    env = kind_env(kind)
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def expected_path(kind: str) -> str | None:
+    return {"softio-tcp": "tcp", "softio-intrahost": "intra-host"}.get(kind)
+
+
+def check_paths(engine, kind: str) -> None:
+    """Every peer this softio engine dialed uses the path its kind stands for (so a silent fall
+    back to TCP cannot make the intra-host runs test TCP twice)."""
+    want = expected_path(kind)
+    core = getattr(engine, "_core", None)
+    if want is None or core is None:
+        return
+    for backend in core.backends.values():
+        for peer in backend.peers.all_peers():
+            if peer.lanes:
+                assert peer.path == want, f"{kind}: peer {peer.key} uses {peer.path} lanes"
 
 
 def unique_key(role: str) -> str:
@@ -73,6 +118,16 @@ def wait_until(predicate, timeout: float, what: str):
         if time.monotonic() >= deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(0.01)
+
+
+def dropped(sock) -> bool:
+    """True once an engine has closed this raw connection (EOF or reset); closes it."""
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    finally:
+        sock.close()
 
 
 # ---- the peer process ------------------------------------------------------------------------
@@ -160,7 +215,8 @@ class EnginePeer:
         self.key = unique_key(role)
         self._conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_peer_main,
-                                args=(child, kind, self.key, host, qp, notify, env or {}),
+                                args=(child, kind, self.key, host, qp, notify,
+                                      {**kind_env(kind), **(env or {})}),
                                 daemon=True)
         self.proc.start()
         child.close()

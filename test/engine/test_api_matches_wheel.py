@@ -18,7 +18,7 @@ import pytest
 
 from sglang_mori import softio
 from sglang_mori.softio import engine as softio_engine
-from sglang_mori.softio.fetch_reference_wheel import CACHE_ENV, RegistryUnreachable, fetch
+from harness.reference_wheel import CACHE_ENV, RegistryUnreachable, fetch
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(600)

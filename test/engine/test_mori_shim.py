@@ -13,7 +13,7 @@ import pytest
 import sglang_mori.softio
 
 SOFTIO_ONLY = True
-SHIM = Path(sglang_mori.softio.__file__).parent / "mori_shim"
+SHIM = Path(__file__).resolve().parents[1] / "harness" / "mori_shim"
 
 # Run in a fresh interpreter: the shim must not leak `mori` into this test process.
 SCRIPT = textwrap.dedent("""

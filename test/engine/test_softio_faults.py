@@ -237,10 +237,10 @@ def test_kill_engine_makes_it_unreachable(io, make_initiator, make_peer):
                                       [64], WAIT_MS))
 
 
-def test_faults_from_the_environment_arm_an_engine_in_another_process(io, initiator):
+def test_faults_from_the_environment_arm_an_engine_in_another_process(io, initiator, engine_kind):
     env = {"SGLANG_MORI_SOFTIO_FAULTS": json.dumps(
         [{"kind": "stall_lane", "lane": 0}, {"kind": "stall_lane", "lane": 1}])}
-    peer = EnginePeer("softio", qp=2, env=env, role="env-faults")
+    peer = EnginePeer(engine_kind, qp=2, env=env, role="env-faults")
     try:
         _, lmem = initiator.local(PAGE)
         peer.call("register_remote", initiator.engine.get_engine_desc().pack())
@@ -258,9 +258,9 @@ def test_invalid_fault_environment_is_rejected(io, monkeypatch):
         io.IOEngine("bad-faults", io.IOEngineConfig("127.0.0.1", 0))
 
 
-def test_kill_engine_after_frames_from_the_environment(io, initiator):
+def test_kill_engine_after_frames_from_the_environment(io, initiator, engine_kind):
     env = {"SGLANG_MORI_SOFTIO_FAULTS": json.dumps([{"kind": "kill_engine_after", "frames": 3}])}
-    dying = EnginePeer("softio", qp=1, env=env, role="dies-after-3-frames")
+    dying = EnginePeer(engine_kind, qp=1, env=env, role="dies-after-3-frames")
     try:
         # Our engine is the target here: the peer writes six scattered pages into our memory.
         target, tmem = initiator.local(12 * PAGE)

@@ -9,7 +9,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from engine_peer import EnginePeer
+from engine_peer import EnginePeer, dropped
 from sglang_mori.softio import wire
 
 SOFTIO_ONLY = True
@@ -35,16 +35,6 @@ def hello_reply(sock) -> int:
     assert magic == wire.MAGIC
     wire.recv_exact(sock, key_len)
     return status
-
-
-def dropped(sock) -> bool:
-    """True once the engine has closed this connection (EOF or reset)."""
-    try:
-        return sock.recv(1) == b""
-    except ConnectionResetError:
-        return True
-    finally:
-        sock.close()
 
 
 def still_serves(io, initiator, peer) -> None:
@@ -111,8 +101,8 @@ def test_truncated_frames_and_abrupt_closes_are_survived(io, initiator, shared_p
     still_serves(io, initiator, shared_peer)
 
 
-def test_silent_stranger_is_dropped_after_the_control_plane_timeout(io, initiator):
-    peer = EnginePeer("softio", env={"MORI_IO_CP_TIMEOUT_MS": "300"}, role="impatient")
+def test_silent_stranger_is_dropped_after_the_control_plane_timeout(io, initiator, engine_kind):
+    peer = EnginePeer(engine_kind, env={"MORI_IO_CP_TIMEOUT_MS": "300"}, role="impatient")
     try:
         initiator.connect(peer)
         sock = socket.create_connection(address(io, peer), timeout=10)

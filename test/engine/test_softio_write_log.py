@@ -17,8 +17,9 @@ pytestmark = pytest.mark.timeout(60)
 WAIT_MS = 20_000
 
 
-def test_write_log_records_every_landed_range(io, initiator):
-    peer = EnginePeer("softio", env={"SGLANG_MORI_SOFTIO_RECORD_WRITES": "1"}, role="recorder")
+def test_write_log_records_every_landed_range(io, initiator, engine_kind):
+    peer = EnginePeer(engine_kind, env={"SGLANG_MORI_SOFTIO_RECORD_WRITES": "1"},
+                      role="recorder")
     try:
         initiator.connect(peer)
         local, lmem = initiator.local(1 << 16)

@@ -32,7 +32,8 @@ class SoftRdmaBackend:
         self._sessions: dict = {}
         self._sessions_lock = threading.Lock()
         self.server = TargetServer(core, host, port, self.socket_buffer,
-                                   self.settings.cp_timeout_s)
+                                   self.settings.cp_timeout_s,
+                                   accept_intra_host=not self.settings.force_tcp)
         self.port = self.server.port
 
     # ---- routing -------------------------------------------------------------------------------

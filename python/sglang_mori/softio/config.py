@@ -71,6 +71,9 @@ class FabricBackendConfig(BackendConfig):
         self.num_events = num_events
 
 
+# softio's own switch: 1 keeps every peer on TCP lanes, even on this host (see intrahost.py).
+FORCE_TCP_ENV = "SGLANG_MORI_SOFTIO_FORCE_TCP"
+
 # MORI's defaults for the per-QP limits and the control plane.
 DEFAULT_SQ_DEPTH = 8192
 DEFAULT_MAX_SGE = 4
@@ -89,6 +92,7 @@ class LaneSettings:
     max_sge: int
     sq_backoff_s: float
     cp_timeout_s: float | None  # None: no control-plane timeout (MORI_IO_CP_TIMEOUT_MS=0)
+    force_tcp: bool = False  # no intra-host lanes, in either direction
 
 
 def _env_int(name: str, default: int) -> int:
@@ -106,7 +110,8 @@ def _env_bool(name: str, default: bool) -> bool:
 
 
 def resolve_lane_settings(config: RdmaBackendConfig) -> LaneSettings:
-    """Apply the MORI_IO_* variables; like MORI, the environment wins over the code."""
+    """Apply the MORI_IO_* variables (like MORI, the environment wins over the code) and
+    softio's own FORCE_TCP switch."""
     lanes = _env_int("MORI_IO_QP_PER_TRANSFER", int(config.qp_per_transfer))
     if lanes < 1:
         raise RuntimeError(f"Invalid RDMA config: qp_per_transfer must be >= 1 (got {lanes})")
@@ -124,4 +129,5 @@ def resolve_lane_settings(config: RdmaBackendConfig) -> LaneSettings:
         max_sge=max(1, min(max_sge, DEFAULT_MAX_SGE)),
         sq_backoff_s=_env_int("MORI_IO_SQ_BACKOFF_TIMEOUT_US", DEFAULT_SQ_BACKOFF_US) / 1e6,
         cp_timeout_s=(cp_ms / 1000.0) if cp_ms > 0 else None,
+        force_tcp=_env_bool(FORCE_TCP_ENV, False),
     )

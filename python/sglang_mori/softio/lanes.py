@@ -13,6 +13,7 @@ flight on it fails with ERR_RDMA_OP, and the peer is marked degraded.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import queue
 import threading
@@ -28,6 +29,7 @@ logger = logging.getLogger("sglang_mori.softio")
 _SUCCESS = StatusCode.SUCCESS
 _ERR_RDMA_OP = StatusCode.ERR_RDMA_OP
 _PACE_CHUNK = 64 * 1024
+_NOTHING_TO_HOLD = contextlib.nullcontext()
 
 
 class Completion:
@@ -54,14 +56,15 @@ class Completion:
 class PostBatch:
     """Frames posted together on one lane (the softio form of one ibv_post_send chain)."""
 
-    __slots__ = ("op", "frames", "local_view", "remote_id", "signaled", "release", "completion",
-                 "not_before")
+    __slots__ = ("op", "frames", "local_view", "local_ptr", "remote_id", "signaled", "release",
+                 "completion", "not_before")
 
     def __init__(self, op, frames, local_view, remote_id, signaled, release, completion,
-                 not_before=0.0):
+                 not_before=0.0, local_ptr=0):
         self.op = op
         self.frames = frames  # [(remote_offset, total, local)] or (uid, lanes) for OP_NOTIFY
         self.local_view = local_view
+        self.local_ptr = local_ptr  # address of local_view (intra-host lanes name addresses)
         self.remote_id = remote_id
         self.signaled = signaled
         self.release = release  # SQ slots freed when the signaled frame is ACKed
@@ -189,22 +192,28 @@ class Lane:
                 if delay > 0:
                     time.sleep(delay)  # simulated wire latency (fault injection)
             try:
-                buffers = self._frame(batch)
-                if buffers is None:
-                    continue  # the lane broke while framing; the batch has been failed
-                if faults.active and faults.bandwidth > 0:
-                    self._send_paced(buffers)
-                else:
-                    wire.send_buffers(self.sock, buffers)
+                with self._sending():
+                    buffers = self._frame(batch)
+                    if buffers is None:
+                        continue  # the lane broke while framing; the batch has been failed
+                    if faults.active and faults.bandwidth > 0:
+                        self._send_paced(buffers)
+                    else:
+                        wire.send_buffers(self.sock, buffers)
             except OSError as exc:
                 self.break_lane(f"send failed: {exc}", PeerFailureReason.PEER_UNREACHABLE)
                 return
+
+    def _sending(self):
+        """Held while the sender thread frames and sends one queued batch (a lane that also
+        sends from the submitting thread orders the two with it)."""
+        return _NOTHING_TO_HOLD
 
     def _die_after(self, batch: PostBatch, frames: int) -> None:
         """kill_engine_after: send only the first `frames` frames of the batch, then die."""
         if frames:
             head = PostBatch(batch.op, batch.frames[:frames], batch.local_view, batch.remote_id,
-                             False, 0, None)
+                             False, 0, None, local_ptr=batch.local_ptr)
             buffers = self._frame(head)
             try:
                 if buffers is not None:
@@ -216,12 +225,30 @@ class Lane:
         self.peer.backend.core.abort_all(reason)
 
     def _frame(self, batch: PostBatch) -> list | None:
-        """Header and payload buffers of a batch; registers what the receiver must expect."""
+        """Buffers to send for a batch, after registering what the receiver must expect; None
+        (and the batch failed) when the lane broke meanwhile."""
+        if batch.op == OP_NOTIFY:
+            uid, lanes = batch.frames
+            return [HEADER.pack(OP_NOTIFY, 0, 0, self.index, uid, lanes, 0)]
+        buffers, expect = self._build(batch)
+        with self._state:
+            if self.broken is not None:
+                reason = self.broken
+            else:
+                self._expect.extend(expect)
+                return buffers
+        if batch.completion is not None:
+            batch.completion.fail(f"lane {self.index} to {self.peer.key} is broken: {reason}")
+        return None
+
+    def _next_tag(self) -> int:
+        self._tag += 1
+        return self._tag
+
+    def _build(self, batch: PostBatch) -> tuple[list, list]:
+        """TCP framing: (header and payload buffers, [(tag, read destination, batch)])."""
         pack = HEADER.pack
         op = batch.op
-        if op == OP_NOTIFY:
-            uid, lanes = batch.frames
-            return [pack(OP_NOTIFY, 0, 0, self.index, uid, lanes, 0)]
         view = batch.local_view
         remote_id = batch.remote_id
         frames = batch.frames
@@ -241,27 +268,19 @@ class Lane:
                         append(view[lo:lo + length])
             if batch.signaled:
                 # Re-issue the last frame's header with the signal: its ACK completes the batch.
-                self._tag += 1
+                tag = self._next_tag()
                 remote, total, _ = frames[-1]
                 buffers[header_at] = pack(OP_WRITE, FLAG_SIGNALED, 0, remote_id, remote,
-                                          total, self._tag)
-                expect.append((self._tag, None, batch))
+                                          total, tag)
+                expect.append((tag, None, batch))
         else:  # OP_READ: every frame is answered; only the last of a signaled batch completes it
             last = len(frames) - 1
             for k, (remote, total, local) in enumerate(frames):
-                self._tag += 1
+                tag = self._next_tag()
                 done = batch if (k == last and batch.signaled) else None
-                expect.append((self._tag, (total, local, view), done))
-                append(pack(OP_READ, 0, 0, remote_id, remote, total, self._tag))
-        with self._state:
-            if self.broken is not None:
-                reason = self.broken
-            else:
-                self._expect.extend(expect)
-                return buffers
-        if batch.completion is not None:
-            batch.completion.fail(f"lane {self.index} to {self.peer.key} is broken: {reason}")
-        return None
+                expect.append((tag, (total, local, view), done))
+                append(pack(OP_READ, 0, 0, remote_id, remote, total, tag))
+        return buffers, expect
 
     def _send_paced(self, buffers: list) -> None:
         pace = self._faults.pace

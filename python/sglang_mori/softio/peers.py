@@ -2,7 +2,8 @@
 
 `register_remote_engine` only records where a peer lives. The first transfer (or create_session)
 to that peer dials it: a control connection (used to look up remote regions, like MORI's TCP
-control plane fetching an MR) and one lane per `qp_per_transfer`. Any failure there raises
+control plane fetching an MR) and one lane per `qp_per_transfer`: intra-host lanes when the peer
+is on this host and accepts them (intrahost.py), TCP lanes otherwise. Any failure there raises
 RuntimeError, as MORI does. Connections outlive deregistration of the peer (MORI does not destroy
 QPs either) and are never rebuilt once broken.
 """
@@ -13,7 +14,7 @@ import logging
 import socket
 import threading
 
-from . import wire
+from . import intrahost, wire, xmem
 from .descriptors import EngineDesc, PeerFailureEvent
 from .enums import PeerFailureReason
 from .lanes import Lane
@@ -23,11 +24,14 @@ logger = logging.getLogger("sglang_mori.softio")
 
 
 class RemotePeer:
-    def __init__(self, backend, key: str, host: str, port: int):
+    def __init__(self, backend, key: str, host: str, port: int, node_id: str = ""):
         self.backend = backend
         self.key = key
         self.host = host
         self.port = port
+        self.node_id = node_id
+        self.path: str | None = None  # intrahost.PATH_INTRA_HOST or PATH_TCP once dialed
+        self.shape_frames = None  # how this peer's lanes want a transfer's frames cut, if at all
         self.lanes: list[Lane] = []
         self.broken: str | None = None
         self._build_lock = threading.Lock()
@@ -42,19 +46,35 @@ class RemotePeer:
         with self._build_lock:
             if self.lanes:
                 return
-            settings = self.backend.settings
-            socks = []
-            try:
-                for index in range(settings.lanes):
-                    socks.append(self._dial(wire.KIND_LANE, index))
-            except BaseException:
-                for sock in socks:
-                    wire.abort_socket(sock)
-                raise
-            faults = self.backend.core.faults
-            self.lanes = [Lane(self, i, s, settings.sq_depth, faults) for i, s in enumerate(socks)]
+            intra = intrahost.wanted(self.backend, self.node_id)
+            socks = self._dial_lanes(wire.KIND_INTRA_LANE if intra else wire.KIND_LANE)
+            if socks is None:  # the target cannot reach our memory: TCP lanes for this peer
+                intra = False
+                socks = self._dial_lanes(wire.KIND_LANE)
+            lane_type = intrahost.IntraHostLane if intra else Lane
+            self.path = intrahost.PATH_INTRA_HOST if intra else intrahost.PATH_TCP
+            self.shape_frames = intrahost.split_large if intra else None
+            depth, faults = self.backend.settings.sq_depth, self.backend.core.faults
+            self.lanes = [lane_type(self, i, s, depth, faults) for i, s in enumerate(socks)]
 
-    def _dial(self, kind: int, lane: int) -> socket.socket:
+    def _dial_lanes(self, kind: int) -> list | None:
+        """One connection per lane; None when the target refused intra-host lanes."""
+        socks = []
+        try:
+            for index in range(self.backend.settings.lanes):
+                sock = self._dial(kind, index)
+                if sock is None:
+                    for done in socks:
+                        wire.abort_socket(done)
+                    return None
+                socks.append(sock)
+        except BaseException:
+            for sock in socks:
+                wire.abort_socket(sock)
+            raise
+        return socks
+
+    def _dial(self, kind: int, lane: int) -> socket.socket | None:
         settings = self.backend.settings
         where = f"{self.host}:{self.port}"
         try:
@@ -66,13 +86,18 @@ class RemotePeer:
         try:
             own = self.backend.core.key.encode()
             target = self.key.encode()
-            sock.sendall(wire.HELLO.pack(wire.MAGIC, kind, lane & 0xFF, 0, len(own), len(target))
-                         + own + target)
+            hello = wire.HELLO.pack(wire.MAGIC, kind, lane & 0xFF, 0, len(own), len(target))
+            if kind == wire.KIND_INTRA_LANE:
+                target += wire.INTRA_HELLO.pack(*xmem.identity())
+            sock.sendall(hello + own + target)
             magic, status, key_len = wire.HELLO_REPLY.unpack(
                 wire.recv_exact(sock, wire.HELLO_REPLY.size))
             if magic != wire.MAGIC or key_len > wire.MAX_KEY_BYTES:
                 raise RuntimeError(f"{where} is not a softio engine")
             actual = wire.recv_exact(sock, key_len).decode(errors="replace")
+            if status == wire.HELLO_NO_INTRA and kind == wire.KIND_INTRA_LANE:
+                sock.close()
+                return None
             if status != wire.HELLO_OK:
                 raise RuntimeError(f"{where} is engine {actual!r}, not {self.key!r}")
         except socket.timeout:
@@ -85,7 +110,9 @@ class RemotePeer:
         except RuntimeError:
             wire.abort_socket(sock)
             raise
-        if kind == wire.KIND_LANE:
+        if kind != wire.KIND_CONTROL:
+            # A lane's receiver waits for ACKs as long as writes are outstanding (a stalled lane
+            # is the engine's deadline to judge, not a socket timeout); only control calls time out.
             sock.settimeout(None)
         wire.tune_socket(sock, self.backend.socket_buffer)
         return sock
@@ -149,12 +176,12 @@ class PeerBook:
     def __init__(self, backend):
         self._backend = backend
         self._lock = threading.Lock()
-        self._addresses: dict[str, tuple[str, int]] = {}
+        self._addresses: dict[str, tuple[str, int, str]] = {}
         self._peers: dict[str, RemotePeer] = {}
 
     def register(self, desc: EngineDesc) -> None:
         with self._lock:
-            self._addresses[desc.key] = (desc.host, desc.port)
+            self._addresses[desc.key] = (desc.host, desc.port, desc.node_id)
 
     def deregister(self, desc: EngineDesc) -> None:
         with self._lock:

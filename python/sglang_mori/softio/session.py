@@ -42,6 +42,8 @@ class SoftSession:
             status.Update(_SUCCESS, "")
             return
         peer = self.peer
+        if peer.shape_frames is not None:
+            frames = peer.shape_frames(frames)  # the lanes' own framing rule (intra-host cuts)
         if peer.broken is not None:
             # A QP in error state is not rebuilt: every later submission to the peer fails.
             status.Update(_ERR_RDMA_OP, f"EP is degraded, rejecting new submissions "
@@ -104,7 +106,7 @@ class SoftSession:
                 return
             unsignaled[lane_index] = 0 if signaled else unsignaled[lane_index] + end - start
             lane.post(PostBatch(op, frames[start:end], view, self.remote_id, signaled, release,
-                                completion, not_before))
+                                completion, not_before, self.local.ptr))
         if self.backend.settings.enable_notification:
             for lane in lanes:
                 lane.post(PostBatch(OP_NOTIFY, (uid, nlanes), None, 0, False, 0, None))
@@ -118,4 +120,5 @@ class SoftSession:
         for lane_index, count in enumerate(unsignaled):
             if count:
                 self.peer.lanes[lane_index].post(PostBatch(
-                    OP_WRITE, [(0, 0, 0)], self.local.view, self.remote_id, True, count, None))
+                    OP_WRITE, [(0, 0, 0)], self.local.view, self.remote_id, True, count, None,
+                    local_ptr=self.local.ptr))

@@ -2,7 +2,9 @@
 
 A listener accepts connections from initiators; each connection gets its own thread that lands
 WRITE frames directly in registered memory, serves READ frames from it, answers SIGNALED frames
-with an ACK and counts notifications. The application on this side does nothing.
+with an ACK and counts notifications. The application on this side does nothing. Intra-host lanes
+(intrahost.py) land the same way, except that the bytes are copied from the initiator's memory by
+cross-memory attach instead of being read from the socket.
 
 Anything that is not a well-formed softio frame for a live region (a stranger, garbage, a
 truncated frame, an unknown region, an out-of-range offset) drops that one connection with a log
@@ -16,16 +18,18 @@ import socket
 import threading
 import time
 
-from . import wire
-from .wire import (FLAG_SIGNALED, HEADER, OP_ACK, OP_ASK_MR, OP_MR_INFO, OP_NOTIFY, OP_READ,
-                   OP_READ_RESP, OP_WRITE, FrameReader, ProtocolError)
+from . import intrahost, wire, xmem
+from .wire import (FLAG_SIGNALED, HEADER, OP_ACK, OP_ASK_MR, OP_MR_INFO, OP_NOTIFY, OP_PULL,
+                   OP_PUSH, OP_READ, OP_READ_RESP, OP_WRITE, FrameReader, ProtocolError)
 
 logger = logging.getLogger("sglang_mori.softio")
 
 
 class TargetServer:
-    def __init__(self, core, host: str, port: int, socket_buffer: int, handshake_timeout):
+    def __init__(self, core, host: str, port: int, socket_buffer: int, handshake_timeout,
+                 accept_intra_host: bool = True):
         self._core = core
+        self._accept_intra_host = accept_intra_host
         self._socket_buffer = socket_buffer
         self._handshake_timeout = handshake_timeout
         self._lock = threading.Lock()
@@ -82,15 +86,15 @@ class TargetServer:
     def _serve(self, conn: socket.socket, addr) -> None:
         initiator = None
         try:
-            kind, lane, initiator = self._handshake(conn)
+            kind, initiator, pid = self._handshake(conn)
             with self._lock:
                 if self._closed:
                     raise EOFError("engine shut down")
                 self._inbound.setdefault(initiator, set()).add(conn)
-            if kind == wire.KIND_LANE:
-                self._serve_lane(conn, initiator)
-            else:
+            if kind == wire.KIND_CONTROL:
                 self._serve_control(conn)
+            else:
+                self._serve_lane(conn, initiator, pid)
         except EOFError:
             logger.debug("softio %s: connection from %s closed", self._core.key, addr)
         except (ProtocolError, socket.timeout, UnicodeDecodeError) as exc:
@@ -113,22 +117,42 @@ class TargetServer:
         conn.settimeout(self._handshake_timeout)
         magic, kind, lane, _, key_len, target_len = wire.HELLO.unpack(
             wire.recv_exact(conn, wire.HELLO.size))
-        if magic != wire.MAGIC or kind not in (wire.KIND_LANE, wire.KIND_CONTROL):
+        if magic != wire.MAGIC or kind not in (wire.KIND_LANE, wire.KIND_CONTROL,
+                                               wire.KIND_INTRA_LANE):
             raise ProtocolError("not a softio hello")
         if key_len == 0 or key_len > wire.MAX_KEY_BYTES or target_len > wire.MAX_KEY_BYTES:
             raise ProtocolError("bad key length in hello")
         initiator = wire.recv_exact(conn, key_len).decode()
         expected = wire.recv_exact(conn, target_len).decode()
+        pid = None
+        if kind == wire.KIND_INTRA_LANE:
+            pid, token_addr, token = wire.INTRA_HELLO.unpack(
+                wire.recv_exact(conn, wire.INTRA_HELLO.size))
         own = self._core.key.encode()
         if expected != self._core.key:
             conn.sendall(wire.HELLO_REPLY.pack(wire.MAGIC, wire.HELLO_WRONG_TARGET, len(own)) + own)
             raise ProtocolError(f"initiator {initiator} expected engine {expected!r}")
+        if pid is not None:
+            refusal = ("this engine forces TCP" if not self._accept_intra_host
+                       else xmem.probe(pid, token_addr, token))
+            if refusal is not None:
+                logger.info("softio %s: no intra-host lane for %s: %s; it uses TCP",
+                            self._core.key, initiator, refusal)
+                conn.sendall(wire.HELLO_REPLY.pack(wire.MAGIC, wire.HELLO_NO_INTRA, len(own))
+                             + own)
+                try:  # a graceful end: the initiator closes once it has read the answer
+                    conn.shutdown(socket.SHUT_WR)
+                    conn.recv(1)
+                except OSError:
+                    pass
+                raise EOFError("intra-host lane refused")
         conn.sendall(wire.HELLO_REPLY.pack(wire.MAGIC, wire.HELLO_OK, len(own)) + own)
         conn.settimeout(None)
         wire.tune_socket(conn, self._socket_buffer)
-        return kind, lane, initiator
+        return kind, initiator, pid
 
-    def _serve_lane(self, conn: socket.socket, initiator: str) -> None:
+    def _serve_lane(self, conn: socket.socket, initiator: str, pid: int | None) -> None:
+        """Land frames in order; `pid` is the initiator's process on an intra-host lane."""
         reader = FrameReader(conn)
         memory = self._core.memory
         write_log = self._core.write_log
@@ -136,29 +160,28 @@ class TargetServer:
         pack = HEADER.pack
         monotonic = time.monotonic
         while True:
-            op, flags, _, region_id, offset, size, tag = reader.read_header()
+            op, flags, count, region_id, offset, size, tag = reader.read_header()
             if op == OP_WRITE:
-                region = memory.get(region_id)
-                if region is None:
-                    raise ProtocolError(f"write to unregistered region {region_id}")
-                end = offset + size
-                if end > region.size:
-                    raise ProtocolError(f"write [{offset}, {end}) outside region {region_id} "
-                                        f"of {region.size} bytes")
+                region = _region(memory, region_id, offset, size, "write to")
                 if size:
-                    reader.read_into(region.view[offset:end])
+                    reader.read_into(region.view[offset:offset + size])
                 if write_log.enabled:
                     write_log.record(region_id, offset, size, monotonic(), initiator)
                 if flags & FLAG_SIGNALED:
                     conn.sendall(pack(OP_ACK, 0, 0, 0, 0, 0, tag))
+            elif op == OP_PULL or op == OP_PUSH:
+                if pid is None:
+                    raise ProtocolError("intra-host frame on a TCP lane")
+                region = _region(memory, region_id, offset, size,
+                                 "write to" if op == OP_PULL else "read from")
+                intrahost.land(reader, region, op, offset, size, count, pid)
+                if op == OP_PULL and write_log.enabled:
+                    write_log.record(region_id, offset, size, monotonic(), initiator)
+                if flags & FLAG_SIGNALED:
+                    conn.sendall(pack(OP_ACK, 0, 0, 0, 0, 0, tag))
             elif op == OP_READ:
-                region = memory.get(region_id)
-                if region is None:
-                    raise ProtocolError(f"read from unregistered region {region_id}")
+                region = _region(memory, region_id, offset, size, "read from")
                 end = offset + size
-                if end > region.size:
-                    raise ProtocolError(f"read [{offset}, {end}) outside region {region_id} "
-                                        f"of {region.size} bytes")
                 header = pack(OP_READ_RESP, flags, 0, region_id, offset, size, tag)
                 if size:
                     wire.send_buffers(conn, [header, region.view[offset:end]])
@@ -178,3 +201,15 @@ class TargetServer:
             region = self._core.memory.get(region_id)
             size, found = (region.size, 1) if region is not None else (0, 0)
             conn.sendall(HEADER.pack(OP_MR_INFO, 0, 0, region_id, 0, size, found))
+
+
+def _region(memory, region_id: int, offset: int, size: int, verb: str):
+    """The live region a frame names, or ProtocolError (the connection is then dropped)."""
+    region = memory.get(region_id)
+    if region is None:
+        raise ProtocolError(f"{verb} unregistered region {region_id}")
+    end = offset + size
+    if end > region.size:
+        raise ProtocolError(f"{verb} [{offset}, {end}) outside region {region_id} "
+                            f"of {region.size} bytes")
+    return region

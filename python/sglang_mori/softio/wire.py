@@ -9,6 +9,10 @@ WRITE is followed by `size` payload bytes that the target receives straight into
 READ asks the target to send a READ_RESP with `size` bytes; a SIGNALED frame is answered by an ACK
 carrying its tag. One header per merged range: payload pieces of a gathered range follow the
 header back to back.
+
+Intra-host lanes (softio/intrahost.py) carry no payload bytes: PULL and PUSH name the initiator's
+memory instead, as `pad` pieces of (address u64, length u64) after the header, and the target
+copies between that memory and its region with cross-memory attach.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ OP_WRITE = 1
 OP_READ = 2
 OP_NOTIFY = 3  # region = lane index, offset = transfer uid, size = number of lanes
 OP_ASK_MR = 4  # control connection: region = memory id
+OP_PULL = 5  # intra-host write: the target copies the pieces from the initiator into the region
+OP_PUSH = 6  # intra-host read: the target copies the region into the initiator's pieces
 # target -> initiator
 OP_ACK = 0x81
 OP_READ_RESP = 0x82
@@ -36,8 +42,13 @@ HELLO = struct.Struct("<8sBBHHH")  # magic, kind, lane, pad, initiator key len, 
 HELLO_REPLY = struct.Struct("<8sBxH")  # magic, status, own key len
 KIND_LANE = 1
 KIND_CONTROL = 2
+KIND_INTRA_LANE = 3  # followed by INTRA_HELLO: the initiator's pid and a token to prove it
 HELLO_OK = 0
 HELLO_WRONG_TARGET = 1
+HELLO_NO_INTRA = 2  # the target cannot (or will not) reach the initiator's memory: use TCP
+INTRA_HELLO = struct.Struct("<QQQ")  # initiator pid, address of its token, token value
+PIECE = struct.Struct("<QQ")  # address, length (in the initiator's address space)
+MAX_PIECES = 64
 MAX_KEY_BYTES = 4096
 
 IOV_MAX = 1024  # Linux limit on buffers per sendmsg
