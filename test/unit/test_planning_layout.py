@@ -123,7 +123,17 @@ def test_supported_state_types_are_sglang_state_types():
     tree = sglang_source("srt/disaggregation/base/conn.py")
     enum_class = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "StateType")
     values = {n.value.value for n in enum_class.body if isinstance(n, ast.Assign)}
-    assert set(STATE_KINDS) <= values
+    assert set(STATE_KINDS) == values  # every state type SGLang sends has a rule here
+
+
+def test_from_kv_args_reads_mamba_slice_metadata():
+    args = prefill_kv_args()
+    args.state_types = ["mamba"]
+    args.state_item_lens, args.state_data_lens, args.state_layer_ids = [[96, 64]], [[960, 640]], [[1, 1]]
+    args.state_dim_per_tensor, args.state_slice_outer_counts = [[32, 8]], [[1, 1]]
+    args.state_conv_shard_groups = [[[16, 16, 32], None]]
+    state = KVLayout.from_kv_args(args, tp_size=2, tp_rank=0, is_mla=False).states[0]
+    assert (state.slice_dims, state.outer_counts, state.conv_groups) == ((32, 8), (1, 1), ((16, 16, 32), ()))
 
 
 # --- registration checks -----------------------------------------------------------------

@@ -16,6 +16,7 @@ from sglang_mori.planning.head_slice import (
     decode_ranks_for_prefill_rank,
 )
 from sglang_mori.planning.layout import KVLayout
+from sglang_mori.planning.physical_layout import HEAD_MAJOR, NHD, TOKEN_MAJOR, head_major
 
 Pairs = Sequence[Tuple[int, int]]
 
@@ -32,6 +33,7 @@ def check_scalar_fields(prefill: KVLayout, decode: KVLayout) -> None:
         raise mismatch("kv_cache_dtype", prefill.kv_cache_dtype, decode.kv_cache_dtype)
     if prefill.kv_layout != decode.kv_layout:
         raise mismatch("kv_layout", prefill.kv_layout, decode.kv_layout)
+    check_physical_layouts(prefill, decode)
     check_tp_sizes(prefill.tp_size, decode.tp_size)
     # Aux buffers pair up by position, as in SGLang: an optional one enabled on one engine only
     # (--disaggregation-enable-kv-checksum, SGLANG_ENABLE_DISAGG_SAMPLING_MASK, the DSA top-k
@@ -45,6 +47,20 @@ def check_scalar_fields(prefill: KVLayout, decode: KVLayout) -> None:
     dst_types = [s.state_type for s in decode.states]
     if src_types != dst_types:
         raise mismatch("state_types", src_types, dst_types)
+
+
+def check_physical_layouts(prefill: KVLayout, decode: KVLayout) -> None:
+    """Pages of equal size in another byte order would be copied without an error, then read wrong."""
+    why = ("pages of the same size hold their bytes in another order; set SGLANG_USE_HND_KVCACHE, "
+           "SGLANG_USE_AITER and SGLANG_AITER_KV_CACHE_LAYOUT alike on both servers")
+    if not prefill.is_mla:
+        src = prefill.kv_physical_layout or NHD
+        dst = decode.kv_physical_layout or NHD
+        if src != dst:
+            raise mismatch("kv_physical_layout", src, dst, why)
+    if prefill.swa_physical_layout != decode.swa_physical_layout:
+        raise mismatch("swa_physical_layout", prefill.swa_physical_layout,
+                       decode.swa_physical_layout, why)
 
 
 def resolve_total_heads(prefill: KVLayout, decode: KVLayout) -> int:
@@ -92,11 +108,19 @@ def mha_head_slice(prefill: KVLayout, decode: KVLayout) -> Optional[HeadSlice]:
                 f"{side}: kv_head_num={layout.kv_head_num} but {total} KV heads over TP "
                 f"{layout.tp_size} give {heads} heads per rank"
             )
-    return base
+    order = head_major(prefill.kv_physical_layout)
+    if order is None:
+        raise UnsupportedLayoutError(
+            f"MHA KV with prefill TP {prefill.tp_size} and decode TP {decode.tp_size} needs head "
+            f"slicing, which cannot cut pages of the {prefill.kv_physical_layout!r} layout "
+            f"(it cuts {', '.join(sorted(TOKEN_MAJOR | HEAD_MAJOR))}); use equal attention TP sizes"
+        )
+    return base.with_head_major(order)
 
 
 def pair_head_slice(
-    base: HeadSlice, src_index: int, dst_index: int, src_item_len: int, dst_item_len: int
+    base: HeadSlice, src_index: int, dst_index: int, src_item_len: int, dst_item_len: int,
+    what: str = "KV buffer",
 ) -> HeadSlice:
     """The head slice of one (prefill buffer, decode buffer) pair, with its own head size."""
     per_head = base.page_size * base.prefill_heads
@@ -104,7 +128,7 @@ def pair_head_slice(
     expected_dst = base.page_size * base.decode_heads * head_bytes
     if head_bytes * per_head != src_item_len or dst_item_len != expected_dst:
         raise mismatch(
-            f"KV buffer {src_index}->{dst_index} item_len",
+            f"{what} {src_index}->{dst_index} item_len",
             src_item_len,
             dst_item_len,
             f"expected {base.prefill_heads} vs {base.decode_heads} heads of equal size per token "

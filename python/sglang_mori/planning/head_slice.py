@@ -15,7 +15,7 @@ the same bytes to the same place, as in SGLang.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Tuple
 
 import numpy as np
@@ -92,6 +92,9 @@ class HeadSlice:
     decode_heads: int  # heads in each decode token slot
     head_bytes: int  # head_dim * dtype size
     page_size: int
+    # Page byte order (physical_layout.py): False = token-major (NHD, a token's heads are
+    # contiguous), True = head-major (HND, vectorized_5d: a head's page_size slots are contiguous).
+    head_major: bool = False
 
     @property
     def slice_bytes(self) -> int:
@@ -120,15 +123,11 @@ class HeadSlice:
 
     def with_head_bytes(self, head_bytes: int) -> "HeadSlice":
         """The same heads for a buffer with another head size (e.g. V with its own head_dim)."""
-        return HeadSlice(
-            self.prefill_head_start,
-            self.decode_head_start,
-            self.num_heads,
-            self.prefill_heads,
-            self.decode_heads,
-            head_bytes,
-            self.page_size,
-        )
+        return replace(self, head_bytes=head_bytes)
+
+    def with_head_major(self, head_major: bool) -> "HeadSlice":
+        """The same heads in pages of the other byte order."""
+        return replace(self, head_major=head_major)
 
 
 def compute_head_slice(
@@ -182,12 +181,20 @@ def compute_head_slice(
 def head_sliced_ranges(src_pages: np.ndarray, dst_pages: np.ndarray, hs: HeadSlice) -> Ranges:
     """Byte ranges writing the slice's heads of every token slot of every page pair.
 
-    One range per token slot (the heads are contiguous inside a slot). When the slice is whole
-    tokens on both sides, slots and pages merge like a plain page copy.
+    Token-major pages: one range per token slot (the heads are contiguous inside a slot).
+    Head-major pages: one range per page (each head's slots are contiguous, and so are the
+    slice's heads). When the slice is whole tokens on both sides, slots and pages merge like a
+    plain page copy.
     """
     if hs.whole_tokens:
-        # Both token layouts are identical, so this is a plain page copy: merge at page level.
+        # Both page layouts are identical, so this is a plain page copy: merge at page level.
         return contiguous_item_ranges(src_pages, dst_pages, hs.prefill_item_len)
+    if hs.head_major:
+        head_block = hs.page_size * hs.head_bytes
+        local = src_pages * hs.prefill_item_len + hs.prefill_head_start * head_block
+        remote = dst_pages * hs.decode_item_len + hs.decode_head_start * head_block
+        # Not whole pages on at least one side, so consecutive pages never continue each other.
+        return local, remote, np.full(local.size, hs.num_heads * head_block, dtype=np.int64)
     slots = np.arange(hs.page_size, dtype=np.int64)
     local = (
         src_pages[:, None] * hs.prefill_item_len

@@ -14,10 +14,17 @@ from typing import Optional, Tuple
 import msgspec
 
 from sglang_mori.planning.errors import InvalidLayoutError
+from sglang_mori.planning.physical_layout import physical_kv_layout
 
 
 def _ints(values) -> Tuple[int, ...]:
     return tuple(int(v) for v in (values or ()))
+
+
+def _groups(per_tensor) -> Tuple[Tuple[int, ...], ...]:
+    """SGLang's per-tensor conv sub-blocks (None = one block) as a tuple per tensor."""
+    groups = tuple(_ints(g) for g in (per_tensor or ()))
+    return groups if any(groups) else ()
 
 
 class StateLayout(msgspec.Struct, frozen=True, kw_only=True):
@@ -27,6 +34,14 @@ class StateLayout(msgspec.Struct, frozen=True, kw_only=True):
     item_lens: Tuple[int, ...]  # bytes per index, per tensor (0 = elided tensor)
     data_lens: Tuple[int, ...]  # bytes per tensor
     layer_ids: Tuple[int, ...] = ()  # global model layer per tensor, when the pool reports it
+    # How a TP-sharded state tensor splits (SGLang's mamba pools report these; empty otherwise):
+    # per tensor, this rank's size of the slice axis (`state_dim_per_tensor`; 0 = the tensor is
+    # whole on every rank), the rows before that axis in one item (`state_slice_outer_counts`),
+    # and the full sizes of independently sharded sub-blocks of the axis (GDN conv state
+    # [q | k | v], `state_conv_shard_groups`; () = one block).
+    slice_dims: Tuple[int, ...] = ()
+    outer_counts: Tuple[int, ...] = ()
+    conv_groups: Tuple[Tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.item_lens) != len(self.data_lens):
@@ -41,6 +56,18 @@ class StateLayout(msgspec.Struct, frozen=True, kw_only=True):
             )
         if any(v < 0 for v in self.item_lens + self.data_lens):
             raise InvalidLayoutError(f"state {self.state_type!r}: negative length")
+        for name in ("slice_dims", "outer_counts", "conv_groups"):
+            values = getattr(self, name)
+            if values and len(values) != len(self.item_lens):
+                raise InvalidLayoutError(
+                    f"state {self.state_type!r}: {len(values)} {name} for {len(self.item_lens)} tensors"
+                )
+        if any(v < 0 for v in self.slice_dims) or any(v < 1 for v in self.outer_counts):
+            raise InvalidLayoutError(
+                f"state {self.state_type!r}: slice dims must be >= 0 and outer counts >= 1"
+            )
+        if any(v < 1 for groups in self.conv_groups for v in groups):
+            raise InvalidLayoutError(f"state {self.state_type!r}: conv sub-block sizes must be >= 1")
 
     def capacities(self) -> Tuple[int, ...]:
         """Items each tensor holds (0 for an elided tensor)."""
@@ -67,6 +94,10 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
     kv_head_num: int = 0  # KV heads per rank (MHA; 0 = not reported)
     total_kv_head_num: int = 0  # KV heads of the model (MHA; 0 = not reported)
     kv_layout: Optional[str] = None  # SGLang's KVArgs.kv_layout (pools with several byte layouts)
+    # Physical byte order of MHA KV pages ("nhd", "hnd", "vectorized_5d"; None = not reported,
+    # MLA) and of the SWA sub-pool's pages (KVArgs.swa_kv_cache_layout): see physical_layout.py.
+    kv_physical_layout: Optional[str] = None
+    swa_physical_layout: Optional[str] = None
     aux_item_lens: Tuple[int, ...] = ()
     aux_data_lens: Tuple[int, ...] = ()
     states: Tuple[StateLayout, ...] = ()
@@ -132,6 +163,9 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
         state_item_lens = list(attr("state_item_lens", []))
         state_data_lens = list(attr("state_data_lens", []))
         state_layer_ids = list(attr("state_layer_ids", []))
+        state_dims = list(attr("state_dim_per_tensor", []))
+        state_outer = list(attr("state_slice_outer_counts", []))
+        state_groups = list(attr("state_conv_shard_groups", []))
         if len(state_item_lens) != len(state_types) or len(state_data_lens) != len(state_types):
             raise InvalidLayoutError(
                 f"KVArgs has {len(state_types)} state types but {len(state_item_lens)} item "
@@ -143,11 +177,15 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
                 item_lens=_ints(state_item_lens[i]),
                 data_lens=_ints(state_data_lens[i]),
                 layer_ids=_ints(state_layer_ids[i]) if i < len(state_layer_ids) else (),
+                slice_dims=_ints(state_dims[i]) if i < len(state_dims) else (),
+                outer_counts=_ints(state_outer[i]) if i < len(state_outer) else (),
+                conv_groups=_groups(state_groups[i]) if i < len(state_groups) else (),
             )
             for i, st in enumerate(state_types)
         )
+        mla = bool(is_mla or attr("is_hybrid_mla_backend", False))
         return cls(
-            is_mla=bool(is_mla or attr("is_hybrid_mla_backend", False)),
+            is_mla=mla,
             tp_size=int(tp_size),
             tp_rank=int(tp_rank) % int(tp_size) if tp_size > 0 else int(tp_rank),
             page_size=int(attr("page_size", 1)),
@@ -160,6 +198,8 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
             kv_head_num=int(attr("kv_head_num", 0)),
             total_kv_head_num=int(attr("total_kv_head_num", 0)),
             kv_layout=attr("kv_layout", None),
+            kv_physical_layout=None if mla else physical_kv_layout(),
+            swa_physical_layout=attr("swa_kv_cache_layout", None),
             aux_item_lens=_ints(attr("aux_item_lens", ())),
             aux_data_lens=_ints(attr("aux_data_lens", ())),
             states=states,

@@ -32,7 +32,16 @@ from sglang_mori.planning.ranges import (
     check_paired,
     contiguous_item_ranges,
 )
-from sglang_mori.planning.state_rules import PAGED, StatePlanSpec, state_plan_spec
+from sglang_mori.planning.state_rules import (
+    EXACT,
+    PAGED,
+    SINGLE,
+    TAIL,
+    StatePlanSpec,
+    state_plan_spec,
+)
+from sglang_mori.planning.state_slice import SliceBlocks
+from sglang_mori.planning.state_tail import TailRows, tail_pieces, tail_ranges
 from sglang_mori.planning.transfer_plan import BufferTransfer, TransferPlan
 
 
@@ -135,9 +144,10 @@ class TransferPlanner:
     def plan_state(self, component: int, src_indices, dst_indices) -> TransferPlan:
         """Ranges for state component `component` (an index into KVArgs.state_types).
 
-        mamba: exactly one index per side. swa / dsa: page-like index lists; when the two lists
-        differ in length both are cut to the common prefix (as SGLang does) and the plan's
-        `dropped` says by how much. An empty list on either side plans nothing.
+        The index form follows the state type (state_rules.py): one slot (mamba), page-like
+        lists cut to their common prefix with the plan's `dropped` saying by how much (swa,
+        dsa, ...), positional rows that must match in length (qsa, swa_ring, c128_state, ...),
+        or dsa_tail's ring descriptor. Empty lists plan nothing.
         """
         if not 0 <= component < len(self.state_specs):
             raise PlanError(
@@ -147,6 +157,11 @@ class TransferPlanner:
         kind = f"state:{spec.state_type}"
         src = as_index_array(src_indices, f"prefill {spec.state_type} state indices")
         dst = as_index_array(dst_indices, f"decode {spec.state_type} state indices")
+        if spec.kind in (EXACT, TAIL) and src.size != dst.size:
+            raise PlanError(
+                f"{spec.state_type} state index length mismatch: prefill={src.size} "
+                f"decode={dst.size} (positional rows cannot be cut)"
+            )
         if src.size == 0 or dst.size == 0:
             return TransferPlan(kind, component=component, dropped=max(src.size, dst.size))
         dropped = 0
@@ -154,26 +169,46 @@ class TransferPlanner:
             common = min(src.size, dst.size)
             dropped = max(src.size, dst.size) - common
             src, dst = src[:common], dst[:common]
-        elif src.size != 1 or dst.size != 1:
+        elif spec.kind == SINGLE and (src.size != 1 or dst.size != 1):
             raise PlanError(
                 f"{spec.state_type} state needs exactly one index per request, got "
                 f"prefill={src.size} decode={dst.size}"
             )
+        if spec.kind == TAIL:
+            pieces = tail_pieces(src, dst)
+            src_items, dst_items = src[:1], dst[:1]  # the rows
+        else:
+            pieces = None
+            src_items, dst_items = src, dst
         check_in_range(
-            src, spec.src_capacities,
+            src_items, spec.src_capacities,
             [f"prefill {spec.state_type} state tensor {i}" for i, _ in spec.pairs], "state",
         )
         check_in_range(
-            dst, spec.dst_capacities,
+            dst_items, spec.dst_capacities,
             [f"decode {spec.state_type} state tensor {j}" for _, j in spec.pairs], "state",
         )
-        by_item_len: Dict[int, Ranges] = {}
+        by_geometry: Dict[Hashable, Ranges] = {}
         transfers = []
-        for (i, j), item_len in zip(spec.pairs, spec.item_lens):
-            if item_len not in by_item_len:
-                by_item_len[item_len] = _read_only(contiguous_item_ranges(src, dst, item_len))
-            transfers.append(BufferTransfer(i, j, *by_item_len[item_len]))
+        for (i, j), geometry in zip(spec.pairs, spec.geometries):
+            ranges = by_geometry.get(geometry)
+            if ranges is None:
+                ranges = by_geometry[geometry] = _read_only(
+                    _state_ranges(geometry, src, dst, pieces)
+                )
+            transfers.append(BufferTransfer(i, j, *ranges))
         return TransferPlan(kind, tuple(transfers), component=component, dropped=dropped)
+
+
+def _state_ranges(geometry, src: np.ndarray, dst: np.ndarray, pieces) -> Ranges:
+    """The ranges of one state tensor pair, by the geometry fixed at registration."""
+    if isinstance(geometry, HeadSlice):
+        return head_sliced_ranges(src, dst, geometry)
+    if isinstance(geometry, SliceBlocks):
+        return geometry.ranges(int(src[0]), int(dst[0]))
+    if isinstance(geometry, TailRows):
+        return tail_ranges(geometry, pieces)
+    return contiguous_item_ranges(src, dst, geometry)
 
 
 def check_compatible(prefill: KVLayout, decode: KVLayout) -> None:
