@@ -1,0 +1,50 @@
+"""Start-up: can this prefill rank stream layer-wise, and the session if so.
+
+`SGLANG_MORI_LAYERWISE=on` on a deployment that cannot stream stops start-up with the reason;
+`auto` logs it and stays chunk-wise (counted once as a `deployment` fallback).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+from sglang_mori.backend.prefill.layerwise.mapping import LayerBufferMap
+from sglang_mori.backend.prefill.layerwise.session import LayerwiseSession
+from sglang_mori.config import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+def unsupported_reason(mgr, layout, server_args) -> Optional[str]:
+    """Why this deployment cannot stream layer-wise, or None."""
+    checks = (
+        (int(getattr(mgr, "pp_size", 1) or 1) > 1, "pipeline parallelism (a stage's forward is not the whole model)"),
+        (int(getattr(mgr, "attn_cp_size", 1) or 1) > 1, "context parallelism"),
+        (bool(getattr(mgr, "enable_staging", False)), "the staging buffer (SGLANG_DISAGG_STAGING_BUFFER)"),
+        (int(getattr(mgr, "kv_shard_size", 1) or 1) > 1, "KV sharding across ranks"),
+        (bool(layout.states), "hybrid state pools (mamba, SWA, DSA state)"),
+        (bool(getattr(server_args, "enable_two_batch_overlap", False)),
+         "two-batch overlap (a layer runs once per micro-batch)"),
+    )
+    return next((why for bad, why in checks if bad), None)
+
+
+def build_session(mgr, parts, service, layout, server_args) -> Optional[LayerwiseSession]:
+    cfg = parts.config
+    if cfg.layerwise == "off":
+        return None
+    reason = unsupported_reason(mgr, layout, server_args)
+    if reason is not None:
+        if cfg.layerwise == "on":
+            raise ConfigError(f"SGLANG_MORI_LAYERWISE=on: this deployment cannot stream layer-wise: {reason}; "
+                              "use SGLANG_MORI_LAYERWISE=auto to send chunk-wise here")
+        logger.warning("sglang-mori: SGLANG_MORI_LAYERWISE=auto: chunk-wise transfers, because of %s", reason)
+        parts.metrics.layerwise_fallback("deployment")
+        return None
+    buffer_map = LayerBufferMap(list(mgr.kv_args.kv_data_ptrs), layout.num_draft_entries, layout.is_mla)
+    session = LayerwiseSession(parts, service, buffer_map, group_size=cfg.layerwise_group,
+                               min_tokens=cfg.layerwise_min_tokens)
+    logger.info("sglang-mori: layer-wise streaming on (%s, group=%d layers, min %d new tokens per request)",
+                "MLA" if layout.is_mla else "MHA", cfg.layerwise_group, cfg.layerwise_min_tokens)
+    return session

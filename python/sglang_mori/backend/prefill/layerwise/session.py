@@ -1,0 +1,280 @@
+"""The layer-wise session of one prefill rank: publishes batches, collects layers, filters `send()`.
+
+Driven by the scheduler thread through hooks.py (and directly by tests, with plain views):
+
+- `begin_batch(view)` before an extend batch runs: for each request of ours past bootstrap whose
+  room takes writes, the full pages this pass completes (ranges.py), their source pages, and one
+  submit token on the room (`begin_submit` under `parts.rooms.lock`); returns the `LayerBatch`
+  or None (the batch goes chunk-wise; the reason is counted);
+- `on_layer(batch, pool, layer_id, event)` after each attention layer: maps the layer to its
+  registered buffers (mapping.py) and hands every `group_size` layers to the worker;
+- `end_batch(batch)` after the forward: the last group, the coverage of each stream (exactly the
+  layers handed to the worker), and the batch's end marker (the worker gives the tokens back);
+- `add_chunk(...)` for SGLang's `send()`: submits only what was not streamed;
+- `after_checkpoint(room, row)` / `wait_hazards()`: a radix checkpoint that moved a streamed page
+  (its old page is freed) while a write from it may still run blocks the next forward (the only
+  thing that could rewrite the page) until that write is terminal.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+from sglang_mori.backend import room_status
+from sglang_mori.backend.prefill.failures import TIMEOUT
+from sglang_mori.backend.prefill.layerwise.mapping import LayerBufferMap
+from sglang_mori.backend.prefill.layerwise.planner import selected_chunk
+from sglang_mori.backend.prefill.layerwise.ranges import Coverage, source_pages, stream_range
+from sglang_mori.backend.prefill.layerwise.worker import LayerBatch, LayerWorker, RoomStream
+from sglang_mori.backend.prefill.rooms import Phase, PrefillRoom
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ReqView:
+    """What the session needs of one request of an extend batch (hooks.py reads SGLang's Req)."""
+
+    room: int
+    prefix_len: int
+    extend_len: int
+    input_len: int
+    decode_prefix_len: int
+    start_send_idx: int
+    row: object  # the request's req_to_token row (token slots), sliceable
+    pending_bootstrap: bool = False
+
+
+@dataclass
+class BatchView:
+    reqs: List[ReqView]
+    page_size: int
+    fallback: Optional[str] = None  # a batch-level reason to go chunk-wise
+
+
+@dataclass(eq=False)
+class RoomRecord:
+    life: PrefillRoom
+    coverage: Coverage = field(default_factory=Coverage)
+    streamed_until: int = 0
+    pending_batches: int = 0
+
+
+class LayerwiseSession:
+    def __init__(self, parts, service, buffer_map: LayerBufferMap, *, group_size: int, min_tokens: int):
+        self.p = parts
+        self.service = service
+        self.map = buffer_map
+        self.group_size = max(1, int(group_size))
+        self.min_tokens = max(0, int(min_tokens))
+        self.worker = LayerWorker(parts, service.failures, service.submitter, self._batch_done)
+        self.lock = threading.Lock()
+        self.records: Dict[int, RoomRecord] = {}
+        self.hazards: List[RoomRecord] = []
+        self._serial = 0
+        self.batches_streamed = 0
+
+    def start(self) -> None:
+        self.worker.start()
+
+    def stop(self) -> None:
+        self.worker.stop()
+
+    # --- publication ----------------------------------------------------------------------------
+    def begin_batch(self, view: BatchView) -> Optional[LayerBatch]:
+        metrics = self.p.metrics
+        if view.fallback:
+            metrics.layerwise_fallback(view.fallback)
+            return None
+        self._prune()
+        streams: List[RoomStream] = []
+        try:
+            for rq in view.reqs:
+                reason = self._open_stream(rq, view.page_size, streams)
+                if reason:
+                    metrics.layerwise_fallback(reason)
+        except BaseException:
+            if streams:  # give the tokens taken so far back (nothing streams; send() moves it all)
+                self._serial += 1
+                self.end_batch(LayerBatch(self._serial, streams, self.group_size, stopped="other"))
+            raise
+        if not streams:
+            return None
+        self._serial += 1
+        return LayerBatch(self._serial, streams, self.group_size)
+
+    def _open_stream(self, rq: ReqView, page_size: int, streams: List[RoomStream]) -> Optional[str]:
+        if rq.pending_bootstrap:
+            return "pending_bootstrap"
+        if rq.extend_len < self.min_tokens:
+            return "below_min_tokens"
+        if rq.decode_prefix_len % page_size:
+            return "unaligned_prefix"
+        p = self.p
+        with p.rooms.lock:
+            life = p.rooms.get(rq.room)
+            if (life is None or not life.claimed or life.phase not in (Phase.READY, Phase.SUBMITTING)
+                    or any(t.reject_reason for t in life.targets.values())):
+                return "not_ready"
+        with self.lock:
+            record = self.records.get(rq.room)
+            if record is None or record.life is not life:
+                record = self.records[rq.room] = RoomRecord(life)
+            sent = max(record.streamed_until, rq.start_send_idx)
+        rng = stream_range(prefix_len=rq.prefix_len, extend_len=rq.extend_len, input_len=rq.input_len,
+                           page_size=page_size, decode_prefix_len=rq.decode_prefix_len, already_sent=sent)
+        if rng is None:
+            return None  # no whole page completes in this pass: nothing to stream, nothing to fall back
+        src = source_pages(rq.row, rng.tok_lo, rng.tok_hi, page_size)
+        with p.rooms.lock:
+            first = life.phase is Phase.READY
+            if life.concluded or not life.begin_submit():  # the batch token (worker._end gives it back)
+                return "not_ready"
+            if p.rooms.owns_sglang_state(life):
+                p.sglang.set_outstanding(life.room, life.outstanding())
+        if first:
+            p.sglang.set_status(rq.room, room_status.TRANSFERRING)
+        with self.lock:
+            record.streamed_until = rng.tok_hi
+            record.pending_batches += 1
+        streams.append(RoomStream(rq.room, life, rng, src))
+        return None
+
+    def on_layer(self, batch: LayerBatch, pool, layer_id: int, event=None) -> None:
+        if batch.stopped:
+            return
+        if layer_id in batch.seen_layers:
+            # A layer ran twice in one forward: its first hand-off may have been incomplete, so it
+            # is not counted as streamed (send() writes it again once the forward ended).
+            batch.excluded.update(self.map.buffers_for(pool, layer_id) or ())
+            self._stop(batch, "other")
+            return
+        buffers = self.map.buffers_for(pool, layer_id)
+        if buffers is None:
+            self._stop(batch, "unmapped_pool")
+            return
+        batch.seen_layers.add(layer_id)
+        batch.pending.extend(buffers)
+        batch.pending_layers += 1
+        batch.event = event
+        if batch.pending_layers >= batch.group_size:
+            self._flush(batch)
+
+    def _stop(self, batch: LayerBatch, reason: str) -> None:
+        batch.stopped = reason
+        self.p.metrics.layerwise_fallback(reason)
+        logger.debug("sglang-mori: layer-wise batch %d stops streaming: %s", batch.serial, reason)
+
+    def _flush(self, batch: LayerBatch) -> None:
+        if not batch.pending:
+            return
+        group = frozenset(batch.pending)
+        batch.fired.extend(batch.pending)
+        batch.pending = []
+        batch.pending_layers = 0
+        self.worker.post_group(batch, group, batch.event)
+
+    def end_batch(self, batch: LayerBatch) -> None:
+        """After the forward (also when it raised): the last group, the coverage, the end marker."""
+        try:
+            self._flush(batch)
+            if not batch.fired and not batch.stopped:
+                self.p.metrics.layerwise_fallback("no_layer_hook")
+            covered = frozenset(batch.fired) - batch.excluded
+            with self.lock:
+                for stream in batch.streams:
+                    record = self.records.get(stream.room)
+                    if record is not None and record.life is stream.life:
+                        try:
+                            record.coverage.add(stream.rng, covered, stream.src_pages)
+                        except ValueError:  # not expected; then send() simply writes these pages again
+                            logger.exception("sglang-mori: room %s: layer-wise coverage", stream.room)
+            if covered:
+                self.batches_streamed += 1
+        finally:
+            self.worker.post_end(batch)
+
+    def _batch_done(self, batch: LayerBatch) -> None:
+        with self.lock:
+            for stream in batch.streams:
+                record = self.records.get(stream.room)
+                if record is not None and record.life is stream.life:
+                    record.pending_batches -= 1
+
+    def _prune(self) -> None:
+        """Forget records of lives that ended (concluded, or replaced by a new life of the room id)."""
+        with self.p.rooms.lock:
+            current = {room: self.p.rooms.get(room) for room in list(self.records)}
+        with self.lock:
+            for room, record in list(self.records.items()):
+                if record.pending_batches:
+                    continue
+                if current.get(room) is not record.life or record.life.concluded:
+                    del self.records[room]
+
+    # --- SGLang's send() ------------------------------------------------------------------------
+    def add_chunk(self, room_id: int, kv_indices, index_slice: slice, is_last: bool, **kw) -> None:
+        with self.p.rooms.lock:
+            current = self.p.rooms.get(room_id)
+        with self.lock:
+            record = self.records.get(room_id)
+            parts = None
+            if record is not None and record.life is current and record.coverage.segments:
+                parts = record.coverage.remainder(index_slice, self.map.num_buffers)
+        if parts is None:
+            self.service.add_chunk(room_id, kv_indices, index_slice, is_last, **kw)
+            return
+        chunk = selected_chunk(room_id, kv_indices, index_slice, is_last, parts, **kw)
+        if chunk is not None:
+            self.service.submitter.enqueue(chunk)
+
+    # --- radix checkpoints ------------------------------------------------------------------------
+    def after_checkpoint(self, room_id: int, row, page_size: int) -> bool:
+        """The request's pages may have moved (dedup into the radix tree frees the old ones): a
+        streamed page that moved while a write from it may still run is a hazard. True if any."""
+        with self.lock:
+            record = self.records.get(room_id)
+            if record is None or not record.coverage.segments:
+                return False
+            segments = list(record.coverage.segments)
+        moved = False
+        for seg in segments:
+            now = source_pages(row, seg.tok_lo, seg.tok_lo + len(seg.src_pages) * page_size, page_size)
+            if len(now) != len(seg.src_pages) or (now != seg.src_pages).any():
+                moved = True
+                break
+        if not moved:
+            return False
+        with self.p.rooms.lock:
+            running = bool(record.life.unfinished()) or record.life.submitting > 0
+        with self.lock:
+            running = running or record.pending_batches > 0
+            if running and not any(h is record for h in self.hazards):
+                self.hazards.append(record)
+        return running
+
+    def wait_hazards(self) -> None:
+        """Before a forward: wait (bounded) until no write reads a page a checkpoint freed."""
+        with self.lock:
+            hazards, self.hazards = self.hazards, []
+        if not hazards:
+            return
+        deadline = time.monotonic() + self.p.timeout_s
+        for record in hazards:
+            while True:
+                with self.p.rooms.lock:
+                    busy = bool(record.life.unfinished()) or record.life.submitting > 0
+                with self.lock:
+                    busy = busy or record.pending_batches > 0
+                if not busy:
+                    break
+                if time.monotonic() > deadline:
+                    self.service.failures.fail_life(
+                        record.life, "layer-wise writes from pages a radix checkpoint freed did not finish before "
+                        "the deadline (SGLANG_MORI_TRANSFER_TIMEOUT_MS)", TIMEOUT)
+                    break
+                time.sleep(0.001)

@@ -1,0 +1,156 @@
+"""The layer-wise worker thread: posts each layer group of a published batch as the forward
+produces it.
+
+A published batch (`LayerBatch`) holds one `RoomStream` per room that streams in it. When the
+session publishes it, each stream's room took one submit token (`PrefillRoom.begin_submit`), so
+the room counts writes outstanding and cannot conclude Success until the worker has tracked every
+write of the batch; the worker gives the token back when it processes the batch's end.
+
+Per layer group and stream the worker does what the chunk submitter does for a chunk, on the same
+parts: under `parts.rooms.lock` `begin_submit` (skipped when the room concluded meanwhile), post
+through `ChunkSubmitter._post` (peer checks, in-flight budget, engine session, deadline, metrics,
+TransferStarted), then `end_submit` with the tracked handles; a failure fails the room through the
+one failure path. A group handed to the worker is therefore either written or its room failed,
+which is what lets `send()` skip it (session.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Dict, FrozenSet, List, Optional
+
+import numpy as np
+
+from sglang_mori.backend.prefill.failures import OTHER
+from sglang_mori.backend.prefill.layerwise.planner import LayerChunk
+from sglang_mori.backend.prefill.layerwise.ranges import StreamRange
+from sglang_mori.backend.prefill.rooms import PrefillRoom
+
+logger = logging.getLogger(__name__)
+
+MAX_QUEUED_ITEMS = 65536
+
+
+@dataclass(eq=False)
+class RoomStream:
+    """One room's pages in one published batch."""
+
+    room: int
+    life: PrefillRoom
+    rng: StreamRange
+    src_pages: np.ndarray
+    plans: Dict[str, object] = field(default_factory=dict)  # peer engine key -> full TransferPlan
+    posted: int = 0  # layer groups posted
+
+    @property
+    def dst_slice(self) -> slice:
+        return self.rng.dst_slice
+
+
+@dataclass(eq=False)
+class LayerBatch:
+    serial: int
+    streams: List[RoomStream]
+    group_size: int
+    fired: List[int] = field(default_factory=list)  # KV buffers handed to the worker, in order
+    pending: List[int] = field(default_factory=list)  # buffers of the group being collected
+    pending_layers: int = 0
+    seen_layers: set = field(default_factory=set)
+    excluded: set = field(default_factory=set)  # buffers not counted as streamed (a layer ran twice)
+    stopped: Optional[str] = None  # fallback reason: no further layers are streamed
+    event: object = None  # device event of the last layer seen (GPU); None on CPU
+    pool: object = None  # the scheduler's KV pool (for backends that do not name theirs)
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class LayerWorker:
+    def __init__(self, parts, failures, submitter, on_batch_done):
+        self.p = parts
+        self.failures = failures
+        self.submitter = submitter
+        self.on_batch_done = on_batch_done  # (LayerBatch) -> None
+        self.queue: "queue.Queue" = queue.Queue(maxsize=MAX_QUEUED_ITEMS)
+        self.stopped = threading.Event()
+        self.thread: Optional[threading.Thread] = None
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self.run, name="mori-layerwise", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stopped.set()
+        try:
+            self.queue.put_nowait(None)
+        except queue.Full:
+            pass
+        if self.thread is not None:
+            self.thread.join(timeout=3)
+
+    # --- scheduler side -------------------------------------------------------------------------
+    def post_group(self, batch: LayerBatch, buffers: FrozenSet[int], event) -> None:
+        self.queue.put(("group", batch, buffers, event))
+
+    def post_end(self, batch: LayerBatch) -> None:
+        self.queue.put(("end", batch, None, None))
+
+    # --- the thread ---------------------------------------------------------------------------
+    def run(self) -> None:
+        while not self.stopped.is_set():
+            item = self.queue.get()
+            if item is None:
+                return
+            kind, batch, buffers, event = item
+            if kind == "end":
+                self._end(batch)
+                continue
+            for stream in batch.streams:
+                try:
+                    self.submit(stream, buffers, event)
+                except Exception as exc:  # a bug fails one room, never the thread
+                    logger.exception("sglang-mori: layer-wise write of room %s failed", stream.room)
+                    self.failures.fail_life(stream.life, f"internal error while streaming KV: {exc!r}", OTHER)
+
+    def submit(self, stream: RoomStream, buffers: FrozenSet[int], event) -> int:
+        """Post one layer group of one stream; the number of writes tracked."""
+        p = self.p
+        life = stream.life
+        with p.rooms.lock:
+            if life.concluded or not life.begin_submit():
+                return 0
+            targets = life.live_targets()
+            if p.rooms.owns_sglang_state(life):
+                p.sglang.set_outstanding(life.room, life.outstanding())
+        chunk = LayerChunk(room=stream.room, kv_indices=stream.src_pages, index_slice=stream.dst_slice,
+                           is_last=False, aux_index=None, state_indices=None, wait_event=event,
+                           stream=stream, buffers=buffers)
+        writes: list = []
+        failure = None
+        try:
+            failure = self.submitter._post(chunk, life, targets, writes)
+        finally:
+            with p.rooms.lock:
+                life.end_submit(writes, False, None)
+                if p.rooms.owns_sglang_state(life):
+                    p.sglang.set_outstanding(life.room, life.outstanding())
+                p.rooms.notify_locked()
+        stream.posted += 1
+        p.metrics.layerwise_writes(len(writes))
+        if failure is not None:
+            self.failures.fail_life(life, *failure)
+        return len(writes)
+
+    def _end(self, batch: LayerBatch) -> None:
+        """Give back each stream's batch token: its writes are all tracked now."""
+        p = self.p
+        with p.rooms.lock:
+            for stream in batch.streams:
+                life = stream.life
+                life.end_submit([], False, None)
+                if p.rooms.owns_sglang_state(life):
+                    p.sglang.set_outstanding(life.room, life.outstanding())
+            p.rooms.notify_locked()
+        batch.done.set()
+        self.on_batch_done(batch)

@@ -1,0 +1,66 @@
+"""Start-up decisions of layer-wise streaming: the knob, the plugin's hook registration, and which
+deployments can stream (`on` refuses the others with the reason, `auto` stays chunk-wise)."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from sglang_mori.backend.prefill.layerwise.assembly import build_session, unsupported_reason
+from sglang_mori.config import ConfigError, MoriConfig
+from sglang_mori.plugin import layerwise_requested
+
+
+class Metrics:
+    def __init__(self):
+        self.fallbacks = []
+
+    def layerwise_fallback(self, reason, n=1):
+        self.fallbacks.append(reason)
+
+
+def test_knobs_parse_and_validate():
+    cfg = MoriConfig.from_env({"SGLANG_MORI_LAYERWISE": "AUTO", "SGLANG_MORI_LAYERWISE_MIN_TOKENS": "0",
+                               "SGLANG_MORI_LAYERWISE_GROUP": "4"})
+    assert (cfg.layerwise, cfg.layerwise_min_tokens, cfg.layerwise_group) == ("auto", 0, 4)
+    assert MoriConfig.from_env({}).layerwise == "off"
+    for name, bad in (("SGLANG_MORI_LAYERWISE", "yes"), ("SGLANG_MORI_LAYERWISE_MIN_TOKENS", "-1"),
+                      ("SGLANG_MORI_LAYERWISE_GROUP", "0")):
+        with pytest.raises(ConfigError, match=name):
+            MoriConfig.from_env({name: bad})
+
+
+def test_plugin_registers_hooks_only_when_requested():
+    assert layerwise_requested({"SGLANG_MORI_LAYERWISE": "on"})
+    assert layerwise_requested({"SGLANG_MORI_LAYERWISE": "auto"})
+    assert not layerwise_requested({})
+    assert not layerwise_requested({"SGLANG_MORI_LAYERWISE": "bogus"})  # the manager refuses it
+
+
+LAYOUT = SimpleNamespace(states=(), num_draft_entries=0, is_mla=False)
+
+
+@pytest.mark.parametrize("mgr, layout, args, expected", [
+    (SimpleNamespace(pp_size=1, attn_cp_size=1, kv_shard_size=1), LAYOUT, None, None),
+    (SimpleNamespace(pp_size=2), LAYOUT, None, "pipeline parallelism"),
+    (SimpleNamespace(attn_cp_size=2), LAYOUT, None, "context parallelism"),
+    (SimpleNamespace(enable_staging=True), LAYOUT, None, "staging"),
+    (SimpleNamespace(kv_shard_size=2), LAYOUT, None, "KV sharding"),
+    (SimpleNamespace(), SimpleNamespace(states=("mamba",)), None, "hybrid state"),
+    (SimpleNamespace(), LAYOUT, SimpleNamespace(enable_two_batch_overlap=True), "two-batch overlap"),
+])
+def test_unsupported_deployments(mgr, layout, args, expected):
+    reason = unsupported_reason(mgr, layout, args)
+    assert (reason is None) if expected is None else (expected in reason)
+
+
+def test_on_refuses_an_unsupported_deployment_and_auto_falls_back():
+    mgr = SimpleNamespace(pp_size=2, kv_args=SimpleNamespace(kv_data_ptrs=[1, 2]))
+    for mode in ("on", "auto"):
+        parts = SimpleNamespace(config=MoriConfig(layerwise=mode), metrics=Metrics())
+        if mode == "on":
+            with pytest.raises(ConfigError, match="SGLANG_MORI_LAYERWISE=auto"):
+                build_session(mgr, parts, None, LAYOUT, None)
+        else:
+            assert build_session(mgr, parts, None, LAYOUT, None) is None
+            assert parts.metrics.fallbacks == ["deployment"]
+    assert build_session(mgr, SimpleNamespace(config=MoriConfig()), None, LAYOUT, None) is None  # off
