@@ -8,10 +8,6 @@ setup(
     description="MORI-IO KV-cache transfer backend for SGLang prefill-decode disaggregation",
     package_dir={"": "python"},
     packages=find_packages("python"),
-    # The `mori` shim is not a package of ours (it must not be importable by default); ship it as data.
-    package_data={
-        "sglang_mori.softio": ["mori_shim/README.md", "mori_shim/mori/*.py", "mori_shim/mori/io/*.py"]
-    },
     python_requires=">=3.10",
     install_requires=["numpy", "msgspec", "pyzmq", "prometheus-client"],
     entry_points={

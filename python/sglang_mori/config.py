@@ -177,6 +177,22 @@ KNOBS: Tuple[Knob, ...] = (
     Knob("SGLANG_MORI_XGMI", "xgmi", "bool", False,
          "Let MORI-IO create its XGMI backend for peers on the same node (sets "
          "MORI_DISABLE_AUTO_XGMI=0).", boolean, _BOOL_SPELLINGS),
+    Knob("SGLANG_MORI_LAYERWISE", "layerwise", "choice", "off",
+         "Layer-wise KV streaming on prefill: each layer's new full pages are written while the "
+         "forward pass computes the next layers (hooks through SGLang's HookRegistry). `on` fails "
+         "start-up on a deployment that cannot stream (PP, context parallel, staging, hybrid state "
+         "pools, KV sharding, two-batch overlap); `auto` streams where supported and sends "
+         "chunk-wise elsewhere; `off` is chunk-wise only. Batches that cannot stream fall back "
+         "chunk-wise and are counted (sglang_mori_layerwise_fallbacks_total).",
+         one_of("off", "on", "auto"), "off | on | auto"),
+    Knob("SGLANG_MORI_LAYERWISE_MIN_TOKENS", "layerwise_min_tokens", "int", 256,
+         "A request streams layer-wise in a forward pass only if that pass computes at least this "
+         "many of its tokens; shorter extends go chunk-wise (fewer, larger writes).",
+         int_at_least(0), ">= 0"),
+    Knob("SGLANG_MORI_LAYERWISE_GROUP", "layerwise_group", "int", 1,
+         "Layers per layer-wise write: one write per decode peer and room every this many layers "
+         "(larger groups mean fewer, larger writes and a later first byte).",
+         int_between(1, 1024), "1..1024"),
 )
 
 # --- the config ---------------------------------------------------------------------------
@@ -198,6 +214,9 @@ class MoriConfig:
     enable_notification: bool = False
     gc_freeze: bool = True
     xgmi: bool = False
+    layerwise: str = "off"
+    layerwise_min_tokens: int = 256
+    layerwise_group: int = 1
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> "MoriConfig":

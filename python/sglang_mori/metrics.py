@@ -55,6 +55,20 @@ FAILURE_REASONS = (
     "other",
 )
 
+# The only values the layer-wise fallback "reason" label may take (anything else is "other").
+LAYERWISE_FALLBACK_REASONS = (
+    "deployment",  # streaming unsupported by this deployment (PP, CP, staging, hybrid state, ...)
+    "speculative",  # speculative decoding: draft forwards share the batch
+    "two_batch_overlap",  # TBO splits a batch: a layer's hook fires once per micro-batch
+    "pending_bootstrap",  # optimistic prefill: the request's destination is not known yet
+    "not_ready",  # the room takes no writes now (no metadata yet, concluded, rejected peer)
+    "below_min_tokens",  # fewer new tokens than SGLANG_MORI_LAYERWISE_MIN_TOKENS
+    "unaligned_prefix",  # decode's prefix length is not page-aligned
+    "unmapped_pool",  # a layer's KV tensors are not among the registered buffers
+    "no_layer_hook",  # the forward never called the attention hook (e.g. a graph without it)
+    "other",
+)
+
 # Rank labels, named as in SGLang's scheduler metrics so the two can be joined in queries.
 RANK_LABELS = ("engine_type", "tp_rank", "pp_rank", "dp_rank")
 
@@ -117,6 +131,12 @@ class _Collectors:
             RANK_LABELS + ("reason",), **kw)
         self.peer_down = Counter(
             PREFIX + "peer_down", "Peers declared down.", RANK_LABELS, **kw)
+        self.layerwise_writes = Counter(
+            PREFIX + "layerwise_writes", "KV writes submitted from the layer-wise hook (one per room, "
+            "decode peer and layer group).", RANK_LABELS, **kw)
+        self.layerwise_fallbacks = Counter(
+            PREFIX + "layerwise_fallbacks", "Requests or batches of a layer-wise deployment sent chunk-wise "
+            "instead, by reason.", RANK_LABELS + ("reason",), **kw)
         self.inflight = Gauge(
             PREFIX + "inflight_transfers", "Transfers submitted and not yet finished.",
             RANK_LABELS, **gauge_kw)
@@ -203,6 +223,16 @@ class TransferMetrics:
         if not ok and reason is not None:
             self.failure(reason)
 
+    # ---- layer-wise streaming ------------------------------------------------------------------
+    def layerwise_writes(self, n: int = 1) -> None:
+        if n > 0:
+            self._c.layerwise_writes.labels(*self._labels).inc(n)
+
+    def layerwise_fallback(self, reason: str, n: int = 1) -> None:
+        label = reason if reason in LAYERWISE_FALLBACK_REASONS else "other"
+        if n > 0:
+            self._c.layerwise_fallbacks.labels(*self._labels, label).inc(n)
+
     # ---- queues and peers --------------------------------------------------------------------
     def set_queue_depth(self, n: int) -> None:
         self._c.queue_depth.labels(*self._labels).set(max(0, int(n)))
@@ -257,6 +287,12 @@ class NullTransferMetrics:
         pass
 
     def request_finished(self, ok: bool, reason: Optional[str] = None) -> None:
+        pass
+
+    def layerwise_writes(self, n: int = 1) -> None:
+        pass
+
+    def layerwise_fallback(self, reason: str, n: int = 1) -> None:
         pass
 
     def set_queue_depth(self, n: int) -> None:

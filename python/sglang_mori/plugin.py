@@ -63,9 +63,40 @@ def around_get_kv_class(original, transfer_backend, class_type, *args, **kwargs)
     return original(transfer_backend, class_type, *args, **kwargs)
 
 
+def layerwise_requested(environ=None) -> bool:
+    """SGLANG_MORI_LAYERWISE is on or auto. An unusable value registers nothing here; the manager
+    stops start-up on it with the reason (config.py)."""
+    import os
+
+    from sglang_mori.config import ConfigError, MoriConfig
+
+    try:
+        return MoriConfig.from_env(os.environ if environ is None else environ).layerwise != "off"
+    except ConfigError:
+        return False
+
+
+def _lazy_hook(name: str):
+    """An AROUND hook that imports the layer-wise hooks module on first use, so that loading the
+    plugin (in every SGLang process) stays cheap."""
+
+    def hook(original, *args, **kwargs):
+        from sglang_mori.backend.prefill.layerwise import hooks
+
+        return getattr(hooks, name)(original, *args, **kwargs)
+
+    hook.__name__ = hook.__qualname__ = f"sglang_mori_layerwise_{name}"
+    return hook
+
+
 def register() -> None:
     check_sglang_version()
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(GET_KV_CLASS_TARGET, around_get_kv_class, HookType.AROUND)
+    if layerwise_requested():
+        from sglang_mori.backend.prefill.layerwise.hooks import HOOKS
+
+        for target, name in HOOKS:
+            HookRegistry.register(target, _lazy_hook(name), HookType.AROUND)
     logger.info("sglang-mori: --disaggregation-transfer-backend mori is served by sglang_mori")

@@ -19,8 +19,10 @@ from __future__ import annotations
 from typing import Optional, Union
 
 import msgspec
+import numpy as np
 
-PROTOCOL_VERSION = 1
+# 2: RoomMetadata and Abort carry decode's attempt id (retract-rebootstrap reuses a room id).
+PROTOCOL_VERSION = 2
 MAGIC = b"sglang-mori/1"
 
 # Rejection reasons (bounded label set, also used for metrics).
@@ -53,6 +55,9 @@ class Register(_Message, tag="register", kw_only=True):
     decode_port: int
     attn_tp_size: int = 1
     attn_tp_rank: int = 0
+    # Decode context parallel (--dcp-size): tokens are striped over the DCP ranks.
+    dcp_size: int = 1
+    dcp_rank: int = 0
     # planning.KVLayout encoded with msgspec; kept opaque here so the protocol does not depend on
     # the planner's internals.
     layout: bytes
@@ -60,10 +65,13 @@ class Register(_Message, tag="register", kw_only=True):
 
 class RoomMetadata(_Message, tag="metadata", kw_only=True):
     room: int
+    # One decode receiver's attempt at this room: a request that decode retracts and bootstraps
+    # again reuses the room id with a new attempt, which prefill must tell from a replay.
+    attempt: int
     engine_key: str
     decode_ip: str
     decode_port: int
-    kv_indices: bytes  # little-endian int32 page indices
+    kv_indices: bytes  # little-endian int32 page indices: encode_page_indices / decode_page_indices
     aux_index: Optional[int] = None
     state_indices: Optional[list[Optional[list[int]]]] = None
     required_dst_info_num: int = 1
@@ -87,6 +95,7 @@ class RoomStatus(_Message, tag="status", kw_only=True):
 
 class Abort(_Message, tag="abort", kw_only=True):
     room: int
+    attempt: int  # the RoomMetadata attempt this abort ends
     decode_ip: str
     decode_port: int
     generation: Optional[int] = None
@@ -134,5 +143,27 @@ def decode(frames: list[bytes]) -> AnyMessage:
     return message
 
 
-def is_ours(frames: list[bytes]) -> bool:
-    return bool(frames) and frames[0] == MAGIC
+# --- field codecs ---------------------------------------------------------------------------------
+
+_PAGE_INDEX_DTYPE = np.dtype("<i4")
+
+
+def encode_page_indices(indices) -> bytes:
+    """Page indices (any integer array-like) -> RoomMetadata.kv_indices bytes."""
+    return np.asarray(indices, dtype=_PAGE_INDEX_DTYPE).tobytes()
+
+
+def decode_page_indices(blob: bytes, room: Optional[int] = None) -> np.ndarray:
+    """RoomMetadata.kv_indices bytes -> int64 page indices; ProtocolError when truncated."""
+    if len(blob) % _PAGE_INDEX_DTYPE.itemsize:
+        raise ProtocolError(
+            REJECT_MALFORMED, f"room {room}: page index list of {len(blob)} bytes is truncated", room
+        )
+    return np.frombuffer(blob, dtype=_PAGE_INDEX_DTYPE).astype(np.int64)
+
+
+def encode_state_indices(state_indices) -> Optional[list]:
+    """Per-component state slot indices (arrays or None) -> RoomMetadata.state_indices."""
+    if state_indices is None:
+        return None
+    return [None if comp is None else np.asarray(comp).astype(np.int64).tolist() for comp in state_indices]

@@ -1,7 +1,7 @@
 """Shared pieces of the integration tests: run a harness session and hold it to the contract.
 
 Every test here starts real processes (bootstrap server, one per prefill TP rank, one per decode TP
-rank) through sglang_mori.testing.pd_harness; the harness stops all of them, by PID, when a run
+rank) through harness.pd.run; the harness stops all of them, by PID, when a run
 ends, also on failure. Our backend (`mori`, software engine) is the target; SGLang's Mooncake over
 TCP appears once, to show the harness agrees with a reference backend.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from integration_support import IN_PRIVATE_NETNS, assert_clean
 
-from sglang_mori.testing.pd_harness import HarnessConfig, HarnessResult, run_transfer
+from harness.pd.run import HarnessConfig, HarnessResult, run_transfer
 
 
 @pytest.fixture

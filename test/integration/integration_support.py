@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from sglang_mori.testing.pd_harness import HarnessConfig, HarnessResult
+from harness.pd.run import HarnessConfig, HarnessResult
 
 IN_PRIVATE_NETNS = os.environ.get("SGLANG_MORI_IN_NETNS") == "1"
 

@@ -25,16 +25,16 @@ from typing import Dict, Iterable, List, Tuple
 
 from integration_support import config
 
-from sglang_mori.testing.pd_harness import HarnessResult, KVLayout, RoomShape, decode_worker_name, run_transfer
-from sglang_mori.testing.pd_harness_control import (
+from harness.pd.run import HarnessResult, KVLayout, RoomShape, decode_worker_name, run_transfer
+from harness.pd.control import (
     WorkerControl,
     controls,
     late_writes_by_log,
     wait_clean,
     wait_until,
 )
-from sglang_mori.testing.pd_harness_plan import build_plan
-from sglang_mori.testing.pd_harness_results import FAILED, SUCCESS
+from harness.pd.plan import build_plan
+from harness.pd.results import FAILED, SUCCESS
 
 TIMEOUT_MS = 2000  # SGLANG_MORI_TRANSFER_TIMEOUT_MS of every reliability session
 SLACK_S = 8.0  # scheduling noise on a loaded 2-core host

@@ -15,8 +15,8 @@ import json
 
 from integration_support import config
 
-from sglang_mori.testing.pd_harness import KVLayout, RoomShape, run_transfer
-from sglang_mori.testing.pd_harness_results import FAILED, SUCCESS
+from harness.pd.run import KVLayout, RoomShape, run_transfer
+from harness.pd.results import FAILED, SUCCESS
 
 ROOMS = 32
 PREFILL_ABORT = (1, 5, 9, 13, 17)

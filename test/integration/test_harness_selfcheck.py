@@ -7,11 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sglang_mori.testing.pd_harness_config import HarnessConfig, KVLayout, RoomShape
-from sglang_mori.testing.pd_harness_plan import build_plan
-from sglang_mori.testing.pd_harness_pool import RankPool
-from sglang_mori.testing.pd_harness_results import FAILED, SUCCESS, RankReport, RoomOutcome
-from sglang_mori.testing.pd_harness_verify import verify_decode
+from harness.pd.config import HarnessConfig, KVLayout, RoomShape
+from harness.pd.plan import build_plan
+from harness.pd.pool import RankPool
+from harness.pd.results import FAILED, SUCCESS, RankReport, RoomOutcome
+from harness.pd.verify import verify_decode
 
 
 def _cfg(**kw) -> HarnessConfig:
@@ -178,7 +178,7 @@ def test_config_rejects_impossible_layouts():
 
 
 def test_recheck_catches_a_write_after_release():
-    from sglang_mori.testing.pd_harness_verify import late_writes, snapshot_room
+    from harness.pd.verify import late_writes, snapshot_room
 
     cfg = _cfg()
     plan, _, dst, _ = _transferred(cfg)

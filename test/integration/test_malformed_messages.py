@@ -21,9 +21,9 @@ import zmq
 
 from integration_support import config
 from sglang_mori import protocol
-from sglang_mori.testing.pd_harness import KVLayout, ReadyInfo, RoomShape
-from sglang_mori.testing.pd_harness_control import controls, wait_until
-from sglang_mori.testing.pd_harness_plan import build_plan
+from harness.pd.run import KVLayout, ReadyInfo, RoomShape
+from harness.pd.control import controls, wait_until
+from harness.pd.plan import build_plan
 
 FLOOD_ROUNDS = 4
 DURING_S = 3.0
@@ -37,7 +37,7 @@ def hostile_messages(rng: random.Random, rooms: list, registration) -> list:
     """One round of hostile multipart messages; `rooms` are ids that belong to no request."""
     r = lambda: rng.choice(rooms)  # noqa: E731
     meta = protocol.RoomMetadata(
-        room=r(), engine_key="no-such-engine", decode_ip="127.0.0.1", decode_port=1,
+        room=r(), attempt=rng.randrange(1, 2**62), engine_key="no-such-engine", decode_ip="127.0.0.1", decode_port=1,
         kv_indices=b"\x01\x00\x00\x00" * 4, aux_index=0,
     )  # fmt: skip
     meta_bytes = protocol.encode(meta)[1]
@@ -55,7 +55,7 @@ def hostile_messages(rng: random.Random, rooms: list, registration) -> list:
         [protocol.MAGIC, _msgpack([1, 2, 3])],
         [protocol.MAGIC, b"\x91" * 5000 + b"\x01"],  # deeply nested arrays
         [protocol.MAGIC, _msgpack({"kind": "metadata", "version": 99, "room": r()})],  # other version
-        protocol.encode(msgspec.structs.replace(meta, version=2)),  # well-formed, newer protocol
+        protocol.encode(msgspec.structs.replace(meta, version=protocol.PROTOCOL_VERSION + 1)),  # newer protocol
         protocol.encode(msgspec.structs.replace(meta, room=-5)),  # negative room
         protocol.encode(msgspec.structs.replace(meta, kv_indices=b"\x01\x00\x00")),  # index bytes cut
         protocol.encode(meta),  # metadata from an engine that never registered
@@ -63,7 +63,7 @@ def hostile_messages(rng: random.Random, rooms: list, registration) -> list:
         protocol.encode(protocol.RoomStatus(room=r(), status=4, prefill_rank=0, aux=[b"x"])),  # decode-bound
         protocol.encode(protocol.TransferStarted(room=r(), prefill_rank=0)),
         protocol.encode(protocol.AbortAck(room=r(), prefill_rank=0, generation=1)),
-        protocol.encode(protocol.Abort(room=r(), decode_ip="127.0.0.1", decode_port=1)),
+        protocol.encode(protocol.Abort(room=r(), attempt=1, decode_ip="127.0.0.1", decode_port=1)),
         protocol.encode(
             protocol.Register(
                 engine_desc=os.urandom(40), kv_descs=[os.urandom(16)], aux_descs=[], decode_ip="127.0.0.1",

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from integration_support import config
 
-from sglang_mori.testing.pd_harness import KVLayout, RoomShape
+from harness.pd.run import KVLayout, RoomShape
 
 
 def test_mooncake_tcp_reference_run(run_clean, require_netns):

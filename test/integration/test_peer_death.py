@@ -22,9 +22,9 @@ import time
 
 from integration_support import config
 
-from sglang_mori.testing.pd_harness import KVLayout, RoomShape, run_transfer
-from sglang_mori.testing.pd_harness_control import controls, wait_clean
-from sglang_mori.testing.pd_harness_results import FAILED, SUCCESS, TIMED_OUT
+from harness.pd.run import KVLayout, RoomShape, run_transfer
+from harness.pd.control import controls, wait_clean
+from harness.pd.results import FAILED, SUCCESS, TIMED_OUT
 
 ROOMS = 24
 HEARTBEAT_S, HEARTBEAT_MISSES = 2.0, 2  # SGLang clamps the interval to >= 2 s

@@ -25,8 +25,8 @@ import re
 
 from reliability_support import SLACK_S, Session, check_end, outcomes, reliability_config, run_session
 
-from sglang_mori.testing.pd_harness import KVLayout, RoomShape
-from sglang_mori.testing.pd_harness_results import FAILED, SUCCESS
+from harness.pd.run import KVLayout, RoomShape
+from harness.pd.results import FAILED, SUCCESS
 
 ROUNDS = (4, 8, 6)
 BASE, UNREACHABLE, FOLLOW_UP = range(3)

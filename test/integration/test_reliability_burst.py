@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from reliability_support import Session, check_end, outcomes, reliability_config
 
-from sglang_mori.testing.pd_harness import KVLayout, RoomShape, run_transfer
-from sglang_mori.testing.pd_harness_results import SUCCESS
+from harness.pd.run import KVLayout, RoomShape, run_transfer
+from harness.pd.results import SUCCESS
 
 BURST, FOLLOW_UP = 1000, 16
 BOUND = 8

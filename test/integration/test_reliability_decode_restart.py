@@ -14,7 +14,7 @@ One prefill, two decode servers (rooms alternate between them), one session per 
 The new process comes back either
 - at the SAME endpoint: same host, same ZMQ rank port, same engine port. SGLang never does this on
   purpose (it binds the rank port with bind_to_random_port and our engine asks MORI-IO for port 0;
-  the harness pins them, see pd_harness_pin.py), but a port can be drawn again. Prefill must see
+  the harness pins them, see pd/pin.py), but a port can be drawn again. Prefill must see
   the endpoint's new key replace the old one: the dead incarnation leaves its peer table and its
   engine, and stale messages for the old rooms that reach the new process change nothing; or
 - on fresh random ports, as SGLang restarts a server: prefill serves the new engine next to the
@@ -29,7 +29,7 @@ from __future__ import annotations
 import pytest
 from reliability_support import SLACK_S, Session, check_end, outcomes, run_session, two_decode_config
 
-from sglang_mori.testing.pd_harness_results import FAILED, SUCCESS
+from harness.pd.results import FAILED, SUCCESS
 
 ROUNDS = (4, 8, 8)
 BASE, DECODE_DIES, RESTARTED = range(3)

@@ -29,9 +29,9 @@ from __future__ import annotations
 
 from reliability_support import SLACK_S, TIMEOUT_MS, Session, check_end, outcomes, reliability_config
 
-from sglang_mori.testing.pd_harness import KVLayout, RoomShape, run_transfer
-from sglang_mori.testing.pd_harness_control import wait_until
-from sglang_mori.testing.pd_harness_results import FAILED, SUCCESS
+from harness.pd.run import KVLayout, RoomShape, run_transfer
+from harness.pd.control import wait_until
+from harness.pd.results import FAILED, SUCCESS
 
 ROUNDS = (6, 10, 6, 6, 8, 6, 6, 4, 6)
 BASE, STALL, SQ, PARTIAL, FOREVER, RESTARTED, LANE, BROKEN, RESTART = range(9)

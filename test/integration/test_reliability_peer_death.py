@@ -23,9 +23,9 @@ import signal
 
 from reliability_support import SLACK_S, Session, outcomes, two_decode_config
 
-from sglang_mori.testing.pd_harness import run_transfer
-from sglang_mori.testing.pd_harness_control import late_writes_by_log, wait_until
-from sglang_mori.testing.pd_harness_results import FAILED, SUCCESS
+from harness.pd.run import run_transfer
+from harness.pd.control import late_writes_by_log, wait_until
+from harness.pd.results import FAILED, SUCCESS
 
 ROUNDS = (4, 8, 8, 8)
 BASE, DECODE_DIES, FOLLOW_UP, BOOTSTRAP_DIES = range(4)

@@ -34,9 +34,9 @@ from test_malformed_messages import hostile_messages
 from sglang_mori import protocol
 from sglang_mori.backend.plans import decode_layout, encode_layout
 from sglang_mori.softio.descriptors import EngineDesc
-from sglang_mori.testing.pd_harness import KVLayout, RoomShape, run_transfer
-from sglang_mori.testing.pd_harness_control import wait_until
-from sglang_mori.testing.pd_harness_results import FAILED, SUCCESS
+from harness.pd.run import KVLayout, RoomShape, run_transfer
+from harness.pd.control import wait_until
+from harness.pd.results import FAILED, SUCCESS
 
 TIMEOUT_MS = 5000  # held lanes must not time the healthy rooms out on a loaded host
 ROUNDS = (2, 16, 8)  # baseline, the cases, the follow-up batch
@@ -72,15 +72,17 @@ class Pusher:
         self.ctx.term()
 
 
-def _retargeted_metadata(s: Session, index: int, decode_key: str, decode_endpoint) -> list:
-    """RoomMetadata for room `index` as decode would send it, but naming pages no room owns."""
+def _retargeted_metadata(s: Session, index: int, decode_key: str, decode_endpoint, attempt: int) -> list:
+    """RoomMetadata for room `index` as decode sent it (same attempt: a replay), but naming pages
+    no room owns."""
     room = s.plan.rooms[index]
     owned = set(np.concatenate([r.decode_pages for r in s.plan.rooms]).tolist())
     spare = [p for p in range(1, s.plan.decode_pool_pages) if p not in owned][: room.num_pages]
     assert len(spare) == room.num_pages, "not enough spare decode pages for the replay"
     return protocol.encode(
         protocol.RoomMetadata(
-            room=room.room, engine_key=decode_key, decode_ip=decode_endpoint[0], decode_port=decode_endpoint[1],
+            room=room.room, attempt=attempt, engine_key=decode_key, decode_ip=decode_endpoint[0],
+            decode_port=decode_endpoint[1],
             kv_indices=np.asarray(spare, dtype="<i4").tobytes(), aux_index=room.decode_aux,
         )
     )  # fmt: skip
@@ -146,8 +148,10 @@ def test_aborts_bad_input_and_replays_fail_only_their_rooms():
             lambda: all(p.room_states()["status"].get(ids[i]) == TRANSFERRING for i in REPLAYED),
             20, "replay targets transferring",
         )
+        attempts = d.attempts()
         for i in REPLAYED:
-            pusher.send(s.info.prefill_endpoints[0], _retargeted_metadata(s, i, decode_key, decode_endpoint))
+            pusher.send(s.info.prefill_endpoints[0],
+                        _retargeted_metadata(s, i, decode_key, decode_endpoint, attempts[ids[i]]))
         # Decode's aborts come after TransferStarted, so their writes are held on the wire: decode
         # must hold those pages. Prefill's abort may come before a chunk reached the engine.
         held, told = {ids[i] for i in DECODE_ABORT}, {ids[i] for i in PREFILL_ABORT}
@@ -161,9 +165,11 @@ def test_aborts_bad_input_and_replays_fail_only_their_rooms():
         s.open(2)
         s.wait_done(2, 60)
         # Replays of finished rooms: their metadata to prefill, their Success to decode.
+        attempts = d.attempts()
         for i in range(cfg.rooms):
             if i not in BAD_PAGE + DUPLICATE:  # (those never had a sender finish with metadata)
-                pusher.send(s.info.prefill_endpoints[0], _retargeted_metadata(s, i, decode_key, decode_endpoint))
+                pusher.send(s.info.prefill_endpoints[0],
+                            _retargeted_metadata(s, i, decode_key, decode_endpoint, attempts[ids[i]]))
             pusher.send(decode_endpoint, protocol.encode(protocol.RoomStatus(room=ids[i], status=4, prefill_rank=0)))
         # Mismatched registrations, each from its own (fake) engine.
         box["fakes"] = _mismatched_registrations(s.info.decode_registrations[0])

@@ -5,7 +5,7 @@ The full 10,000-request run and its figures are in docs/benchmarks.md ("Soak")."
 
 from __future__ import annotations
 
-from sglang_mori.cli import bench_soak
+from harness import bench_soak
 
 
 def test_quick_soak_passes():

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 from integration_support import config
 
-from sglang_mori.testing.pd_harness import KVLayout, RoomShape
+from harness.pd.run import KVLayout, RoomShape
 
 
 @pytest.mark.parametrize("prefill_tp,decode_tp", [(1, 2), (2, 1)], ids=["tp1to2", "tp2to1"])

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 from integration_support import config
 
-from sglang_mori.testing.pd_harness import AuxBufferSpec, KVLayout, RoomShape
+from harness.pd.run import AuxBufferSpec, KVLayout, RoomShape
 
 
 def test_mha_every_layer_aux_and_state_64_rooms_chunked(run_clean):

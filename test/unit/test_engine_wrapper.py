@@ -287,8 +287,14 @@ def test_peer_failure_events():
     assert make_engine().pop_peer_failures() == []  # engine without pop_peer_failure
     eng = make_engine(fake_io(EngineWithFailureEvents))
     assert eng.has_peer_failure_events
-    eng.engine.failure_events = ["e1", "e2"]
-    assert eng.pop_peer_failures() == ["e1", "e2"]
+    class Event:
+        def __init__(self, key):
+            self.remote_engine_key, self.reason, self.detail = key, "QP_ERROR", "retry exceeded"
+
+    eng.engine.failure_events = [Event("d1"), Event("d2")]
+    events = eng.pop_peer_failures()
+    assert [e.engine_key for e in events] == ["d1", "d2"]
+    assert events[0].reason == "peer failure reported by the engine: QP_ERROR retry exceeded"
     assert eng.pop_peer_failures() == []
 
 
@@ -421,13 +427,25 @@ def test_batch_write_raising_on_a_retry_keeps_earlier_statuses(clock):
     assert not h.quiescent()  # the raising call may have posted writes we hold no status for
 
 
-def test_wait_passes_every_live_status(clock):
+def test_wait_running_waits_on_the_first_running_status(clock):
     eng = make_engine()
-    eng.engine.script = [[ok(), Status(IN_PROGRESS)], [Status(IN_PROGRESS)]]
-    h1 = eng.write("decode-a", [pair(0), pair(1)], deadline=clock.now + 10, retry_max=0)
-    h2 = eng.write("decode-a", [pair(2)], deadline=clock.now + 10, retry_max=0)
-    assert eng.wait([h1, h2], timeout_ms=250) == SUCCESS
-    assert eng.engine.waited == [(h1.live + h2.live, 250)]
+    running = Status(IN_PROGRESS)
+    waited = []
+    running.WaitFor = lambda ms: waited.append(ms)
+    eng.engine.script = [[ok(), running]]
+    h = eng.write("decode-a", [pair(0), pair(1)], deadline=clock.now + 10, retry_max=0)
+    assert h.wait_running(250) is True
+    assert waited == [250]
+    running.code = SUCCESS
+    assert h.wait_running(250) is False  # nothing running: returns at once
+    assert waited == [250]
+
+
+def test_sq_full_resubmissions_are_counted_on_the_handle(clock):
+    eng = make_engine()
+    eng.engine.script = [[sq_full(), ok()], [ok()]]
+    h = eng.write("decode-a", [pair(0), pair(1)], deadline=clock.now + 10, retry_max=5)
+    assert h.retries == 1
 
 
 # --- loader ----------------------------------------------------------------------------------
@@ -482,3 +500,19 @@ def test_load_soft_failure_has_no_mori_hint(monkeypatch):
     msg = str(info.value)
     assert msg.startswith("SGLANG_MORI_ENGINE=soft: cannot import sglang_mori.softio: ")
     assert "amd-mori" not in msg
+
+
+def test_close_releases_memory_peers_and_backend():
+    """What a runtime role switch needs: nothing of the old engine stays registered or running."""
+    eng = make_engine()
+    inner = eng.engine
+    removed = []
+    inner.remove_backend = lambda kind: removed.append(kind)
+    gpu = eng.register(0x1000, 4096, 3, True)
+    eng.add_peer(EngineDesc("decode-a", 1).pack())
+    eng.close()
+    assert eng.engine is None
+    assert inner.deregistered == [gpu] and inner.remotes_removed == ["decode-a"]
+    assert removed == [eng.io.BackendType.RDMA]
+    eng.close()  # idempotent
+    assert removed == [eng.io.BackendType.RDMA]

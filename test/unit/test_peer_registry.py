@@ -1,12 +1,18 @@
 """PeerRegistry: registration, replacement on restart, rejection, fail-fast window, up count."""
 
 import threading
+import time
 import types
 
 import pytest
 
 # backend/__init__.py exports lazily, so this imports no SGLang.
 from sglang_mori.backend import peers
+
+
+def up_count(reg) -> int:
+    """Peers neither rejected nor inside a fail-fast window (read without ending any window)."""
+    return sum(1 for k in reg.keys() if (p := reg.get(k)) and p.failed_reason is None and not p.rejected)
 
 DecodePeer, PeerRegistry = peers.DecodePeer, peers.PeerRegistry
 
@@ -44,7 +50,7 @@ def test_add_and_get():
     assert reg.get("c") is None
     assert sorted(reg.keys()) == ["a", "b"]
     assert reg.unusable_reason("a") is None
-    assert reg.up_count() == 2
+    assert up_count(reg) == 2
 
 
 def test_restart_same_endpoint_new_key_replaces_old():
@@ -56,7 +62,7 @@ def test_restart_same_endpoint_new_key_replaces_old():
     assert reg.get("decode-pid2") is new
     assert reg.get("decode-pid1") is None
     assert reg.keys() == ["decode-pid2"]
-    assert reg.up_count() == 1
+    assert up_count(reg) == 1
     # Rooms still bound to the old key fail with a reason naming it.
     reason = reg.unusable_reason("decode-pid1")
     assert reason == "decode engine decode-pid1 has not registered with this prefill rank"
@@ -67,10 +73,10 @@ def test_restart_replaces_a_failed_peer_with_a_usable_one(clock):
     reg = PeerRegistry(FAIL_FAST_S)
     reg.add(peer("old", 17000))
     reg.mark_failed("old", "peer unreachable")
-    assert reg.up_count() == 0
+    assert up_count(reg) == 0
     assert reg.add(peer("new", 17000)).failed_reason == "peer unreachable"
     assert reg.unusable_reason("new") is None
-    assert reg.up_count() == 1
+    assert up_count(reg) == 1
 
 
 def test_same_key_reregistering_is_not_a_replacement():
@@ -100,7 +106,7 @@ def test_rejected_peer():
     reg.add(peer("ok", 17001))
     assert reg.unusable_reason("r") == "layout mismatch: page_size 16 vs 64"
     assert reg.unusable_reason("ok") is None
-    assert reg.up_count() == 1
+    assert up_count(reg) == 1
 
 
 def test_rejection_outlives_the_fail_fast_window(clock):
@@ -109,7 +115,7 @@ def test_rejection_outlives_the_fail_fast_window(clock):
     reg.mark_failed("r", "boom")
     clock.now += FAIL_FAST_S * 10
     assert reg.unusable_reason("r") == "bad layout"
-    assert reg.up_count() == 0
+    assert up_count(reg) == 0
 
 
 def test_mark_failed_returns_news():
@@ -128,7 +134,7 @@ def test_recently_failed_peer_is_unusable(clock):
     reg.mark_failed("a", "RDMA error on QP 3")
     assert reg.get("a").failed_at == clock.now
     assert reg.unusable_reason("a") == "decode engine a failed recently: RDMA error on QP 3"
-    assert reg.up_count() == 0
+    assert up_count(reg) == 0
 
 
 def test_fail_fast_window_expires(clock):
@@ -136,17 +142,17 @@ def test_fail_fast_window_expires(clock):
     reg.add(peer("a"))
     reg.add(peer("b", 17001))
     reg.mark_failed("a", "peer unreachable")
-    assert reg.up_count() == 1
+    assert up_count(reg) == 1
 
     clock.now += FAIL_FAST_S - 0.001
     assert reg.unusable_reason("a") == "decode engine a failed recently: peer unreachable"
-    assert reg.up_count() == 1
+    assert up_count(reg) == 1
 
     clock.now += 0.001  # exactly fail_fast_s after the failure: the window is over
     assert reg.unusable_reason("a") is None
     p = reg.get("a")
     assert (p.failed_reason, p.failed_at) == (None, None)
-    assert reg.up_count() == 2
+    assert up_count(reg) == 2
     # A new failure is news again and opens a new window.
     assert reg.mark_failed("a", "again") is True
     assert reg.unusable_reason("a") == "decode engine a failed recently: again"
@@ -190,7 +196,7 @@ def test_concurrent_adds_keep_one_key_per_endpoint():
     keys = reg.keys()
     assert len(keys) == 4
     assert sorted(reg.get(k).endpoint[1] for k in keys) == [17000, 17001, 17002, 17003]
-    assert reg.up_count() == 4
+    assert up_count(reg) == 4
 
 
 def test_prune_dead_forgets_broken_silent_idle_peers_only(clock):
@@ -200,7 +206,7 @@ def test_prune_dead_forgets_broken_silent_idle_peers_only(clock):
         reg.add(p)
     for key in ("dead", "busy", "chatty"):
         reg.mark_failed(key, "lane broke")
-    busy.inflight = 1
+    assert reg.budget.acquire("busy", deadline=clock.now + 1)  # one write in flight
     clock.now += 60
     reg.touch("chatty")  # it sent room metadata: not gone
     # Past the fail-fast window the failure is forgotten for use, but not for pruning.
@@ -212,7 +218,33 @@ def test_prune_dead_forgets_broken_silent_idle_peers_only(clock):
     assert reg.unusable_reason("dead") == "decode engine dead has not registered with this prefill rank"
     # Its endpoint is free again: a new engine there replaces nobody.
     assert reg.add(peer("dead2", 1)) is None
-    busy.inflight = 0
+    reg.budget.release("busy")
     clock.now += 100
     assert {p.engine_key for p in reg.prune_dead(100.0)} == {"busy", "chatty"}
     assert reg.get("ok") is healthy and reg.get("dead2") is not None
+
+
+def test_inflight_budget_bounds_each_peer_and_waits_until_the_deadline():
+    now = [0.0]
+    budget = peers.InflightBudget(2, clock=lambda: now[0])
+    assert budget.acquire("a", deadline=1.0) and budget.acquire("a", deadline=1.0)
+    assert budget.acquire("b", deadline=1.0)  # another peer has its own budget
+    now[0] = 2.0  # past the deadline: no wait, refused
+    assert budget.acquire("a", deadline=1.0) is False
+    assert budget.snapshot() == {"a": 2, "b": 1} and budget.total() == 3
+    budget.release("a")
+    assert budget.acquire("a", deadline=1.0)
+    budget.release("a", 2)
+    budget.release("b")
+    assert budget.total() == 0 and budget.snapshot() == {}
+
+
+def test_inflight_budget_wakes_a_waiter_on_release():
+    budget = peers.InflightBudget(1)
+    assert budget.acquire("a", deadline=float("inf"))
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(budget.acquire("a", deadline=time.monotonic() + 30)))
+    waiter.start()
+    budget.release("a")
+    waiter.join(timeout=30)
+    assert got == [True] and budget.count("a") == 1

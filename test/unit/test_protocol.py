@@ -20,7 +20,6 @@ from sglang_mori.protocol import (
     TransferStarted,
     decode,
     encode,
-    is_ours,
 )
 
 MESSAGE_TYPES = (Register, RoomMetadata, TransferStarted, RoomStatus, Abort, AbortAck)
@@ -47,6 +46,7 @@ registers = st.builds(
 metadatas = st.builds(
     RoomMetadata,
     room=rooms,
+    attempt=ints,
     engine_key=texts,
     decode_ip=texts,
     decode_port=ints,
@@ -65,7 +65,7 @@ statuses_with_aux = st.builds(
     RoomStatus, room=rooms, status=ints, prefill_rank=ints, reason=st.none() | texts,
     aux=st.lists(blobs, max_size=4),
 )
-aborts = st.builds(Abort, room=rooms, decode_ip=texts, decode_port=ints, generation=opt_ints)
+aborts = st.builds(Abort, room=rooms, attempt=ints, decode_ip=texts, decode_port=ints, generation=opt_ints)
 abort_acks = st.builds(AbortAck, room=rooms, prefill_rank=ints, generation=opt_ints)
 any_message = st.one_of(
     registers, metadatas, starteds, statuses_without_aux, statuses_with_aux, aborts, abort_acks
@@ -88,14 +88,14 @@ def samples():
         Register(engine_desc=b"\x01engine", kv_descs=[b"k0", b"k1"], aux_descs=[b"a0"],
                  state_descs=[[b"s0", None], []], decode_ip="127.0.0.1", decode_port=17001,
                  attn_tp_size=2, attn_tp_rank=1, layout=b"layout-bytes"),
-        RoomMetadata(room=42, engine_key="sglang-mori-decode-x", decode_ip="127.0.0.1",
+        RoomMetadata(room=42, attempt=77, engine_key="sglang-mori-decode-x", decode_ip="127.0.0.1",
                      decode_port=17002, kv_indices=b"\x01\x00\x00\x00\x02\x00\x00\x00",
                      aux_index=3, state_indices=[[1, 2], None], required_dst_info_num=2,
                      decode_prefix_len=16, is_dummy=True),
         TransferStarted(room=7, prefill_rank=1),
         RoomStatus(room=8, status=2, prefill_rank=0, reason=None, aux=[b"aux0", b""]),
         RoomStatus(room=9, status=3, prefill_rank=1, reason="peer down"),
-        Abort(room=10, decode_ip="127.0.0.1", decode_port=17003, generation=4),
+        Abort(room=10, attempt=77, decode_ip="127.0.0.1", decode_port=17003, generation=4),
         AbortAck(room=11, prefill_rank=0, generation=4),
     ]
 
@@ -129,7 +129,7 @@ def test_round_trip_every_kind(kind):
     def check(message):
         frames = encode(message)
         assert len(frames) == 2 and frames[0] == MAGIC and isinstance(frames[1], bytes)
-        assert is_ours(frames)
+        assert frames[0] == MAGIC
         back = decode(frames)
         assert type(back) is type(message)
         assert back == message
@@ -155,13 +155,22 @@ def test_room_status_aux_distinguishes_none_from_empty():
 
 
 def test_defaults_filled_in_on_decode():
-    payload = msgspec.msgpack.encode({"kind": "metadata", "room": 5, "engine_key": "k",
+    payload = msgspec.msgpack.encode({"kind": "metadata", "room": 5, "attempt": 9, "engine_key": "k",
                                       "decode_ip": "127.0.0.1", "decode_port": 1, "kv_indices": b""})
     message = decode([MAGIC, payload])
     assert isinstance(message, RoomMetadata)
     assert message.version == PROTOCOL_VERSION
     assert (message.aux_index, message.state_indices, message.required_dst_info_num,
             message.decode_prefix_len, message.is_dummy) == (None, None, 1, None, False)
+
+
+def test_metadata_and_abort_without_an_attempt_are_malformed():
+    """A replay guard keyed by attempt needs one on every RoomMetadata and Abort."""
+    for fields in ({"kind": "metadata", "room": 5, "engine_key": "k", "decode_ip": "h", "decode_port": 1,
+                    "kv_indices": b""},
+                   {"kind": "abort", "room": 5, "decode_ip": "h", "decode_port": 1}):
+        exc = reject([MAGIC, msgspec.msgpack.encode(fields)])
+        assert exc.reason == REJECT_MALFORMED and "attempt" in exc.detail
 
 
 def test_kinds_have_distinct_tags():
@@ -187,7 +196,7 @@ def test_foreign_magic(frames):
     assert exc.reason == REJECT_FOREIGN
     assert exc.room is None
     assert str(exc).startswith("foreign: ")
-    assert not is_ours(frames)
+    assert not (frames and frames[0] == MAGIC)
 
 
 @pytest.mark.parametrize("extra", [0, 2, 3])
@@ -196,7 +205,7 @@ def test_wrong_frame_count(extra):
     exc = reject(frames)
     assert exc.reason == REJECT_MALFORMED
     assert f"got {len(frames)}" in exc.detail
-    assert is_ours(frames)
+    assert frames[0] == MAGIC
 
 
 def test_truncated_payload():
@@ -277,7 +286,7 @@ def test_deep_nesting_is_malformed(depth):
     assert reject([MAGIC, payload]).reason == REJECT_MALFORMED
 
 
-@pytest.mark.parametrize("version", [0, 2, PROTOCOL_VERSION + 100, -1])
+@pytest.mark.parametrize("version", [0, 1, PROTOCOL_VERSION + 100, -1])
 def test_other_version_carries_room(version):
     exc = reject(encode(RoomStatus(version=version, room=123, status=2, prefill_rank=0)))
     assert exc.reason == REJECT_VERSION
@@ -286,23 +295,23 @@ def test_other_version_carries_room(version):
 
 
 def test_other_version_without_room():
-    exc = reject(encode(Register(version=2, engine_desc=b"", kv_descs=[], aux_descs=[],
+    exc = reject(encode(Register(version=1, engine_desc=b"", kv_descs=[], aux_descs=[],
                                  decode_ip="127.0.0.1", decode_port=1, layout=b"")))
     assert exc.reason == REJECT_VERSION
     assert exc.room is None
 
 
 def test_version_checked_before_room_sign():
-    exc = reject(encode(Abort(version=9, room=-4, decode_ip="h", decode_port=1)))
+    exc = reject(encode(Abort(version=9, room=-4, attempt=1, decode_ip="h", decode_port=1)))
     assert exc.reason == REJECT_VERSION
     assert exc.room == -4
 
 
 @pytest.mark.parametrize("make", [
-    lambda r: RoomMetadata(room=r, engine_key="k", decode_ip="h", decode_port=1, kv_indices=b""),
+    lambda r: RoomMetadata(room=r, attempt=1, engine_key="k", decode_ip="h", decode_port=1, kv_indices=b""),
     lambda r: TransferStarted(room=r, prefill_rank=0),
     lambda r: RoomStatus(room=r, status=2, prefill_rank=0),
-    lambda r: Abort(room=r, decode_ip="h", decode_port=1),
+    lambda r: Abort(room=r, attempt=1, decode_ip="h", decode_port=1),
     lambda r: AbortAck(room=r, prefill_rank=0),
 ], ids=["metadata", "started", "status", "abort", "abort_ack"])
 @pytest.mark.parametrize("room", [-1, -(2**63)])
@@ -390,3 +399,38 @@ def test_fuzz_truncation_and_splice(message, data):
     junk = data.draw(st.binary(min_size=1, max_size=16))
     decode_or_protocol_error([MAGIC, payload[:n] + junk])
     assert reject([MAGIC, payload + junk]).reason == REJECT_MALFORMED
+
+
+# --- field codecs --------------------------------------------------------------------------------
+
+def test_page_indices_round_trip():
+    from sglang_mori.protocol import decode_page_indices, encode_page_indices
+    import numpy as np
+
+    blob = encode_page_indices(np.array([0, 7, 2**31 - 1]))
+    assert blob == b"\x00\x00\x00\x00\x07\x00\x00\x00\xff\xff\xff\x7f"
+    back = decode_page_indices(blob, room=3)
+    assert back.dtype == np.int64 and back.tolist() == [0, 7, 2**31 - 1]
+    assert decode_page_indices(b"").size == 0
+
+
+def test_truncated_page_indices_name_the_room():
+    from sglang_mori.protocol import decode_page_indices
+
+    exc = reject_with(lambda: decode_page_indices(b"\x01\x00\x00", room=12))
+    assert exc.reason == REJECT_MALFORMED and exc.room == 12
+    assert exc.detail == "room 12: page index list of 3 bytes is truncated"
+
+
+def test_state_indices_encoding():
+    from sglang_mori.protocol import encode_state_indices
+    import numpy as np
+
+    assert encode_state_indices(None) is None
+    assert encode_state_indices([np.array([3, 4], dtype=np.int32), None]) == [[3, 4], None]
+
+
+def reject_with(call) -> ProtocolError:
+    with pytest.raises(ProtocolError) as info:
+        call()
+    return info.value

@@ -1,148 +1,159 @@
-"""MoriKVManager: one per scheduler process and role; owns the IOEngine and the registered buffers.
+"""MoriKVManager: the SGLang-facing shell, one per scheduler process and role.
 
-SGLang's CommonKVManager provides bootstrap registration, the parallel-info handshake, room states,
-heartbeats and abort bookkeeping. This class adds the MORI-IO engine, our typed protocol on the
-manager's ZMQ socket, and the role-specific services (prefill: transfer workers and completion
-tracking; decode: status handling and deadlines).
+SGLang's CommonKVManager provides bootstrap registration, the parallel-info handshake, room
+statuses, heartbeats and abort bookkeeping. This class validates our configuration, starts the
+MORI-IO engine, registers the KV buffers, and assembles the role's service from explicit parts
+(prefill/parts.py, decode/service.py). It holds no room logic: every SGLang entry point below
+forwards to the service.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
-import threading
-import time
 from collections import Counter
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
-import zmq
 from sglang.srt.disaggregation.base.conn import KVArgs
-from sglang.srt.disaggregation.common.conn import CommonKVManager
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
 from sglang_mori import protocol
-from sglang_mori.backend.plans import KVPlanner, local_layout
+from sglang_mori.backend import sglang_compat as compat
+from sglang_mori.backend.messenger import Messenger
+from sglang_mori.backend.peers import InflightBudget, PeerRegistry
+from sglang_mori.backend.plans import KVPlanner, LocalBuffers, local_layout
+from sglang_mori.backend.sglang_adapter import SGLangAdapter
 from sglang_mori.config import MoriConfig, mori_env_overrides
-from sglang_mori.engine import TransferEngine, load_io_module
+from sglang_mori.engine import EngineSettings, TransferEngine, load_io_module
 from sglang_mori.metrics import create_transfer_metrics
 
 logger = logging.getLogger(__name__)
 
 
-class MoriKVManager(CommonKVManager):
+class MoriKVManager(compat.CompatKVManager):
     # Decode holds aborted pages until our ACK says every write into them is terminal.
     supports_deferred_decode_kv_release = True
+    # teardown() releases every thread, socket, registration and the engine (runtime P<->D switch).
+    supports_role_switch = True
     reports_transfer_latency = True
     kv_status_msg_carries_reason = True
 
-    def __init__(
-        self,
-        args: KVArgs,
-        disaggregation_mode: DisaggregationMode,
-        server_args,
-        is_mla_backend: Optional[bool] = False,
-    ):
+    def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode, server_args,
+                 is_mla_backend: Optional[bool] = False):
         # Validate our configuration before anything binds a socket or registers with bootstrap.
         self.mori_config = MoriConfig.from_env()
         for warning in mori_env_overrides(self.mori_config, os.environ):
             logger.warning("sglang-mori: %s", warning)
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
+        self.role = disaggregation_mode.value
+        compat.check_manager(self, self.role)
         self.protocol_rejections: Counter = Counter()
-        # Decode: bootstrap addresses whose parallel info could not be fetched yet (addr -> first
-        # failed attempt, failed attempts), for the reason of the rooms SGLang aborts over it.
-        self.bootstrap_unreachable: dict = {}
-        self._push_sockets = threading.local()
         self.metrics = create_transfer_metrics(
-            bool(getattr(server_args, "enable_metrics", False)),
-            engine_type=disaggregation_mode.value,
-            tp_rank=self.attn_tp_rank,
-            pp_rank=self.pp_rank or 0,
-            dp_rank=self.system_dp_rank or 0,
+            bool(getattr(server_args, "enable_metrics", False)), engine_type=self.role,
+            tp_rank=self.attn_tp_rank, pp_rank=self.pp_rank or 0, dp_rank=self.system_dp_rank or 0,
         )
-        self._stopped = False
-        self.layout = local_layout(self)
+        self.layout = local_layout(args, self.attn_tp_size, self.attn_tp_rank, bool(is_mla_backend))
         self.engine = self._start_engine()
-        self._register_buffers()
+        self.buffers = self._register_buffers()
+        self.messenger = Messenger(compat.zmq_context(self))
+        self.sglang = SGLangAdapter(self)
+        self.layerwise = None  # the layer-wise session (prefill, SGLANG_MORI_LAYERWISE on/auto)
         if disaggregation_mode == DisaggregationMode.PREFILL:
-            from sglang_mori.backend.prefill_service import PrefillService
-
-            self.planner = KVPlanner(self)
-            self.service = PrefillService(self)
+            self.service = self._build_prefill()
         else:
-            from sglang_mori.backend.decode_service import DecodeService
-
-            self.service = DecodeService(self)
-            self._heartbeat_thread = self._start_heartbeat_checker_thread()
+            self.service = self._build_decode()
+            compat.start_heartbeat_checker(self)
         self.service.start()
+        if self.layerwise is not None:
+            self.layerwise.start()
         if self.mori_config.gc_freeze:
             from sglang_mori.gc_tuning import freeze_startup_heap
 
-            freeze_startup_heap(f"{disaggregation_mode.value} tp{self.attn_tp_rank}")
+            freeze_startup_heap(f"{self.role} tp{self.attn_tp_rank}")
 
-    # --- engine and registration --------------------------------------------------------
+    # --- assembly --------------------------------------------------------------------------
+    def _build_prefill(self):
+        from sglang_mori.backend.prefill.parts import PrefillParts
+        from sglang_mori.backend.prefill.service import PrefillService
+
+        cfg = self.mori_config
+        planner_class = KVPlanner
+        if cfg.layerwise != "off":
+            from sglang_mori.backend.prefill.layerwise.planner import LayerwisePlanner as planner_class
+        parts = PrefillParts(
+            config=cfg, engine=self.engine, local=self.buffers, planner=planner_class(self.layout, self.buffers),
+            peers=PeerRegistry(cfg.peer_fail_fast_s, InflightBudget(cfg.max_inflight_per_peer)),
+            messenger=self.messenger, metrics=self.metrics, sglang=self.sglang, read_aux=self._read_aux,
+            control_socket=self.server_socket,
+            dcp=(int(getattr(self, "dcp_size", 1) or 1), int(getattr(self, "dcp_rank", 0) or 0)),
+            owns_aux=self._owns_aux(),
+        )
+        service = PrefillService(parts, self.reject_message)
+        if cfg.layerwise != "off":
+            from sglang_mori.backend.prefill.layerwise.assembly import build_session
+
+            self.layerwise = build_session(self, parts, service, self.layout, self.server_args)
+        return service
+
+    def _build_decode(self):
+        from sglang_mori.backend.decode.reachability import BootstrapReachability
+        from sglang_mori.backend.decode.service import AuxSlots, DecodeIdentity, DecodeParts, DecodeService
+
+        args = self.kv_args
+        self.reachability = BootstrapReachability()
+        parts = DecodeParts(
+            config=self.mori_config, engine=self.engine, local=self.buffers, layout=self.layout,
+            identity=DecodeIdentity(self.local_ip, self.rank_port, self.attn_tp_size, self.attn_tp_rank,
+                                    int(getattr(self, "dcp_size", 1) or 1), int(getattr(self, "dcp_rank", 0) or 0)),
+            aux=AuxSlots(list(args.aux_data_ptrs), list(args.aux_item_lens), list(args.aux_data_lens)),
+            messenger=self.messenger, metrics=self.metrics, sglang=self.sglang, control_socket=self.server_socket,
+        )
+        return DecodeService(parts, self.reject_message)
+
     def _start_engine(self) -> TransferEngine:
         cfg = self.mori_config
-        if self.kv_args.ib_device:
-            # MORI-IO picks RDMA devices from this variable. --disaggregation-ib-device is either a
-            # device list or a per-GPU mapping (JSON or a file): resolve it for this rank's GPU.
-            from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
-                get_ib_devices_for_gpu,
-            )
-
-            devices = get_ib_devices_for_gpu(self.kv_args.ib_device, self.kv_args.gpu_id)
-            if devices:
-                os.environ["MORI_RDMA_DEVICES"] = devices.replace(" ", "")
-        if cfg.xgmi:
-            os.environ["MORI_DISABLE_AUTO_XGMI"] = "0"  # inverted: only "0" enables auto-XGMI
+        # --disaggregation-ib-device: a device list or a per-GPU map (JSON or a file), for this GPU.
+        settings = EngineSettings.for_gpu(self.kv_args.ib_device, self.kv_args.gpu_id, xgmi=cfg.xgmi)
+        settings.apply()
         io = load_io_module(cfg.engine)
-        host = cfg.host or self.local_ip
         engine = TransferEngine(
-            io,
-            role=self.disaggregation_mode.value,
-            host=host,
-            qp_per_transfer=cfg.qp_per_transfer,
-            post_batch_size=cfg.post_batch_size,
-            num_workers=cfg.num_workers,
+            io, role=self.role, host=cfg.host or self.local_ip, qp_per_transfer=cfg.qp_per_transfer,
+            post_batch_size=cfg.post_batch_size, num_workers=cfg.num_workers,
             enable_notification=cfg.enable_notification,
         )
-        logger.info(
-            "sglang-mori %s tp%d: engine=%s (%s) host=%s port=%s zmq_port=%s nic=%s qp=%d "
-            "workers=%d shards=%d timeout_ms=%d",
-            self.disaggregation_mode.value,
-            self.attn_tp_rank,
-            cfg.engine,
-            io.__name__,
-            engine.desc.host,
-            engine.desc.port,
-            self.rank_port,
-            os.environ.get("MORI_RDMA_DEVICES", "auto"),
-            cfg.qp_per_transfer,
-            cfg.num_workers,
-            cfg.transfer_shards,
-            cfg.transfer_timeout_ms,
-        )
+        logger.info("sglang-mori %s tp%d: engine=%s (%s) host=%s port=%s zmq_port=%s nic=%s qp=%d workers=%d "
+                    "shards=%d timeout_ms=%d", self.role, self.attn_tp_rank, cfg.engine, io.__name__,
+                    engine.desc.host, engine.desc.port, self.rank_port, settings.describe_nic(),
+                    cfg.qp_per_transfer, cfg.num_workers, cfg.transfer_shards, cfg.transfer_timeout_ms)
         return engine
 
-    def _register_buffers(self) -> None:
+    def _register_buffers(self) -> LocalBuffers:
         args = self.kv_args
         on_gpu = self._kv_on_gpu()
         device = args.gpu_id if on_gpu else -1
-        self.kv_descs = [
-            self.engine.register(ptr, size, device, on_gpu)
-            for ptr, size in zip(args.kv_data_ptrs, args.kv_data_lens)
-        ]
-        # SGLang keeps aux (metadata) buffers in host memory.
-        self.aux_descs = [
-            self.engine.register(ptr, size, -1, False)
-            for ptr, size in zip(args.aux_data_ptrs, args.aux_data_lens)
-        ]
-        # Zero-length state buffers stay as None so indices keep lining up.
-        self.state_descs = [
-            [self.engine.register(ptr, size, device, on_gpu) for ptr, size in zip(ptrs, lens)]
-            for ptrs, lens in zip(args.state_data_ptrs or [], args.state_data_lens or [])
-        ]
+        return LocalBuffers(
+            kv=[self.engine.register(ptr, size, device, on_gpu) for ptr, size in zip(args.kv_data_ptrs, args.kv_data_lens)],
+            # SGLang keeps aux (metadata) buffers in host memory.
+            aux=[self.engine.register(ptr, size, -1, False) for ptr, size in zip(args.aux_data_ptrs, args.aux_data_lens)],
+            # Zero-length state buffers stay as None so indices keep lining up.
+            state=[[self.engine.register(ptr, size, device, on_gpu) for ptr, size in zip(ptrs, lens)]
+                   for ptrs, lens in zip(args.state_data_ptrs or [], args.state_data_lens or [])],
+        )
 
-    def _kv_on_gpu(self) -> bool:
+    def _owns_aux(self) -> bool:
+        """Aux is computed by the last pipeline stage; context-parallel ranks replicate it."""
+        last_stage = (self.pp_rank or 0) == (self.pp_size or 1) - 1
+        return last_stage and (self.attn_cp_size <= 1 or self.attn_cp_rank == 0)
+
+    def prepare_send_state_indices(self, state_indices):
+        """Replicated state goes from one context-parallel rank only (SGLang's rule for it)."""
+        if state_indices is not None and compat.skip_cp_replicated_state(self):
+            return None
+        return state_indices
+
+    @staticmethod
+    def _kv_on_gpu() -> bool:
         try:
             from sglang.srt.runtime_context import get_device
 
@@ -150,92 +161,64 @@ class MoriKVManager(CommonKVManager):
         except Exception:
             return True
 
-    # --- bootstrap reachability (decode) ------------------------------------------------
-    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
-        """SGLang's single attempt, remembering failures per address.
+    # The registered descriptors, by kind (tests map softio's write log onto them).
+    @property
+    def kv_descs(self) -> list:
+        return self.buffers.kv
 
-        When the bootstrap server cannot be reached, SGLang's decode scheduler retries this (15
-        attempts, 1 s apart) and then calls `abort()` on every request waiting on the address,
-        which would record only "Aborted by AbortReq.". MoriKVReceiver.abort() uses what is kept
-        here to say instead that the bootstrap server was unreachable, for how long."""
+    @property
+    def aux_descs(self) -> list:
+        return self.buffers.aux
+
+    @property
+    def state_descs(self) -> list:
+        return self.buffers.state
+
+    def _read_aux(self, aux_index: Optional[int]) -> Optional[list]:
+        """This room's aux (metadata) items as bytes, one per aux buffer; they ride on Success."""
+        if aux_index is None:
+            return None
+        args = self.kv_args
+        return [ctypes.string_at(ptr + aux_index * item_len, item_len)
+                for ptr, item_len in zip(args.aux_data_ptrs, args.aux_item_lens)]
+
+    # --- bootstrap reachability (decode) -------------------------------------------------------
+    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+        """SGLang's single attempt, remembering failures per address: when SGLang gives up on an
+        unreachable bootstrap server it aborts the rooms waiting on it, and MoriKVReceiver.abort()
+        then names the cause instead of "Aborted by AbortReq."."""
         ok = super().try_ensure_parallel_info(bootstrap_addr)
-        if ok:
-            self.bootstrap_unreachable.pop(bootstrap_addr, None)
-        else:
-            first, attempts = self.bootstrap_unreachable.get(bootstrap_addr, (time.monotonic(), 0))
-            if bootstrap_addr not in self.bootstrap_unreachable and len(self.bootstrap_unreachable) >= 1024:
-                self.bootstrap_unreachable.pop(next(iter(self.bootstrap_unreachable)))  # bounded
-            self.bootstrap_unreachable[bootstrap_addr] = (first, attempts + 1)
+        self.reachability.record(bootstrap_addr, ok)
         return ok
 
     def bootstrap_unreachable_reason(self, bootstrap_addr: str) -> Optional[str]:
         """Why rooms on `bootstrap_addr` never got past the parallel-info fetch, or None."""
         if bootstrap_addr in self.prefill_info_table:
             return None
-        entry = self.bootstrap_unreachable.get(bootstrap_addr)
-        if entry is None:
-            return None
-        first, attempts = entry
-        return (f"bootstrap server {bootstrap_addr} unreachable: {attempts} attempts over "
-                f"{time.monotonic() - first:.1f} s could not fetch the prefill server's parallel info")
+        return self.reachability.reason(bootstrap_addr)
 
     def forget_bootstrap_failures(self, bootstrap_addr: str) -> None:
         """No room waits on `bootstrap_addr` any more: drop its failure count."""
         if not self.addr_to_rooms_tracker.get(bootstrap_addr):
-            self.bootstrap_unreachable.pop(bootstrap_addr, None)
+            self.reachability.forget(bootstrap_addr)
 
-    # --- messaging ----------------------------------------------------------------------
-    def send_message(self, endpoint: Tuple[str, int], message) -> bool:
-        """Push one protocol message; False (logged) when the peer cannot be reached."""
-        ip, port = endpoint
-        try:
-            self._thread_socket(f"tcp://{ip}:{port}").send_multipart(protocol.encode(message))
-            return True
-        except Exception as exc:
-            logger.warning("sglang-mori: cannot send %s to %s:%s: %s", type(message).__name__, ip, port, exc)
-            return False
-
-    def _thread_socket(self, endpoint: str):
-        """A PUSH socket owned by the calling thread.
-
-        SGLang's shared socket cache serialises every send of every thread on one lock and polls a
-        monitor socket per send; with a message per chunk that lock was the hottest spot on the
-        prefill side. ZMQ sockets are single-threaded anyway. Messages of one thread to one peer
-        stay ordered, and a room's data-bearing message (RoomStatus with aux) is a single message.
-        """
-        cache = getattr(self._push_sockets, "cache", None)
-        if cache is None:
-            cache = self._push_sockets.cache = {}
-        sock = cache.get(endpoint)
-        if sock is None:
-            sock = self._zmq_ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 0)
-            # A dead peer must not block a transfer thread for long: bounded send, then give up.
-            sock.setsockopt(zmq.SNDTIMEO, 5000)
-            sock.connect(endpoint)
-            cache[endpoint] = sock
-        return sock
-
+    # --- messages ------------------------------------------------------------------------------
     def reject_message(self, error: protocol.ProtocolError, origin: str) -> None:
         """Count every rejection; log the first of each kind loudly, then every 100th."""
         self.protocol_rejections[error.reason] += 1
         self.metrics.failure("protocol")
         count = self.protocol_rejections[error.reason]
         if count == 1 or count % 100 == 0:
-            logger.warning(
-                "sglang-mori: rejected %s message #%d on %s: %s", error.reason, count, origin, error.detail
-            )
+            logger.warning("sglang-mori: rejected %s message #%d on %s: %s", error.reason, count, origin, error.detail)
 
-    # SGLang's common code sends terminal statuses through these two; speak our protocol there.
-    def _encode_kv_status_message(self, *, bootstrap_room, status, failure_reason) -> List[bytes]:
-        return protocol.encode(
-            protocol.RoomStatus(
-                room=int(bootstrap_room),
-                status=int(status),
-                prefill_rank=self._prefill_unique_rank(),
-                reason=failure_reason,
-            )
-        )
+    # SGLang's common code sends terminal statuses and abort ACKs through these (sglang_compat).
+    def encode_status_message(self, room: int, status: int, reason: Optional[str]) -> List[bytes]:
+        return protocol.encode(protocol.RoomStatus(room=room, status=status, prefill_rank=self.sglang.prefill_rank,
+                                                   reason=reason))
+
+    def send_abort_ack(self, room: int, ip: str, port: int, generation: Optional[int]) -> None:
+        self.messenger.send((ip, port), protocol.AbortAck(room=room, prefill_rank=self.sglang.prefill_rank,
+                                                          generation=generation))
 
     def parse_kv_status_message(self, msg):
         try:
@@ -246,43 +229,58 @@ class MoriKVManager(CommonKVManager):
             return None
         return message.room, message.status, message.prefill_rank, message.reason
 
-    def _send_abort_ack(self, room: int, target) -> None:
-        self.send_message(
-            (target.ip, target.port),
-            protocol.AbortAck(
-                room=int(room), prefill_rank=self._prefill_unique_rank(), generation=target.generation
-            ),
-        )
-
     def build_receiver_registration_message(self) -> List[bytes]:
-        return self.service.registration_message()
+        return protocol.encode(self.service.registration())
 
     def build_receiver_metadata_message(self, **kwargs) -> List[bytes]:
-        return self.service.metadata_message(**kwargs)
+        return protocol.encode(self.service.metadata(**kwargs))
 
     def add_transfer_request(self, bootstrap_room: int, kv_indices, index_slice, is_last_chunk, **kwargs):
-        self.service.add_transfer_request(bootstrap_room, kv_indices, index_slice, is_last_chunk, **kwargs)
-
-    def fail_room(self, room: int, reason: str, label: str = "other", before_sender: bool = False) -> None:
-        """Fail one room with a reason: record it, mark it Failed, tell its decode endpoints.
-
-        A room this rank does not hold is left alone: it was concluded and cleared already (a
-        record now would never be popped, and a later request reusing the id would adopt it).
-        Only `before_sender` callers -- decode's messages, which may arrive before the request's
-        sender exists here -- record the reason for the sender to find."""
-        if room not in self.request_status:
-            if before_sender:
-                self.record_failure(room, reason)
+        if self.layerwise is not None:  # submits only what was not streamed
+            self.layerwise.add_chunk(bootstrap_room, kv_indices, index_slice, is_last_chunk, **kwargs)
             return
-        logger.warning("sglang-mori: room %s failed: %s", room, reason)
-        self.metrics.failure(label)
-        self.metrics.request_finished(ok=False)
-        self.conclude_failure(bootstrap_room=room, failure_reason=reason)
+        self.service.add_chunk(bootstrap_room, kv_indices, index_slice, is_last_chunk, **kwargs)
 
-    # --- lifecycle ----------------------------------------------------------------------
+    # --- lifecycle and introspection -------------------------------------------------------------
+    def debug_snapshot(self) -> dict:
+        """Entries every per-room table of this rank still holds, by name (0 everywhere = idle)."""
+        out = {"sglang.request_status": len(self.request_status)}
+        with self.failure_lock:
+            out["sglang.failure_records"] = len(self.failure_records)
+        for name in ("transfer_infos", "req_to_decode_prefix_len", "required_prefill_response_num_table",
+                     "prefill_response_tracker"):
+            table = getattr(self, name, None)
+            if table is not None:
+                out[f"sglang.{name}"] = len(table)
+        tracker = getattr(self, "addr_to_rooms_tracker", None)
+        if tracker is not None:
+            out["sglang.addr_to_rooms_tracker"] = sum(len(v) for v in list(tracker.values()))
+        out.update(compat.table_sizes(self))
+        out.update(self.service.debug_snapshot())
+        if hasattr(self, "reachability"):
+            out["decode.unreachable_bootstrap_addrs"] = len(self.reachability)
+        return out
+
+    @property
+    def stopped(self) -> bool:
+        return self.service.stopped.is_set()
+
     def teardown(self) -> None:
-        self._stopped = True
-        if hasattr(self, "_heartbeat_shutdown"):
-            self._heartbeat_shutdown.set()
+        """Release what this manager holds so the scheduler can build the other role's manager in
+        this process (SGLang's runtime role switch): threads first (ZMQ sockets are not
+        thread-safe), then sockets, then the engine. The KV pool memory is the scheduler's."""
+        compat.stop_heartbeat_checker(self)
+        if self.layerwise is not None:
+            self.layerwise.stop()
         self.service.stop()
-        self.engine.deregister_all()
+        self.messenger.close()
+        try:
+            self.server_socket.close(linger=0)
+        except Exception as exc:
+            logger.warning("sglang-mori: closing the control socket failed: %s", exc)
+        try:
+            compat.zmq_context(self).destroy(linger=0)
+        except Exception as exc:
+            logger.warning("sglang-mori: destroying the ZMQ context failed: %s", exc)
+        self.engine.close()
+        logger.info("sglang-mori %s tp%d: torn down", self.role, self.attn_tp_rank)

@@ -1,11 +1,12 @@
-"""Decode peers as seen by one prefill rank: registration, validation, fail-fast after a failure."""
+"""Decode peers as seen by one prefill rank: registration, fail-fast after a failure, and the
+in-flight write budget per peer."""
 
 from __future__ import annotations
 
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 
 @dataclass
@@ -25,8 +26,9 @@ class DecodePeer:
     # Last transport failure; unlike failed_at it is not cleared when the fail-fast window ends,
     # because MORI never rebuilds a broken connection: only a new engine key brings the peer back.
     broken_at: Optional[float] = None
-    inflight: int = 0
-    registered_at: float = field(default_factory=time.monotonic)
+    # The engine session (dial, QPs, remote memory) is opened on the first write, once.
+    session_open: bool = False
+    session_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
     last_seen: float = field(default_factory=lambda: time.monotonic())  # registration or room metadata
 
 
@@ -38,8 +40,9 @@ class PeerRegistry:
     still bound to the old key fail with a reason.
     """
 
-    def __init__(self, fail_fast_s: float):
+    def __init__(self, fail_fast_s: float, budget: Optional["InflightBudget"] = None):
         self._lock = threading.Lock()
+        self.budget = budget if budget is not None else InflightBudget(1 << 30)
         self._by_key: dict[str, DecodePeer] = {}
         self._key_by_endpoint: dict[tuple, str] = {}
         self.fail_fast_s = fail_fast_s
@@ -92,7 +95,7 @@ class PeerRegistry:
         removed = []
         with self._lock:
             for key, peer in list(self._by_key.items()):
-                if peer.broken_at is None or peer.inflight:
+                if peer.broken_at is None or self.budget.count(key):
                     continue
                 if now - max(peer.broken_at, peer.last_seen) < retention_s:
                     continue
@@ -118,6 +121,46 @@ class PeerRegistry:
                 peer.failed_at = None
             return None
 
-    def up_count(self) -> int:
-        with self._lock:
-            return sum(1 for p in self._by_key.values() if p.failed_reason is None and not p.rejected)
+
+class InflightBudget:
+    """At most `limit` writes in flight per decode peer; one lock for every count.
+
+    The submitter takes a slot per write (waiting up to its deadline), the completion thread gives
+    it back when the write is terminal (or given up on)."""
+
+    def __init__(self, limit: int, clock: Callable[[], float] = time.monotonic):
+        self.limit = limit
+        self._clock = clock
+        self._cond = threading.Condition()
+        self._counts: dict[str, int] = {}
+
+    def acquire(self, key: str, deadline: float) -> bool:
+        with self._cond:
+            while self._counts.get(key, 0) >= self.limit:
+                remaining = deadline - self._clock()
+                if remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+            self._counts[key] = self._counts.get(key, 0) + 1
+            return True
+
+    def release(self, key: str, count: int = 1) -> None:
+        with self._cond:
+            left = self._counts.get(key, 0) - count
+            if left > 0:
+                self._counts[key] = left
+            else:
+                self._counts.pop(key, None)
+            self._cond.notify_all()
+
+    def count(self, key: str) -> int:
+        with self._cond:
+            return self._counts.get(key, 0)
+
+    def total(self) -> int:
+        with self._cond:
+            return sum(self._counts.values())
+
+    def snapshot(self) -> dict:
+        with self._cond:
+            return dict(self._counts)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
 from typing import Optional
 
 import msgspec
@@ -10,9 +12,20 @@ from sglang_mori.engine.transfer_engine import WritePair
 from sglang_mori.planning import InvalidLayoutError, KVLayout, PlanError, TransferPlanner
 from sglang_mori.planning.transfer_plan import TransferPlan
 
+logger = logging.getLogger(__name__)
 
-def local_layout(mgr) -> KVLayout:
-    return KVLayout.from_kv_args(mgr.kv_args, mgr.attn_tp_size, mgr.attn_tp_rank, bool(mgr.is_mla_backend))
+
+@dataclass(frozen=True)
+class LocalBuffers:
+    """This rank's registered descriptors, in KVArgs order (None for a zero-length buffer)."""
+
+    kv: list
+    aux: list
+    state: list  # one list per state component
+
+
+def local_layout(kv_args, attn_tp_size: int, attn_tp_rank: int, is_mla: bool) -> KVLayout:
+    return KVLayout.from_kv_args(kv_args, attn_tp_size, attn_tp_rank, bool(is_mla))
 
 
 def encode_layout(layout: KVLayout) -> bytes:
@@ -29,14 +42,15 @@ def decode_layout(blob: bytes) -> KVLayout:
 class KVPlanner:
     """Per-decode-peer planners for one prefill rank."""
 
-    def __init__(self, mgr):
-        self.mgr = mgr
+    def __init__(self, layout: KVLayout, local: LocalBuffers):
+        self.layout = layout
+        self.local = local
         self._planners: dict[str, TransferPlanner] = {}
 
     def accept_peer(self, key: str, layout_blob: bytes, kv, aux, state) -> KVLayout:
         """Check a registering decode rank; raise a PlanningError naming both sides' values."""
         remote = decode_layout(layout_blob)
-        planner = TransferPlanner(self.mgr.layout, remote)
+        planner = TransferPlanner(self.layout, remote)
         if len(kv) != remote.num_kv_buffers:
             raise InvalidLayoutError(
                 f"decode sent {len(kv)} KV descriptors for a layout of {remote.num_kv_buffers} buffers"
@@ -70,14 +84,16 @@ class KVPlanner:
                 return f"decode aux index {target.aux_index} out of range"
         return None
 
+    def knows(self, key: str) -> bool:
+        return key in self._planners
+
     def write_pairs(self, peer, chunk, target) -> list:
         """Every (local region, remote region) write of one chunk to one decode rank."""
         planner = self._planners.get(peer.engine_key)
         if planner is None:  # forgotten (replaced or pruned) after the caller looked it up
             raise PlanError(f"decode engine {peer.engine_key} is no longer registered with this prefill rank")
         dst = target.kv_indices[chunk.index_slice]
-        mgr = self.mgr
-        pairs = _to_pairs(planner.plan_kv(chunk.kv_indices, dst), mgr.kv_descs, peer.kv_descs)
+        pairs = _to_pairs(planner.plan_kv(chunk.kv_indices, dst), self.local.kv, peer.kv_descs)
         if chunk.is_last and chunk.state_indices is not None and target.state_indices is not None:
             if len(chunk.state_indices) != len(target.state_indices):
                 raise PlanError(
@@ -88,7 +104,11 @@ class KVPlanner:
                 if src is None or dst_state is None:
                     continue
                 plan = planner.plan_state(comp, src, dst_state)
-                pairs += _to_pairs(plan, mgr.state_descs[comp], peer.state_descs[comp])
+                if plan.dropped:
+                    # Decode gave fewer state slots than prefill has items: those never move.
+                    logger.warning("sglang-mori: state component %d: %d item(s) beyond decode's slots not sent",
+                                   comp, plan.dropped)
+                pairs += _to_pairs(plan, self.local.state[comp], peer.state_descs[comp])
         return pairs
 
 

@@ -1,57 +1,62 @@
-"""MoriKVReceiver: SGLang's common receiver, with our Abort message."""
+"""MoriKVReceiver: SGLang's common receiver, with our attempt ids and Abort message."""
 
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
-from sglang.srt.disaggregation.base.conn import KVPoll
-from sglang.srt.disaggregation.common.conn import CommonKVReceiver
+from sglang_mori.backend import room_status
+from sglang_mori.backend import sglang_compat as compat
+from sglang_mori.backend.messenger import Messenger
 
 logger = logging.getLogger(__name__)
 
 
-class MoriKVReceiver(CommonKVReceiver):
+class MoriKVReceiver(compat.CompatKVReceiver):
     def __init__(self, mgr, bootstrap_addr: str, bootstrap_room=None, *args, **kwargs):
         duplicate = bootstrap_room is not None and bootstrap_room in mgr.request_status
+        self.attempt: Optional[int] = None
         super().__init__(mgr, bootstrap_addr, bootstrap_room, *args, **kwargs)
-        if duplicate and self._owns_bootstrap_room:
+        if not compat.owns_room(self) or bootstrap_room is None:
+            return
+        if duplicate:
             # A second live request with the same bootstrap_room. Every table is keyed by the
             # room, so neither request can be served safely: fail the room (the first request
             # with it), and never let this receiver touch the room's state -- its clear() would
-            # pop the first request's status under it (a KeyError in the first one's poll()).
-            # SGLang does the same under its prefill_complete allocation policy.
-            self._owns_bootstrap_room = False
-            mgr.record_failure(bootstrap_room, "Duplicate decode bootstrap room: another live request uses this id")
-            mgr.update_status(bootstrap_room, KVPoll.Failed)
-            self.conclude_state = KVPoll.Failed
+            # pop the first request's status under it. SGLang does the same under its
+            # prefill_complete allocation policy.
+            compat.disown_room(self)
+            mgr.service.fail(bootstrap_room, "Duplicate decode bootstrap room: another live request uses this id",
+                             "protocol")
+            self.conclude_state = room_status.FAILED
+            return
+        # Every receiver is a new attempt at its room (retract-rebootstrap reuses the room id).
+        self.attempt = mgr.service.new_receiver(bootstrap_room)
 
     def abort(self):
-        if self._owns_bootstrap_room and self.conclude_state != KVPoll.Failed:
-            # Aborted before init: SGLang's scheduler gives up on a bootstrap server it could not
-            # reach (after 15 attempts) by aborting the request, which alone would read "Aborted by
-            # AbortReq.". Record the real cause first; super().abort() keeps a Failed room's reason.
+        if compat.owns_room(self) and self.conclude_state != room_status.FAILED:
+            # SGLang's scheduler gives up on a bootstrap server it could not reach (after 15
+            # attempts) by aborting the request, which alone would read "Aborted by AbortReq.".
+            # Record the real cause first; super().abort() keeps a Failed room's reason.
             reason = self.kv_mgr.bootstrap_unreachable_reason(self.bootstrap_addr)
             if reason is not None and getattr(self, "bootstrap_infos", None) is None:
-                self.kv_mgr.record_failure(self.bootstrap_room, f"Aborted: {reason}")
-                self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
-                self.conclude_state = KVPoll.Failed
+                self.kv_mgr.sglang.fail(self.bootstrap_room, f"Aborted: {reason}")
+                self.conclude_state = room_status.FAILED
         super().abort()
 
-    def _send_abort_notification(self, *, force_arm: bool = False):
+    def notify_abort(self, *, force_arm: bool = False) -> None:
         mgr = self.kv_mgr
         if mgr.enable_deferred_decode_kv_release and (force_arm or self.init_time is not None):
             # Arm before sending: an immediate ACK must find the room waiting for it.
-            self._abort_generation = mgr.register_deferred_abort_room(self.bootstrap_room)
-        message = mgr.service.abort_message(self.bootstrap_room, self._abort_generation)
+            compat.arm_abort_generation(self)
+        message = mgr.service.abort(self.bootstrap_room, compat.abort_generation(self), self.attempt)
         for info in self.bootstrap_infos or []:
             try:
-                sock, lock = self._connect_to_bootstrap_server(info)
-                with lock:
-                    sock.send_multipart(message)
+                Messenger.send_on(compat.bootstrap_socket(self, info), message)
             except Exception as exc:  # best effort: a dead prefill cannot be told
                 logger.debug("abort for room %s not delivered to %s: %s", self.bootstrap_room, info, exc)
 
-    def _clear(self) -> None:
-        super()._clear()
-        self.kv_mgr.service.forget(self.bootstrap_room)
+    def after_clear(self) -> None:
+        if self.attempt is not None:
+            self.kv_mgr.service.forget(self.bootstrap_room, self.attempt)
         self.kv_mgr.forget_bootstrap_failures(self.bootstrap_addr)

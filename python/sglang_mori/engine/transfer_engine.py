@@ -23,11 +23,23 @@ from typing import Optional, Sequence
 
 logger = logging.getLogger(__name__)
 
-SUCCESS, INIT, IN_PROGRESS = 0, 1, 2
-ERR_INVALID_ARGS, ERR_NOT_FOUND, ERR_RDMA_OP, ERR_BAD_STATE, ERR_GPU_OP = 11, 12, 13, 14, 15
-# Terminal codes after which no byte of the transfer can land: it succeeded, was never posted
-# (INIT), or was refused before posting (bad arguments, unknown memory/peer, no route).
-DRAINED_CODES = (SUCCESS, INIT, ERR_INVALID_ARGS, ERR_NOT_FOUND, ERR_BAD_STATE)
+from sglang_mori.engine.outcomes import (  # noqa: F401  (codes re-exported for engine tests)
+    DRAINED_CODES,
+    ERR_BAD_STATE,
+    ERR_GPU_OP,
+    ERR_INVALID_ARGS,
+    ERR_NOT_FOUND,
+    ERR_RDMA_OP,
+    IN_PROGRESS,
+    INIT,
+    SUCCESS,
+    FailureKind,
+    PeerFailure,
+    WriteState,
+    classify_failure,
+    is_failure,
+    is_retryable,
+)
 
 
 class SubmitError(RuntimeError):
@@ -67,6 +79,8 @@ class TransferHandle:
     started_at: float = field(default_factory=time.monotonic)
     # Set by the owner once this handle's in-flight budget has been returned.
     released: bool = False
+    # Resubmissions after "SQ full" (counted by the caller's metrics).
+    retries: int = 0
 
     # Caches: the completion thread asks every in-flight handle on every wake-up, and thousands of
     # status reads per pass would take the GIL from the threads moving the bytes. Terminal codes
@@ -92,26 +106,45 @@ class TransferHandle:
             if code == SUCCESS:
                 self._live_done += 1
                 continue
-            if code > 10 or code == INIT:
-                self._final = code if code > 10 else ERR_BAD_STATE
+            if is_failure(code) or code == INIT:
+                self._final = code if is_failure(code) else ERR_BAD_STATE
                 return self._final
             now = time.monotonic()
             if now >= self._next_failure_scan:
                 self._next_failure_scan = now + self.FAILURE_SCAN_INTERVAL_S
                 for status in live[self._live_done + 1 :]:
                     later = int(status.Code())
-                    if later > 10 or later == INIT:
-                        self._final = later if later > 10 else ERR_BAD_STATE
+                    if is_failure(later) or later == INIT:
+                        self._final = later if is_failure(later) else ERR_BAD_STATE
                         return self._final
             return IN_PROGRESS
         self._final = SUCCESS
         return SUCCESS
 
-    def first_running(self):
-        """The first status still in progress (to wait on), or None."""
+    def state(self) -> WriteState:
+        code = self.result()
+        if code == SUCCESS and not self.unaccounted:
+            return WriteState.SUCCEEDED
+        if code == IN_PROGRESS:
+            return WriteState.RUNNING
+        return WriteState.FAILED
+
+    def failure_kind(self) -> FailureKind:
+        """Why this handle failed (call only when state() is FAILED, or to classify a give-up)."""
+        code = self.result()
+        if self.unaccounted:
+            return FailureKind.REFUSED
+        if code == IN_PROGRESS:
+            return FailureKind.TIMED_OUT
+        return classify_failure(code, self.failure_message())
+
+    def wait_running(self, timeout_ms: int) -> bool:
+        """Block (GIL released) until the first running status finishes or `timeout_ms` passes;
+        False when nothing was running."""
         if self.result() != IN_PROGRESS:
-            return None
-        return self.live[self._live_done]
+            return False
+        self.live[self._live_done].WaitFor(timeout_ms)
+        return True
 
     def quiescent(self) -> bool:
         """Every status ever issued is terminal (none still running).
@@ -139,8 +172,9 @@ class TransferHandle:
 
     def failure_message(self) -> str:
         for status in self.live:
-            if int(status.Code()) > 10 or int(status.Code()) == INIT:
-                return f"code {int(status.Code())}: {status.Message()}"
+            code = int(status.Code())
+            if is_failure(code) or code == INIT:
+                return f"code {code}: {status.Message()}"
         return ""
 
 
@@ -200,6 +234,20 @@ class TransferEngine:
                     logger.warning("deregister_memory failed: %s", exc)
             self._local_descs.clear()
 
+    def close(self) -> None:
+        """Release everything this engine holds (memory registrations, remote engines, the backend
+        and its threads) so the process can build another one: a runtime role switch does."""
+        if self.engine is None:
+            return
+        self.deregister_all()
+        for key in list(self._peers):
+            self.remove_peer(key)
+        try:
+            self.engine.remove_backend(self.io.BackendType.RDMA)
+        except Exception as exc:  # teardown is best effort
+            logger.warning("remove_backend failed: %s", exc)
+        self.engine = None  # MORI's destructor (softio's finalizer) closes what is left
+
     def unpack_memory(self, blob: bytes):
         return self.io.MemoryDesc.unpack(blob)
 
@@ -226,7 +274,7 @@ class TransferEngine:
         self.engine.create_session(local, remote)
 
     def pop_peer_failures(self) -> list:
-        """Queued peer-failure events (MORI 1.2.4+); [] where the engine cannot report them."""
+        """Queued peer failures (MORI 1.2.4+) as PeerFailure; [] where the engine cannot report them."""
         if not self.has_peer_failure_events:
             return []
         events = []
@@ -234,8 +282,16 @@ class TransferEngine:
             event = self.engine.pop_peer_failure()
             if event is None:
                 break
-            events.append(event)
+            events.append(PeerFailure.from_event(event))
         return events
+
+    def has_peer(self, key: str) -> bool:
+        with self._setup_lock:
+            return key in self._peers
+
+    def peer_keys(self) -> list:
+        with self._setup_lock:
+            return sorted(self._peers)
 
     # --- transfers --------------------------------------------------------------------------
     def write(
@@ -253,11 +309,7 @@ class TransferEngine:
             return handle
         handle.live = self._submit(pairs, handle)
         for attempt in range(1, retry_max + 1):
-            retry = [
-                i
-                for i, status in enumerate(handle.live)
-                if status.Failed() and "SQ full" in status.Message()
-            ]
+            retry = [i for i, status in enumerate(handle.live) if is_retryable(status)]
             if not retry:
                 break
             backoff = min(0.001 * (2**attempt), 0.2)
@@ -265,6 +317,7 @@ class TransferEngine:
                 break
             time.sleep(backoff)  # backpressure from the NIC: give the send queue time to drain
             logger.info("resubmitting %d pair(s) after SQ full (attempt %d)", len(retry), attempt)
+            handle.retries += len(retry)
             fresh = self._submit([pairs[i] for i in retry], handle)
             for i, status in zip(retry, fresh):
                 handle.live[i] = status
@@ -287,8 +340,3 @@ class TransferEngine:
             raise SubmitError(f"{type(exc).__name__}: {exc}", handle) from exc
         handle.issued.extend(statuses)
         return list(statuses)
-
-    def wait(self, handles: Sequence[TransferHandle], timeout_ms: int) -> int:
-        """Bounded wait on every live status of `handles`; MORI's wait_all codes."""
-        statuses = [s for h in handles for s in h.live]
-        return int(self.engine.wait_all(statuses, timeout_ms))

@@ -1,0 +1,117 @@
+"""Decode rooms: one state machine per room, in one registry under one lock.
+
+    AWAITING_PREFILL --(TransferStarted: a chunk was submitted)--> TRANSFERRING --+--> SUCCEEDED
+          |                  (each TransferStarted restarts the deadline)         |
+          +-----------------------------------------------------------------------+--> FAILED
+
+A room opens when its metadata is built (one attempt id per receiver, so prefill can tell a
+retract-rebootstrap from a replay) and leaves when its receiver is cleared. The deadline runs only
+once prefill has started writing: before that, SGLang's own waiting timeout applies.
+Time is passed in; nothing here touches SGLang or sends anything.
+"""
+
+from __future__ import annotations
+
+import enum
+import secrets
+import threading
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+
+class DecodePhase(enum.Enum):
+    AWAITING_PREFILL = "awaiting_prefill"
+    TRANSFERRING = "transferring"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+
+
+@dataclass
+class DecodeRoom:
+    room: int
+    attempt: int
+    aux_index: Optional[int]
+    phase: DecodePhase = DecodePhase.AWAITING_PREFILL
+    started_at: Optional[float] = None  # latest TransferStarted (one per chunk) from any prefill rank
+
+    @property
+    def open(self) -> bool:
+        return self.phase in (DecodePhase.AWAITING_PREFILL, DecodePhase.TRANSFERRING)
+
+
+def new_attempt_id() -> int:
+    """Unique enough across decode processes and restarts: prefill keys replays by it alone."""
+    return secrets.randbits(62) + 1
+
+
+class DecodeRoomRegistry:
+    def __init__(self):
+        # Re-entrant: the service holds it across "is the room still open" and SGLang's update, so
+        # a receiver's clear (forget) cannot slip in between.
+        self.lock = threading.RLock()
+        self._rooms: Dict[int, DecodeRoom] = {}
+
+    def open(self, room: int, attempt: Optional[int] = None) -> DecodeRoom:
+        """A receiver starts on `room`: a new attempt (a previous one is replaced)."""
+        r = DecodeRoom(room=room, attempt=attempt or new_attempt_id(), aux_index=None)
+        with self.lock:
+            self._rooms[room] = r
+        return r
+
+    def set_aux_index(self, room: int, aux_index: Optional[int]) -> DecodeRoom:
+        """The receiver publishes its destination (opening the room if nobody did)."""
+        with self.lock:
+            r = self._rooms.get(room)
+            if r is None:
+                r = self._rooms[room] = DecodeRoom(room=room, attempt=new_attempt_id(), aux_index=None)
+            r.aux_index = aux_index
+            return r
+
+    def get(self, room: int) -> Optional[DecodeRoom]:
+        with self.lock:
+            return self._rooms.get(room)
+
+    def attempt_of(self, room: int) -> Optional[int]:
+        with self.lock:
+            r = self._rooms.get(room)
+            return r.attempt if r is not None else None
+
+    def transfer_started(self, room: int, now: float) -> bool:
+        """Progress from prefill: (re)start the room's deadline. False for an unknown or closed room."""
+        with self.lock:
+            r = self._rooms.get(room)
+            if r is None or not r.open:
+                return False
+            r.phase = DecodePhase.TRANSFERRING
+            r.started_at = now
+            return True
+
+    def finish(self, room: int, ok: bool) -> bool:
+        """SUCCEEDED or FAILED, once; False when it was closed already (or is unknown)."""
+        with self.lock:
+            r = self._rooms.get(room)
+            if r is None or not r.open:
+                return False
+            r.phase = DecodePhase.SUCCEEDED if ok else DecodePhase.FAILED
+            return True
+
+    def expired(self, now: float, deadline_s: float) -> List[DecodeRoom]:
+        """Transferring rooms with no progress for `deadline_s`; each is reported once."""
+        out = []
+        with self.lock:
+            for r in self._rooms.values():
+                if r.phase is DecodePhase.TRANSFERRING and now - r.started_at > deadline_s:
+                    r.started_at = now  # report once per deadline, the caller fails it
+                    out.append(r)
+        return out
+
+    def forget(self, room: int, attempt: Optional[int] = None) -> None:
+        """Drop `room` (only if it is still `attempt`, when given)."""
+        with self.lock:
+            r = self._rooms.get(room)
+            if r is not None and (attempt is None or r.attempt == attempt):
+                del self._rooms[room]
+
+    def __len__(self) -> int:
+        with self.lock:
+            return len(self._rooms)

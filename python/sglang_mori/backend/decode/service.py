@@ -1,0 +1,234 @@
+"""DecodeService: register our buffers with prefill ranks, publish room destinations, apply statuses.
+
+One thread reads the manager's PULL socket: RoomStatus (Success carries the aux bytes, copied into
+the room's aux slot before Success is recorded), TransferStarted (restarts the room's transfer
+deadline) and AbortAck. The same thread enforces that deadline, so a prefill that dies mid-transfer
+fails its rooms within SGLANG_MORI_TRANSFER_TIMEOUT_MS plus a grace, not after SGLang's 300 s
+waiting timeout.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import zmq
+
+from sglang_mori import protocol
+from sglang_mori.backend import room_status
+from sglang_mori.backend.decode.rooms import DecodeRoomRegistry
+from sglang_mori.backend.messenger import Messenger
+from sglang_mori.backend.plans import LocalBuffers, encode_layout
+from sglang_mori.config import MoriConfig
+
+logger = logging.getLogger(__name__)
+
+# Margin over the prefill's own per-chunk deadline, so prefill reports a timeout with its reason
+# before decode gives up on its own.
+DEADLINE_GRACE_S = 5.0
+
+
+@dataclass
+class DecodeIdentity:
+    """Where prefill reaches this decode rank, and what it is."""
+
+    ip: str
+    port: int  # the manager's PULL socket
+    attn_tp_size: int
+    attn_tp_rank: int
+    dcp_size: int = 1
+    dcp_rank: int = 0
+
+
+@dataclass
+class AuxSlots:
+    """This rank's aux buffers (host memory): pointers, item and buffer sizes, per buffer."""
+
+    ptrs: list
+    item_lens: list
+    buffer_lens: list
+
+
+@dataclass
+class DecodeParts:
+    config: MoriConfig
+    engine: object  # engine.TransferEngine
+    local: LocalBuffers
+    layout: object  # planning.KVLayout
+    identity: DecodeIdentity
+    aux: AuxSlots
+    messenger: Messenger
+    metrics: object
+    sglang: object  # sglang_adapter.SGLangAdapter or a fake
+    control_socket: object = None
+    rooms: DecodeRoomRegistry = field(default_factory=DecodeRoomRegistry)
+    clock: Callable[[], float] = time.monotonic
+
+
+class DecodeService:
+    def __init__(self, parts: DecodeParts, reject: Callable[[protocol.ProtocolError, str], None]):
+        self.p = parts
+        self.reject = reject
+        self.deadline_s = parts.config.transfer_timeout_ms / 1000.0 + DEADLINE_GRACE_S
+        self.stopped = threading.Event()
+        self.thread: Optional[threading.Thread] = None
+
+    def start(self) -> None:
+        if self.p.control_socket is not None:
+            self.thread = threading.Thread(target=self._run_status_thread, name="mori-decode-status", daemon=True)
+            self.thread.start()
+
+    def stop(self) -> None:
+        self.stopped.set()
+        if self.thread is not None:
+            self.thread.join(timeout=3)
+
+    # --- messages we send -------------------------------------------------------------------
+    def registration(self) -> protocol.Register:
+        p = self.p
+        return protocol.Register(
+            engine_desc=p.engine.packed_desc,
+            kv_descs=[d.pack() for d in p.local.kv if d is not None],
+            aux_descs=[d.pack() for d in p.local.aux if d is not None],
+            state_descs=[[d.pack() if d is not None else None for d in comp] for comp in p.local.state],
+            decode_ip=p.identity.ip, decode_port=p.identity.port,
+            attn_tp_size=p.identity.attn_tp_size, attn_tp_rank=p.identity.attn_tp_rank,
+            dcp_size=p.identity.dcp_size, dcp_rank=p.identity.dcp_rank,
+            layout=encode_layout(p.layout),
+        )
+
+    def metadata(self, *, bootstrap_room, required_dst_info_num, kv_indices, aux_index, state_indices,
+                 decode_prefix_len, is_dummy, device_kv_indices=None) -> protocol.RoomMetadata:
+        """The destination of one room for one prefill rank, under the receiver's attempt id
+        (the same for every prefill rank the receiver tells)."""
+        p = self.p
+        room_id = int(bootstrap_room)
+        aux = None if aux_index is None else int(aux_index)
+        r = p.rooms.set_aux_index(room_id, aux)
+        return protocol.RoomMetadata(
+            room=room_id, attempt=r.attempt, engine_key=p.engine.key, decode_ip=p.identity.ip,
+            decode_port=p.identity.port, kv_indices=protocol.encode_page_indices(kv_indices),
+            aux_index=aux, state_indices=protocol.encode_state_indices(state_indices),
+            required_dst_info_num=int(required_dst_info_num or 1),
+            decode_prefix_len=None if decode_prefix_len is None else int(decode_prefix_len),
+            is_dummy=bool(is_dummy),
+        )
+
+    def abort(self, room: int, generation: Optional[int], attempt: Optional[int] = None) -> protocol.Abort:
+        """Abort `attempt` of `room` (the receiver's own; its bookkeeping may be cleared already)."""
+        p = self.p
+        if attempt is None:
+            attempt = p.rooms.attempt_of(int(room)) or 0
+        return protocol.Abort(room=int(room), attempt=attempt, decode_ip=p.identity.ip, decode_port=p.identity.port,
+                              generation=generation)
+
+    def new_receiver(self, room: int) -> int:
+        """A receiver starts on `room`: a new attempt (an earlier one's bookkeeping is stale, and
+        so is a failure record an earlier request with this id left unread)."""
+        self.p.sglang.drop_stale_failure(int(room))
+        return self.p.rooms.open(int(room)).attempt
+
+    def forget(self, room: int, attempt: int) -> None:
+        """The receiver of `attempt` was cleared (a newer attempt's room is left alone)."""
+        self.p.rooms.forget(int(room), attempt)
+
+    # --- the one failure path ---------------------------------------------------------------
+    def fail(self, room: int, reason: str, label: str) -> bool:
+        """Record the reason, mark the room Failed in SGLang, count it; False if already over."""
+        p = self.p
+        with p.rooms.lock:
+            p.rooms.finish(room, ok=False)
+            if p.sglang.status(room) in (None, *room_status.TERMINAL):
+                return False
+            p.sglang.fail(room, reason)
+        logger.warning("sglang-mori: room %s failed: %s", room, reason)
+        p.metrics.request_finished(ok=False, reason=label)
+        return True
+
+    # --- the status thread ------------------------------------------------------------------
+    def _run_status_thread(self) -> None:
+        sock = self.p.control_socket
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        while not self.stopped.is_set():
+            try:
+                if poller.poll(100):
+                    self.handle(sock.recv_multipart())
+                self.enforce_deadlines(self.p.clock())
+            except zmq.ZMQError:
+                if self.stopped.is_set():
+                    return
+                logger.exception("sglang-mori: decode socket error")
+            except Exception:
+                logger.exception("sglang-mori: decode status handling failed")
+
+    def handle(self, frames) -> None:
+        p = self.p
+        try:
+            message = protocol.decode(frames)
+        except protocol.ProtocolError as err:
+            self.reject(err, "decode status socket")
+            return
+        if isinstance(message, protocol.RoomStatus):
+            self.on_status(message)
+        elif isinstance(message, protocol.TransferStarted):
+            p.rooms.transfer_started(message.room, p.clock())
+        elif isinstance(message, protocol.AbortAck):
+            if p.sglang.deferred_release and message.generation is not None:
+                p.sglang.note_abort_ack(message.room, message.prefill_rank, message.generation)
+        else:
+            self.reject(protocol.ProtocolError(protocol.REJECT_MALFORMED, f"{type(message).__name__} sent to decode"),
+                        "decode status socket")
+
+    def on_status(self, msg: protocol.RoomStatus) -> None:
+        p = self.p
+        before = p.sglang.status(msg.room)
+        if before is None:
+            return  # concluded and cleared already; a late or replayed status changes nothing
+        if msg.status == room_status.SUCCESS:
+            error = self._copy_aux(msg)
+            if error:
+                self.fail(msg.room, error, "other")
+                return
+        elif msg.status != room_status.FAILED:
+            self.reject(protocol.ProtocolError(protocol.REJECT_MALFORMED, f"non-terminal status {msg.status}", msg.room),
+                        "decode status socket")
+            return
+        p.sglang.apply_prefill_status(msg.room, msg.status, msg.prefill_rank, msg.reason)
+        # Count the room once, when this message made it terminal (with several prefill ranks,
+        # the last Success does; a Failed from any rank does).
+        after = p.sglang.status(msg.room)
+        if after != before and after in room_status.TERMINAL:
+            ok = after == room_status.SUCCESS
+            p.rooms.finish(msg.room, ok)
+            p.metrics.request_finished(ok=ok, reason=None if ok else "other")
+
+    def _copy_aux(self, msg: protocol.RoomStatus) -> Optional[str]:
+        """Copy the aux items into this room's aux slot; an error string if they do not fit.
+
+        Items pair with our aux buffers by position; when prefill has more or fewer buffers (an
+        optional one enabled on one engine only), the leading ones move, as in SGLang, and the
+        mismatch was logged at registration."""
+        r = self.p.rooms.get(msg.room)
+        if r is None or r.aux_index is None or not msg.aux:
+            return None
+        aux = self.p.aux
+        for data, ptr, item_len, buf_len in zip(msg.aux, aux.ptrs, aux.item_lens, aux.buffer_lens):
+            offset = r.aux_index * item_len
+            if len(data) != item_len or offset + item_len > buf_len:
+                return (f"aux item of {len(data)} bytes for slot {r.aux_index} does not fit "
+                        f"(item_len {item_len}, buffer {buf_len} bytes)")
+            ctypes.memmove(ptr + offset, data, item_len)
+        return None
+
+    def enforce_deadlines(self, now: float) -> None:
+        for r in self.p.rooms.expired(now, self.deadline_s):
+            self.fail(r.room, f"KV transfer for room {r.room} not complete {self.deadline_s:.1f} s after it started "
+                              "(SGLANG_MORI_TRANSFER_TIMEOUT_MS + grace); the prefill may be dead", "timeout")
+
+    def debug_snapshot(self) -> dict:
+        return {"decode.rooms": len(self.p.rooms)}

@@ -1,0 +1,212 @@
+"""Prefill control: decode's messages (Register, RoomMetadata, Abort) and their effect on rooms.
+
+Runs on the control thread (service.py), which also prunes rooms nobody claimed and peers that
+died. Every handler turns bad input into a counted rejection or one room's failure, never an
+exception out of the thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+from sglang_mori import protocol
+from sglang_mori.backend.peers import DecodePeer
+from sglang_mori.backend.prefill.failures import ABORTED, LAYOUT, PROTOCOL, PrefillFailures
+from sglang_mori.backend.prefill.parts import PrefillParts
+from sglang_mori.backend.prefill.rooms import MetadataVerdict, Phase, RoomTarget
+from sglang_mori.planning import PlanningError
+
+logger = logging.getLogger(__name__)
+
+# A decode peer whose connection broke (MORI does not rebuild it) and that sent nothing since is
+# forgotten after this long; at least 10 fail-fast windows.
+DEAD_PEER_RETENTION_S = 120.0
+
+
+class PrefillControl:
+    def __init__(self, parts: PrefillParts, failures: PrefillFailures,
+                 reject: Callable[[protocol.ProtocolError, str], None], publish_ready: Callable):
+        self.p = parts
+        self.failures = failures
+        self.reject = reject  # counts and logs a rejected message
+        self.publish_ready = publish_ready  # (room) -> None, called outside the lock
+
+    # --- dispatch ---------------------------------------------------------------------------
+    def handle(self, frames) -> None:
+        try:
+            message = protocol.decode(frames)
+        except protocol.ProtocolError as err:
+            self.reject(err, "prefill control socket")
+            if err.reason == protocol.REJECT_VERSION and err.room is not None:
+                self.fail_unclaimed(err.room, f"decode speaks another protocol: {err.detail}", PROTOCOL)
+            return
+        if isinstance(message, protocol.Register):
+            self.on_register(message)
+        elif isinstance(message, protocol.RoomMetadata):
+            self.on_metadata(message)
+        elif isinstance(message, protocol.Abort):
+            self.on_abort(message)
+        else:
+            self.reject(protocol.ProtocolError(protocol.REJECT_MALFORMED, f"{type(message).__name__} sent to prefill"),
+                        "prefill control socket")
+
+    def fail_unclaimed(self, room: int, reason: str, label: str) -> None:
+        """Fail a room decode's message names, opening it if no request holds it yet (its sender
+        then fails on arrival instead of waiting out the bootstrap timeout)."""
+        p = self.p
+        with p.rooms.lock:
+            p.rooms.open(room, p.clock())
+        self.failures.fail(room, reason, label)
+
+    # --- Register -----------------------------------------------------------------------------
+    def on_register(self, msg: protocol.Register) -> None:
+        p = self.p
+        try:
+            key = p.engine.add_peer(msg.engine_desc)
+            kv = [p.engine.unpack_memory(b) for b in msg.kv_descs]
+            aux = [p.engine.unpack_memory(b) for b in msg.aux_descs]
+            state = [[p.engine.unpack_memory(b) if b else None for b in comp] for comp in msg.state_descs]
+        except Exception as exc:
+            self.reject(protocol.ProtocolError(protocol.REJECT_MALFORMED, f"unusable registration: {exc}"),
+                        "prefill control socket")
+            return
+        peer = DecodePeer(engine_key=key, endpoint=(msg.decode_ip, msg.decode_port), attn_tp_size=msg.attn_tp_size,
+                          attn_tp_rank=msg.attn_tp_rank, kv_descs=kv, aux_descs=aux, state_descs=state, layout=None)
+        try:
+            peer.layout = p.planner.accept_peer(key, msg.layout, kv, aux, state)
+            # A different aux buffer count is served (leading buffers move), with SGLang's warning.
+            p.sglang.check_peer_aux_buffer_count(f"{msg.decode_ip}:{msg.decode_port}", len(aux))
+        except PlanningError as exc:
+            peer.rejected = f"decode {msg.decode_ip}:{msg.decode_port} refused at registration: {exc}"
+            logger.error("sglang-mori: %s", peer.rejected)
+        if peer.rejected is None:
+            peer.rejected = self._dcp_problem(msg)
+        # No engine session yet: it opens on the first write to this peer (submitter.py), so pairs
+        # that never carry bytes (MLA dummy ranks, a DP rank nobody routes to) cost nothing.
+        replaced = p.peers.add(peer)
+        if replaced is not None:
+            self.fail_rooms_of_peer(replaced.engine_key,
+                                    f"decode engine {replaced.engine_key} was replaced by a restarted engine")
+            self.forget_peer(replaced.engine_key)
+        if peer.rejected is None:
+            p.metrics.peer_up(key)
+        else:
+            p.metrics.peer_down(key)
+        logger.info("sglang-mori: decode peer %s registered from %s:%s (tp %d/%d)%s", key, msg.decode_ip,
+                    msg.decode_port, msg.attn_tp_rank, msg.attn_tp_size,
+                    f" REJECTED: {peer.rejected}" if peer.rejected else "")
+
+    def _dcp_problem(self, msg: protocol.Register):
+        """Decode context parallel stripes tokens over the decode ranks: pages cannot be copied page
+        for page into such a peer. Equal topologies (same size, matching ranks) need no relayout;
+        the relayout itself (SGLang's built-in mori packs tokens per DCP rank) is not done here,
+        so any other pair is refused now rather than written wrong later."""
+        size, rank = self.p.dcp
+        if (msg.dcp_size, msg.dcp_rank) == (size, rank):
+            return None
+        problem = (f"decode {msg.decode_ip}:{msg.decode_port} refused at registration: decode context parallel "
+                   f"dcp_size={msg.dcp_size} dcp_rank={msg.dcp_rank}, prefill dcp_size={size} dcp_rank={rank}: "
+                   "sglang-mori does not relayout KV across DCP ranks; run decode with --dcp-size "
+                   f"{size} (or use a backend that does)")
+        logger.error("sglang-mori: %s", problem)
+        return problem
+
+    def forget_peer(self, key: str) -> None:
+        self.p.planner.forget_peer(key)
+        self.p.engine.remove_peer(key)
+
+    def fail_rooms_of_peer(self, key: str, reason: str) -> None:
+        """Every open room with a destination on `key` fails (draining lives are left to drain)."""
+        p = self.p
+        with p.rooms.lock:
+            victims = [r.room for r in p.rooms.rooms.values()
+                       if not r.concluded and any(t.engine_key == key for t in r.live_targets())]
+        for room in victims:
+            self.failures.fail(room, reason, "peer_dead")
+
+    # --- RoomMetadata -----------------------------------------------------------------------
+    def on_metadata(self, msg: protocol.RoomMetadata) -> None:
+        p = self.p
+        room = msg.room
+        try:
+            kv_indices = protocol.decode_page_indices(msg.kv_indices, room)
+        except protocol.ProtocolError as err:
+            self.reject(err, "prefill control socket")
+            self.fail_unclaimed(room, err.detail, PROTOCOL)
+            return
+        target = RoomTarget(
+            engine_key=msg.engine_key, attempt=msg.attempt, endpoint=msg.decode_ip, dst_port=msg.decode_port,
+            kv_indices=kv_indices, aux_index=msg.aux_index, state_indices=msg.state_indices,
+            required_dst_info_num=max(1, msg.required_dst_info_num), decode_prefix_len=msg.decode_prefix_len,
+            is_dummy=msg.is_dummy,
+        )
+        if not target.is_dummy:
+            p.peers.touch(msg.engine_key)
+            target.reject_reason = p.peers.unusable_reason(msg.engine_key) or p.planner.check_destination(
+                p.peers.get(msg.engine_key), target)
+        with p.rooms.lock:
+            outcome = p.rooms.add_target(target, room, p.clock())
+            publish = outcome.ready and outcome.room.claimed
+        if outcome.verdict is MetadataVerdict.REPLAY:
+            self.reject(protocol.ProtocolError("replayed", f"metadata for room {room}: {outcome.detail}", room),
+                        "prefill control socket")
+        elif outcome.verdict is MetadataVerdict.REJECTED:
+            self.reject(protocol.ProtocolError("replayed", f"metadata for room {room}: {outcome.detail}", room),
+                        "prefill control socket")
+        elif outcome.verdict is MetadataVerdict.QUEUED_NEXT_LIFE:
+            logger.info("sglang-mori: room %s: attempt %s from %s waits for the room's current life to end",
+                        room, msg.attempt, msg.engine_key)
+        elif publish:
+            self.publish_ready(room)
+
+    # --- Abort --------------------------------------------------------------------------------
+    def on_abort(self, msg: protocol.Abort) -> None:
+        p = self.p
+        room = msg.room
+        now = p.clock()
+        ack_now = False
+        with p.rooms.lock:
+            life, known = p.rooms.abort_attempt(room, msg.attempt, now)
+            if not known:
+                # The request has not reached this rank: open the room failed, so its sender
+                # fails on arrival (and metadata for this attempt is not served).
+                life = p.rooms.open(room, now)
+        if life is not None and not life.concluded:
+            if not life.claimed:
+                self.failures.fail(room, "Aborted by decode before the request reached prefill", ABORTED,
+                                   decode_knows=True)
+            else:
+                self.failures.fail(room, "Aborted by decode", ABORTED, decode_knows=True)
+        if not p.sglang.deferred_release or msg.generation is None:
+            return
+        with p.rooms.lock:
+            lives = [r for r in [p.rooms.get(room), *p.rooms.draining_lives(room)] if r is not None]
+            if any(r.phase is Phase.POISONED for r in lives) or p.sglang.ack_poisoned(room):
+                return  # a write may still land: decode falls back to its release timeout
+            if any(r.outstanding() or (r.writes and not r.terminal) for r in lives):
+                # Writes were issued and their drain is not decided yet: the completion thread
+                # ACKs once they are proven drained (or poisons the room, and no ACK goes out).
+                p.sglang.hold_ack(room, msg.decode_ip, msg.decode_port, msg.generation)
+            else:
+                ack_now = True
+            p.rooms.notify_locked()
+        if ack_now:
+            p.messenger.send((msg.decode_ip, msg.decode_port), protocol.AbortAck(
+                room=room, prefill_rank=p.sglang.prefill_rank, generation=msg.generation))
+
+    # --- housekeeping -------------------------------------------------------------------------
+    def prune(self) -> None:
+        p = self.p
+        ttl = p.sglang.bootstrap_timeout_s
+        with p.rooms.lock:
+            dropped = p.rooms.prune_unclaimed(p.clock(), ttl)
+        for r in dropped:
+            logger.info("sglang-mori: room %s: metadata no request claimed within %.0f s dropped", r.room, ttl)
+        retention = max(DEAD_PEER_RETENTION_S, 10 * p.config.peer_fail_fast_s)
+        for peer in p.peers.prune_dead(retention):
+            logger.info("sglang-mori: forgetting decode engine %s (%s:%s): its connection broke %.0f s ago (%s) "
+                        "and it has not spoken since", peer.engine_key, *peer.endpoint,
+                        time.monotonic() - peer.broken_at, peer.failed_reason or "failure")
+            self.forget_peer(peer.engine_key)

@@ -1,0 +1,417 @@
+"""Prefill rooms: one state machine per room, all of them in one registry under one lock.
+
+A room's life on a prefill rank (states are `Phase`):
+
+    AWAITING_METADATA --(every decode destination known)--> READY --(first chunk)--> SUBMITTING
+          |                                                   |                           |
+          +-------------------- fail / abort -----------------+---------------------------+
+                                                              v
+                                                          CONCLUDED  (outcome decided; writes may
+                                                              |       still be on the wire)
+                                      every write terminal    |    a write cannot be proven drained
+                                              DRAINED <-------+-------> POISONED
+
+Two actors open a room: the scheduler's sender (`claim`) and decode's RoomMetadata (`add_target`),
+in either order. A room leaves the registry once it is terminal (DRAINED/POISONED) and its sender
+is gone (`release_sender`), or, never claimed, after the bootstrap timeout (`prune_unclaimed`).
+A life whose sender is cleared while its writes still drain moves aside (`draining`), so the same
+room id can start a new life at once (retract-rebootstrap).
+
+Replays are told from new attempts by decode's attempt id, never by "finished recently": every
+attempt a finished life served is remembered (bounded) and metadata naming one is a replay.
+
+Nothing here sends, sleeps or touches SGLang: transitions return what the caller must do. Time is
+passed in, so tests drive every transition with a fake clock.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import threading
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+
+from sglang_mori.engine import WriteState
+
+# Attempts of finished lives remembered for replay detection (count and age bounds).
+FINISHED_ATTEMPTS_MAX = 100_000
+FINISHED_ATTEMPTS_TTL_S = 300.0
+# Metadata for a new attempt that arrives while the previous life still runs waits here.
+NEXT_LIFE_MAX_TARGETS = 64
+
+
+class Phase(enum.Enum):
+    AWAITING_METADATA = "awaiting_metadata"
+    READY = "ready"
+    SUBMITTING = "submitting"
+    CONCLUDED = "concluded"
+    DRAINED = "drained"
+    POISONED = "poisoned"
+
+
+TERMINAL = (Phase.DRAINED, Phase.POISONED)
+OPEN = (Phase.AWAITING_METADATA, Phase.READY, Phase.SUBMITTING)
+
+
+@dataclass
+class RoomTarget:
+    """One decode rank's destination for one room (from RoomMetadata).
+
+    `endpoint` (ip), `dst_port`, `is_dummy` and `required_dst_info_num` are the names SGLang's
+    common code reads from its `transfer_infos` table, which holds these objects.
+    """
+
+    engine_key: str
+    attempt: int
+    endpoint: str
+    dst_port: int
+    kv_indices: np.ndarray
+    aux_index: Optional[int]
+    state_indices: Optional[list]
+    required_dst_info_num: int
+    decode_prefix_len: Optional[int]
+    is_dummy: bool
+    reject_reason: Optional[str] = None
+
+    @property
+    def address(self) -> Tuple[str, int]:
+        return (self.endpoint, self.dst_port)
+
+
+@dataclass
+class TrackedWrite:
+    handle: object  # engine.TransferHandle
+    deadline: float
+
+
+@dataclass
+class PrefillRoom:
+    room: int
+    created_at: float
+    phase: Phase = Phase.AWAITING_METADATA
+    claimed: bool = False  # a sender for this room exists on this rank
+    ever_claimed: bool = False
+    targets: Dict[str, RoomTarget] = field(default_factory=dict)
+    required: int = 1
+    next_life: Dict[str, RoomTarget] = field(default_factory=dict)
+    writes: List[TrackedWrite] = field(default_factory=list)
+    submitting: int = 0  # submitter threads between their live check and tracking their writes
+    last_submitted: bool = False
+    aux_index: Optional[int] = None
+    succeeded: Optional[bool] = None  # set on CONCLUDED
+    reason: Optional[str] = None
+    concluded_at: float = 0.0
+
+    # --- queries ------------------------------------------------------------------------
+    @property
+    def concluded(self) -> bool:
+        return self.phase not in OPEN
+
+    @property
+    def terminal(self) -> bool:
+        return self.phase in TERMINAL
+
+    def is_ready(self) -> bool:
+        return len(self.targets) >= self.required
+
+    def live_targets(self) -> List[RoomTarget]:
+        return [t for t in self.targets.values() if not t.is_dummy]
+
+    def notify_addresses(self) -> List[Tuple[str, int]]:
+        out: List[Tuple[str, int]] = []
+        for t in self.live_targets():
+            if t.address not in out:
+                out.append(t.address)
+        return out
+
+    def attempts(self) -> frozenset:
+        return frozenset(t.attempt for t in self.targets.values())
+
+    def unfinished(self) -> list:
+        return [w.handle for w in self.writes if not w.handle.quiescent()]
+
+    def outstanding(self) -> int:
+        """What SGLang must see as "writes outstanding": submitters at work plus running writes."""
+        return self.submitting + len(self.unfinished())
+
+    def drain_proven(self) -> bool:
+        return all(w.handle.drained() for w in self.writes)
+
+    def verdict(self, now: float) -> Tuple[WriteState, str]:
+        """(state, reason) over every write: FAILED on the first failure or expired deadline,
+        RUNNING while any runs, SUCCEEDED when all succeeded (vacuously with none)."""
+        running = False
+        for w in self.writes:
+            state = w.handle.state()
+            if state is WriteState.RUNNING:
+                if now > w.deadline:
+                    return WriteState.FAILED, (
+                        f"KV transfer to decode engine {w.handle.peer_key} timed out: not complete "
+                        f"after {(now - w.handle.started_at) * 1000:.0f} ms (SGLANG_MORI_TRANSFER_TIMEOUT_MS)"
+                    )
+                running = True
+            elif state is WriteState.FAILED:
+                return WriteState.FAILED, (
+                    f"KV transfer to decode engine {w.handle.peer_key} failed: {w.handle.failure_message()}"
+                )
+        return (WriteState.RUNNING, "") if running else (WriteState.SUCCEEDED, "")
+
+    # --- transitions --------------------------------------------------------------------
+    def add_target(self, target: RoomTarget) -> bool:
+        """Record one decode rank's destination; True when this made the room READY."""
+        if self.phase is not Phase.AWAITING_METADATA:
+            raise RoomStateError(self, "add a destination")
+        self.targets[target.engine_key] = target
+        self.required = max(1, target.required_dst_info_num)
+        if self.is_ready():
+            self.phase = Phase.READY
+            return True
+        return False
+
+    def begin_submit(self) -> bool:
+        """A submitter starts on a chunk; False (nothing changes) unless the room takes writes."""
+        if self.phase not in (Phase.READY, Phase.SUBMITTING) or not self.claimed:
+            return False
+        self.phase = Phase.SUBMITTING
+        self.submitting += 1
+        return True
+
+    def end_submit(self, writes: List[TrackedWrite], last_chunk: bool, aux_index: Optional[int]) -> None:
+        """The submitter's writes are tracked (whatever happened to the room meanwhile)."""
+        self.submitting -= 1
+        self.writes.extend(writes)
+        if last_chunk and not self.concluded:
+            self.last_submitted = True
+            self.aux_index = aux_index
+
+    def conclude(self, ok: bool, reason: Optional[str], now: float) -> bool:
+        """Decide the outcome once; False when it was decided already."""
+        if self.concluded:
+            return False
+        self.phase = Phase.CONCLUDED
+        self.succeeded = ok
+        self.reason = reason
+        self.concluded_at = now
+        return True
+
+    def try_finish(self, now: float, give_up_after_s: float) -> Optional[Phase]:
+        """CONCLUDED -> DRAINED or POISONED once nothing more can be learnt; None while writes run.
+
+        DRAINED: every write is terminal and none can still land (succeeded, or failed before
+        posting). POISONED: a failed write may still have bytes on the wire (MORI fails a transfer
+        at its first error while its other QPs keep writing), or writes stayed running past
+        `give_up_after_s` after the conclusion: nothing proves the decode pages are safe."""
+        if self.phase is not Phase.CONCLUDED or self.submitting:
+            return None
+        if self.unfinished():
+            if now - self.concluded_at <= give_up_after_s:
+                return None
+            self.phase = Phase.POISONED
+            return self.phase
+        self.phase = Phase.DRAINED if (self.succeeded or self.drain_proven()) else Phase.POISONED
+        return self.phase
+
+
+class RoomStateError(RuntimeError):
+    def __init__(self, room: PrefillRoom, action: str):
+        super().__init__(f"room {room.room}: cannot {action} in phase {room.phase.value}")
+
+
+class MetadataVerdict(enum.Enum):
+    ACCEPTED = "accepted"  # recorded; `ready` says whether the room became READY
+    REPLAY = "replay"  # an attempt this rank already served or holds: dropped
+    QUEUED_NEXT_LIFE = "queued_next_life"  # a new attempt while the previous life still runs
+    REJECTED = "rejected"  # the room is past taking destinations and no next life can be queued
+
+
+@dataclass
+class MetadataOutcome:
+    verdict: MetadataVerdict
+    room: Optional[PrefillRoom] = None
+    ready: bool = False
+    detail: str = ""
+
+
+class PrefillRoomRegistry:
+    """Every room of one prefill rank. `lock` guards every room and table here; callers hold it
+    (`with registry.lock:`) around each transition and its bookkeeping, so "room is live" and
+    "its writes are tracked" can never be separated by an abort."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self._changed = threading.Condition(self.lock)
+        self.generation = 0
+        self.rooms: Dict[int, PrefillRoom] = {}
+        # Lives whose sender was cleared while writes still drain, keyed by (room, serial).
+        self.draining: Dict[Tuple[int, int], PrefillRoom] = {}
+        self._serial = 0
+        self._finished: "collections.OrderedDict[int, float]" = collections.OrderedDict()  # attempt -> time
+
+    # --- lookups (lock held) --------------------------------------------------------------
+    def get(self, room: int) -> Optional[PrefillRoom]:
+        return self.rooms.get(room)
+
+    def draining_lives(self, room: int) -> List[PrefillRoom]:
+        return [r for (rid, _), r in self.draining.items() if rid == room]
+
+    def with_writes(self) -> List[PrefillRoom]:
+        """Rooms the completion thread must watch: submission began (a room whose destinations are
+        all dummies has chunks but no writes, and still concludes), or concluded and not terminal."""
+        out = [r for r in self.rooms.values() if r.phase in (Phase.SUBMITTING, Phase.CONCLUDED)]
+        out.extend(self.draining.values())
+        return out
+
+    def owns_sglang_state(self, r: PrefillRoom) -> bool:
+        """Whether `r` may write SGLang's per-room-id tables: it is the room id's current life, or
+        the id has none (a draining life must not clobber a new life's entries)."""
+        if not r.ever_claimed:
+            return False  # decode's messages opened it: SGLang holds nothing for it
+        current = self.rooms.get(r.room)
+        return current is None or current is r
+
+    def finished_attempt(self, attempt: int, now: float) -> bool:
+        at = self._finished.get(attempt)
+        return at is not None and now - at <= FINISHED_ATTEMPTS_TTL_S
+
+    # --- transitions (lock held) ------------------------------------------------------------
+    def open(self, room: int, now: float) -> PrefillRoom:
+        r = self.rooms.get(room)
+        if r is None:
+            r = self.rooms[room] = PrefillRoom(room=room, created_at=now)
+        return r
+
+    def claim(self, room: int, now: float) -> PrefillRoom:
+        """A sender for `room` starts on this rank (its request reached prefill)."""
+        r = self.open(room, now)
+        r.claimed = r.ever_claimed = True
+        return r
+
+    def add_target(self, target: RoomTarget, room: int, now: float) -> MetadataOutcome:
+        if self.finished_attempt(target.attempt, now):
+            return MetadataOutcome(MetadataVerdict.REPLAY, detail=f"attempt {target.attempt} already served")
+        r = self.open(room, now)
+        known = r.targets.get(target.engine_key)
+        if known is not None and known.attempt == target.attempt:
+            return MetadataOutcome(MetadataVerdict.REPLAY, r, detail=f"attempt {target.attempt} is in this room already")
+        if r.phase is Phase.AWAITING_METADATA and known is None:
+            return MetadataOutcome(MetadataVerdict.ACCEPTED, r, ready=r.add_target(target))
+        if not r.concluded:
+            # Never re-target a live room: a different attempt for it is either forged or from a
+            # decode that has not aborted the attempt this life serves.
+            return MetadataOutcome(MetadataVerdict.REJECTED, r, detail=(
+                f"attempt {target.attempt} from {target.engine_key} for a room in phase {r.phase.value} "
+                "serving another attempt"))
+        # A new attempt after this life concluded (decode aborted it, retracted the request and
+        # bootstrapped it again) while its sender is still here: it belongs to the next life.
+        pending = r.next_life.get(target.engine_key)
+        if pending is not None and pending.attempt == target.attempt:
+            return MetadataOutcome(MetadataVerdict.REPLAY, r, detail=f"attempt {target.attempt} already queued")
+        if len(r.next_life) >= NEXT_LIFE_MAX_TARGETS and target.engine_key not in r.next_life:
+            return MetadataOutcome(MetadataVerdict.REJECTED, r,
+                                   detail=f"room in phase {r.phase.value} with {len(r.next_life)} queued destinations")
+        r.next_life[target.engine_key] = target
+        return MetadataOutcome(MetadataVerdict.QUEUED_NEXT_LIFE, r)
+
+    def abort_attempt(self, room: int, attempt: int, now: float) -> Tuple[Optional[PrefillRoom], bool]:
+        """Decode aborted `attempt` of `room`. Returns (the life it ends or None, known): `known`
+        is False when no life here knows the attempt yet (its request has not reached this rank)."""
+        if self.finished_attempt(attempt, now):
+            return None, True  # the life it named is over already
+        r = self.rooms.get(room)
+        if r is None:
+            # A life of this room id still draining here knows it, even when the attempt is not
+            # recognised: never open an "aborted before arrival" room beside it.
+            return None, bool(self.draining_lives(room))
+        for key, t in list(r.next_life.items()):
+            if t.attempt == attempt:
+                del r.next_life[key]  # a queued attempt that will never be served
+                return None, True
+        if not r.targets or attempt in r.attempts():
+            return r, True
+        return None, False
+
+    def release_sender(self, room: int, now: float) -> Optional[PrefillRoom]:
+        """The room's sender was cleared. Its life ends here: forgotten now if terminal (or
+        nothing was ever submitted), else moved aside to drain. A queued next life takes over the
+        room id. Returns the life that ended."""
+        r = self.rooms.pop(room, None)
+        if r is None:
+            return None
+        r.claimed = False
+        for attempt in r.attempts():
+            self._remember_finished(attempt, now)
+        if not r.terminal and (r.writes or r.submitting):
+            if not r.concluded:
+                r.conclude(False, "the request was cleared on prefill before its transfer ended", now)
+            self._serial += 1
+            self.draining[(room, self._serial)] = r
+        if r.next_life:
+            fresh = self.open(room, now)
+            for target in r.next_life.values():
+                if fresh.phase is Phase.AWAITING_METADATA:
+                    fresh.add_target(target)
+        self.notify_locked()
+        return r
+
+    def forget_if_done(self, r: PrefillRoom) -> bool:
+        """Drop a terminal draining life. A current life stays until its sender is cleared
+        (`release_sender`) or, never claimed, until `prune_unclaimed`: a room decode aborted
+        before its request arrived must still fail that request's sender when it comes."""
+        if not r.terminal:
+            return False
+        for key, life in list(self.draining.items()):
+            if life is r:
+                del self.draining[key]
+                return True
+        return False
+
+    def prune_unclaimed(self, now: float, ttl_s: float) -> List[PrefillRoom]:
+        """Rooms that decode's messages opened and no request claimed within `ttl_s`: metadata
+        for a request that never reaches this rank, or hostile input."""
+        dropped = []
+        for room, r in list(self.rooms.items()):
+            if not r.ever_claimed and now - r.created_at > ttl_s and not r.writes and not r.submitting:
+                del self.rooms[room]
+                dropped.append(r)
+        return dropped
+
+    def _remember_finished(self, attempt: int, now: float) -> None:
+        self._finished[attempt] = now
+        self._finished.move_to_end(attempt)
+        while self._finished and (
+            len(self._finished) > FINISHED_ATTEMPTS_MAX
+            or now - next(iter(self._finished.values())) > FINISHED_ATTEMPTS_TTL_S
+        ):
+            self._finished.popitem(last=False)
+
+    # --- wake-ups -------------------------------------------------------------------------
+    def notify_locked(self) -> None:
+        self.generation += 1
+        self._changed.notify_all()
+
+    def notify(self) -> None:
+        """Something changed (writes tracked, a room concluded): wake the completion thread."""
+        with self.lock:
+            self.notify_locked()
+
+    def wait_for_change(self, seen_generation: int, timeout: float) -> None:
+        """Sleep until notify() since `seen_generation`, or timeout. The completion thread must
+        never spin: between two chunks a busy loop would hold the GIL against the forward pass."""
+        with self.lock:
+            if self.generation == seen_generation:
+                self._changed.wait(timeout)
+
+    def sizes(self) -> dict:
+        with self.lock:
+            claimed = sum(1 for r in self.rooms.values() if r.ever_claimed)
+            return {
+                "prefill.rooms": claimed,
+                # Opened by decode's messages before any request claimed them (pruned after the
+                # bootstrap timeout).
+                "prefill.unclaimed_rooms": len(self.rooms) - claimed,
+                "prefill.draining": len(self.draining),
+                "prefill.rooms_with_writes": len(self.with_writes()),
+            }

@@ -1,0 +1,144 @@
+"""PrefillService: accept decode's registrations and room metadata, write KV, report completion.
+
+Built from explicit parts (parts.py). Threads, all daemon and stoppable:
+- control:    decode's messages on the manager's PULL socket (control.py), and housekeeping;
+- shard-N:    chunk planning and submission (submitter.py);
+- completion: watches writes, concludes and drains rooms (completion.py).
+The scheduler thread calls `claim` / `release` (a sender starts / is cleared) and `add_chunk`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, Optional
+
+import numpy as np
+import zmq
+
+from sglang_mori import protocol
+from sglang_mori.backend.prefill.completion import Completion
+from sglang_mori.backend.prefill.control import PrefillControl
+from sglang_mori.backend.prefill.failures import PrefillFailures
+from sglang_mori.backend.prefill.parts import PrefillParts
+from sglang_mori.backend.prefill.submitter import Chunk, ChunkSubmitter
+
+logger = logging.getLogger(__name__)
+
+PRUNE_INTERVAL_S = 1.0
+
+
+class PrefillService:
+    def __init__(self, parts: PrefillParts, reject: Callable[[protocol.ProtocolError, str], None]):
+        self.p = parts
+        self.failures = PrefillFailures(parts)
+        self.control = PrefillControl(parts, self.failures, reject, self.publish_ready)
+        self.submitter = ChunkSubmitter(parts, self.failures)
+        self.completion = Completion(parts, self.failures, self.control.fail_rooms_of_peer)
+        self.stopped = threading.Event()
+        self.threads: list = []
+
+    # --- lifecycle ------------------------------------------------------------------------
+    def start(self) -> None:
+        if self.p.control_socket is not None:
+            self._spawn("mori-control", self._control_loop)
+        for i, q in enumerate(self.submitter.queues):
+            self._spawn(f"mori-shard-{i}", self.submitter.run_shard, q)
+        self._spawn("mori-completion", self._completion_loop)
+
+    def _spawn(self, name, target, *args) -> None:
+        t = threading.Thread(target=target, args=args, name=name, daemon=True)
+        t.start()
+        self.threads.append(t)
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.submitter.stop()
+        self.p.rooms.notify()
+        for t in self.threads:
+            t.join(timeout=3)
+
+    def _control_loop(self) -> None:
+        sock = self.p.control_socket
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        next_prune = 0.0
+        while not self.stopped.is_set():
+            try:
+                now = time.monotonic()
+                if now >= next_prune:
+                    next_prune = now + PRUNE_INTERVAL_S
+                    self.control.prune()
+                if not poller.poll(200):
+                    continue
+                frames = sock.recv_multipart()
+            except zmq.ZMQError:
+                if self.stopped.is_set():
+                    return
+                logger.exception("sglang-mori: control socket error")
+                continue
+            try:
+                self.control.handle(frames)
+            except Exception:  # a bug must not stop the control thread
+                logger.exception("sglang-mori: control message handling failed")
+
+    def _completion_loop(self) -> None:
+        while not self.stopped.is_set():
+            try:
+                self.completion.run_once()
+            except Exception:
+                logger.exception("sglang-mori: completion loop error")
+
+    # --- the scheduler's side ---------------------------------------------------------------
+    def claim(self, room_id: int) -> Optional[str]:
+        """A sender for `room_id` starts here. Returns the reason it must fail at once (decode
+        aborted it, or its metadata was bad, before the request reached this rank), else None."""
+        p = self.p
+        # A failure record left by an earlier life of this id would be adopted by this one.
+        p.sglang.drop_stale_failure(room_id)
+        with p.rooms.lock:
+            r = p.rooms.claim(room_id, p.clock())
+            failed = r.reason if (r.concluded and not r.succeeded) else None
+            ready = not r.concluded and r.phase.value == "ready"
+        if failed is not None:
+            p.sglang.fail(room_id, failed)
+        elif ready:
+            self.publish_ready(room_id)
+        return failed
+
+    def publish_ready(self, room_id: int) -> None:
+        """Hand a claimed room's destinations to SGLang (WaitingForInput lets the scheduler send)."""
+        p = self.p
+        with p.rooms.lock:
+            r = p.rooms.get(room_id)
+            if r is None or not r.claimed or r.concluded:
+                return
+            targets = dict(r.targets)
+        p.sglang.publish_destinations(room_id, targets)
+
+    def release(self, room_id: int) -> None:
+        """The room's sender was cleared: this life ends (its writes may still drain)."""
+        p = self.p
+        with p.rooms.lock:
+            p.rooms.release_sender(room_id, p.clock())
+            fresh = p.rooms.get(room_id)
+        if fresh is not None:
+            logger.info("sglang-mori: room %s: a queued attempt starts the room's next life", room_id)
+
+    def add_chunk(self, room_id: int, kv_indices, index_slice: slice, is_last: bool, **kw) -> None:
+        self.submitter.enqueue(Chunk(
+            room=room_id, kv_indices=np.asarray(kv_indices, dtype=np.int64), index_slice=index_slice,
+            is_last=is_last, aux_index=kw.get("aux_index"), state_indices=kw.get("state_indices"),
+            wait_event=kw.get("wait_event"),
+        ))
+
+    def fail(self, room_id: int, reason: str, label: str = "other") -> bool:
+        return self.failures.fail(room_id, reason, label)
+
+    # --- introspection ---------------------------------------------------------------------------
+    def debug_snapshot(self) -> dict:
+        out = self.p.rooms.sizes()
+        out["prefill.inflight_writes"] = self.p.peers.budget.total()
+        out["prefill.queued_chunks"] = self.submitter.queued()
+        return out

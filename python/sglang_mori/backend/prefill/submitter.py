@@ -1,0 +1,196 @@
+"""Chunk-wise submission: plan each chunk the scheduler hands over and post its writes.
+
+One queue and thread per shard (SGLANG_MORI_TRANSFER_SHARDS); a room always maps to the same
+shard, so its chunks are submitted in order. A chunk is submitted between `begin_submit` and
+`end_submit` on its room (both under the registry lock): while a submitter works, the room counts
+as having writes outstanding, so an abort can never be ACKed between "room is live" and "its
+writes are tracked".
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import List, Optional
+
+import numpy as np
+
+from sglang_mori import protocol
+from sglang_mori.backend import room_status
+from sglang_mori.backend.prefill.failures import (
+    BACKPRESSURE,
+    BAD_INDEX,
+    LAYOUT,
+    OTHER,
+    PEER_DEAD,
+    PROTOCOL,
+    SUBMIT_ERROR,
+    TIMEOUT,
+    PrefillFailures,
+)
+from sglang_mori.backend.prefill.parts import PrefillParts
+from sglang_mori.backend.prefill.rooms import Phase, TrackedWrite
+from sglang_mori.engine import SubmitError
+from sglang_mori.planning import PlanningError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Chunk:
+    room: int
+    kv_indices: np.ndarray
+    index_slice: slice
+    is_last: bool
+    aux_index: Optional[int]
+    state_indices: Optional[list]
+    wait_event: object = None
+
+
+class ChunkSubmitter:
+    def __init__(self, parts: PrefillParts, failures: PrefillFailures):
+        self.p = parts
+        self.failures = failures
+        cfg = parts.config
+        self.queues = [queue.Queue(maxsize=cfg.max_queued_chunks) for _ in range(cfg.transfer_shards)]
+        # Count and publish the queue depth as one step: shards and the scheduler update it at once.
+        self._depth_lock = threading.Lock()
+        self.stopped = threading.Event()
+
+    # --- scheduler side -------------------------------------------------------------------------
+    def enqueue(self, chunk: Chunk) -> None:
+        status = self.p.sglang.status(chunk.room)
+        if status is None or status == room_status.FAILED:
+            return
+        q = self.queues[chunk.room % len(self.queues)]
+        try:
+            q.put_nowait(chunk)
+        except queue.Full:
+            self.failures.fail(chunk.room, f"transfer queue full ({q.maxsize} chunks, SGLANG_MORI_MAX_QUEUED_CHUNKS)",
+                               BACKPRESSURE)
+        self._publish_depth()
+
+    def queued(self) -> int:
+        return sum(q.qsize() for q in self.queues)
+
+    def _publish_depth(self) -> None:
+        with self._depth_lock:
+            self.p.metrics.set_queue_depth(self.queued())
+
+    # --- shard threads ------------------------------------------------------------------------
+    def run_shard(self, q: queue.Queue) -> None:
+        while not self.stopped.is_set():
+            chunk = q.get()
+            if chunk is None:
+                return
+            # Also on dequeue: published only on enqueue, the gauge kept its last value when idle.
+            self._publish_depth()
+            try:
+                self.submit(chunk)
+            except Exception as exc:  # a bug must fail one room, not stop the shard
+                logger.exception("sglang-mori: chunk of room %s failed", chunk.room)
+                self.failures.fail(chunk.room, f"internal error while sending KV: {exc!r}", OTHER)
+
+    def stop(self) -> None:
+        self.stopped.set()
+        for q in self.queues:
+            try:
+                q.put_nowait(None)
+            except queue.Full:
+                pass
+
+    def submit(self, chunk: Chunk) -> None:
+        p = self.p
+        room_id = chunk.room
+        with p.rooms.lock:
+            r = p.rooms.get(room_id)
+            if r is None or r.concluded:
+                return
+            if r.phase is Phase.AWAITING_METADATA:
+                problem = ("no destination metadata from decode for this room", PROTOCOL)
+            else:
+                problem = next(((t.reject_reason, LAYOUT) for t in r.targets.values() if t.reject_reason), None)
+            if problem is None:
+                first = r.phase is Phase.READY
+                r.begin_submit()
+                targets = r.live_targets()
+                p.sglang.set_outstanding(room_id, r.outstanding())
+        if problem is not None:
+            self.failures.fail(room_id, problem[0], problem[1])
+            return
+        writes: List[TrackedWrite] = []
+        failure = None
+        try:
+            if first:
+                p.sglang.set_status(room_id, room_status.TRANSFERRING)
+            failure = self._post(chunk, r, targets, writes)
+        finally:
+            with p.rooms.lock:
+                r.end_submit(writes, chunk.is_last, chunk.aux_index)
+                if p.rooms.owns_sglang_state(r):
+                    p.sglang.set_outstanding(room_id, r.outstanding())
+                p.rooms.notify_locked()
+        if failure is not None:
+            self.failures.fail_life(r, *failure)
+
+    def _open_session(self, peer) -> Optional[str]:
+        """First contact with a peer (dial, QPs, remote memory) before its first write, so it can
+        never raise in the middle of a batch; None when the session is up."""
+        if peer.session_open:
+            return None
+        p = self.p
+        with peer.session_lock:
+            if peer.session_open:
+                return None
+            local = next((d for d in p.local.kv if d is not None), None)
+            if local is None or not peer.kv_descs:
+                return None
+            try:
+                p.engine.connect(local, peer.kv_descs[0])
+            except Exception as exc:
+                reason = f"cannot reach decode engine {peer.engine_key}: {exc}"
+                if p.peers.mark_failed(peer.engine_key, reason):
+                    p.metrics.peer_down(peer.engine_key)
+                return reason
+            peer.session_open = True
+            return None
+
+    def _post(self, chunk: Chunk, r, targets, writes: List[TrackedWrite]):
+        """Post the chunk to every destination; (reason, label) of the first failure, or None."""
+        p = self.p
+        # Every chunk restarts decode's deadline: a long chunked prefill is slow, not dead.
+        started = protocol.TransferStarted(room=chunk.room, prefill_rank=p.sglang.prefill_rank)
+        p.messenger.send_all([t.address for t in targets], started)
+        if chunk.wait_event is not None:
+            chunk.wait_event.synchronize()  # source KV is ready only after the forward pass
+        deadline = p.clock() + p.timeout_s
+        for t in targets:
+            reason = p.peers.unusable_reason(t.engine_key)
+            if reason:
+                return reason, PEER_DEAD
+            peer = p.peers.get(t.engine_key)
+            try:
+                pairs = p.planner.write_pairs(peer, chunk, t)
+            except PlanningError as exc:
+                return f"room {chunk.room}: {exc}", BAD_INDEX
+            failure = self._open_session(peer) if pairs else None
+            if failure is not None:
+                return failure, PEER_DEAD
+            if not p.peers.budget.acquire(peer.engine_key, deadline):
+                return (f"decode engine {peer.engine_key} has {p.peers.budget.count(peer.engine_key)} transfers in "
+                        "flight (SGLANG_MORI_MAX_INFLIGHT_PER_PEER) and none finished before the deadline", TIMEOUT)
+            try:
+                handle = p.engine.write(peer.engine_key, pairs, deadline=deadline, retry_max=p.config.submit_retry_max)
+            except SubmitError as exc:
+                # Track what was issued: it must drain (or be given up on) like any write.
+                p.metrics.transfer_started(peer.engine_key)
+                writes.append(TrackedWrite(exc.handle, deadline))
+                return f"submitting KV writes to {peer.engine_key} failed: {exc}", SUBMIT_ERROR
+            # Count the start before the handle is visible: the completion thread may finish it at once.
+            p.metrics.transfer_started(peer.engine_key)
+            for _ in range(handle.retries):
+                p.metrics.retry(SUBMIT_ERROR)
+            writes.append(TrackedWrite(handle, deadline))
+        return None

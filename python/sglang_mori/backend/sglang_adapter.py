@@ -1,0 +1,98 @@
+"""The services' one window onto SGLang's per-room tables.
+
+SGLang's scheduler polls `request_status`, reads `transfer_infos` and `failure_records`, and holds
+abort ACKs in its deferred-release tables; our room state machines update them only through this
+class, on transitions. The services never see the manager: tests give them a fake with the same
+methods (test/inprocess/fake_sglang.py).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+from sglang_mori.backend import room_status as KVPoll
+from sglang_mori.backend import sglang_compat as compat
+
+
+class SGLangAdapter:
+    def __init__(self, mgr):
+        self._mgr = mgr
+
+    # --- identity and settings -----------------------------------------------------------------
+    @property
+    def prefill_rank(self) -> int:
+        return compat.prefill_unique_rank(self._mgr)
+
+    @property
+    def bootstrap_timeout_s(self) -> float:
+        return float(getattr(self._mgr, "bootstrap_timeout", 300) or 300)
+
+    @property
+    def deferred_release(self) -> bool:
+        return bool(self._mgr.enable_deferred_decode_kv_release)
+
+    # --- room status ---------------------------------------------------------------------------
+    def status(self, room: int) -> Optional[int]:
+        return self._mgr.request_status.get(room)
+
+    def set_status(self, room: int, status: int) -> None:
+        self._mgr.update_status(room, status)
+
+    def fail(self, room: int, reason: str) -> None:
+        """Record the reason (the first cause wins) and mark the room Failed; decode is told by
+        the caller, or already knows."""
+        with self._mgr.failure_lock:
+            self._mgr.failure_records.setdefault(room, reason)
+        self._mgr.update_status(room, KVPoll.FAILED)
+
+    def drop_stale_failure(self, room: int) -> None:
+        """A new request opened `room`: a failure record without a Failed status belongs to an
+        earlier request with this id whose sender or receiver was cleared before anyone read it."""
+        if self._mgr.request_status.get(room) != KVPoll.FAILED:
+            with self._mgr.failure_lock:
+                self._mgr.failure_records.pop(room, None)
+
+    def failure_reason(self, room: int) -> Optional[str]:
+        with self._mgr.failure_lock:
+            return self._mgr.failure_records.get(room)
+
+    # --- prefill: destinations -----------------------------------------------------------------
+    def publish_destinations(self, room: int, targets: Dict[str, object]) -> None:
+        """Every decode destination of a claimed room is known: SGLang may now send into it."""
+        mgr = self._mgr
+        mgr.transfer_infos[room] = dict(targets)
+        mgr.resolve_kv_replica_factor(mgr.transfer_infos[room])
+        mgr.req_to_decode_prefix_len[room] = next(
+            (t.decode_prefix_len for t in targets.values() if t.decode_prefix_len), 0
+        )
+        mgr.update_status(room, KVPoll.WAITING_FOR_INPUT)
+
+    def check_peer_aux_buffer_count(self, peer: str, count: int) -> None:
+        self._mgr.check_peer_aux_buffer_count(peer, count)
+
+    # --- prefill: writes outstanding and deferred abort ACKs ------------------------------------
+    def set_outstanding(self, room: int, count: int) -> None:
+        compat.set_writes_outstanding(self._mgr, room, count)
+
+    def drop_outstanding(self, room: int) -> None:
+        compat.drop_writes_outstanding(self._mgr, room)
+
+    def ack_poisoned(self, room: int) -> bool:
+        return compat.ack_poisoned(self._mgr, room)
+
+    def poison(self, room: int) -> None:
+        self._mgr.poison_deferred_ack_room(room)
+
+    def hold_ack(self, room: int, ip: str, port: int, generation: int) -> None:
+        self._mgr.register_deferred_ack_target(room, compat.ack_target(ip, port, generation))
+
+    def release_acks(self, room: int) -> None:
+        compat.ack_drained_abort(self._mgr, room)
+
+    # --- decode ----------------------------------------------------------------------------------
+    def apply_prefill_status(self, room: int, status: int, prefill_rank: int, reason: Optional[str]) -> None:
+        self._mgr.apply_prefill_status(bootstrap_room=room, status=status, prefill_rank=prefill_rank,
+                                       failure_reason=reason)
+
+    def note_abort_ack(self, room: int, prefill_rank: int, generation: int) -> None:
+        self._mgr.note_abort_ack(room, prefill_rank, generation)

@@ -1,0 +1,210 @@
+"""Configuration of the multi-process PD transfer harness (see pd_harness.py).
+
+Plain dataclasses, picklable, so the same object is handed to every worker process; each process
+derives what it needs (its head range, pool sizes, the room plan) from it deterministically.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Tuple
+
+BACKENDS = ("mori", "mooncake", "mori-builtin")
+# torch dtype names we accept; the harness only moves bytes, so any fixed-width dtype works.
+DTYPE_SIZES = {"bfloat16": 2, "float16": 2, "float32": 4, "int8": 1, "uint8": 1}
+AUX_DTYPE_SIZES = {"int32": 4, "float32": 4, "int64": 8}
+
+
+@dataclass(frozen=True)
+class AuxBufferSpec:
+    """One metadata buffer, like a field of SGLang's MetadataBuffers: [slots, width] of dtype."""
+
+    dtype: str = "int32"
+    width: int = 16
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape of the KV pool of one rank, as SGLang would register it.
+
+    MHA: per layer one K and one V buffer of [slots, heads_per_rank, head_dim]; kv_data_ptrs is
+    [K0..Kn-1, V0..Vn-1]. MLA: one buffer per layer of [slots, 1, head_dim], the same on every TP
+    rank (MLA latent KV is not split by head).
+    """
+
+    num_layers: int = 2
+    total_kv_heads: int = 4
+    head_dim: int = 16
+    dtype: str = "bfloat16"
+    page_size: int = 1
+    mla: bool = False
+    aux: Tuple[AuxBufferSpec, ...] = (
+        AuxBufferSpec("int32", 16),
+        AuxBufferSpec("float32", 16),
+        AuxBufferSpec("int64", 8),
+    )
+    # Mamba-like state: per state tensor one item of `state_item_bytes` per request slot. Empty
+    # tuple = no state component (kv_args.state_types == []).
+    state_item_bytes: Tuple[int, ...] = ()
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_SIZES[self.dtype]
+
+    def heads_per_rank(self, tp_size: int) -> int:
+        if self.mla:
+            return 1
+        return self.total_kv_heads // tp_size
+
+    def head_bytes(self) -> int:
+        return self.head_dim * self.itemsize
+
+
+@dataclass(frozen=True)
+class RoomShape:
+    """How many tokens each request carries and how it is sent."""
+
+    min_tokens: int = 1
+    max_tokens: int = 64
+    # send() calls per room (page groups); the last one carries aux and state. A room with fewer
+    # pages than chunks gets one chunk per page. Every chunk has at least one page: in SGLang the
+    # last chunk always holds the page of the last prompt token, and the Common sender decides
+    # "last" by page count (curr_idx == num_kv_indices), so a trailing empty send would be a
+    # second "last" chunk that no scheduler path produces for a plain pool.
+    chunks: int = 1
+
+
+@dataclass
+class HarnessConfig:
+    """Everything one harness run needs. Field defaults give a small MHA 1->1 run."""
+
+    # "mori": our plugin (the target); "mooncake": SGLang's Mooncake over TCP (reference);
+    # "mori-builtin": SGLang's own mori backend on softio through the mori shim (benchmark baseline).
+    backend: str = "mori"
+    layout: KVLayout = field(default_factory=KVLayout)
+    prefill_tp: int = 1
+    decode_tp: int = 1
+    # Decode's metadata buffers when they differ from layout.aux (an optional buffer enabled on one
+    # engine only, e.g. --disaggregation-enable-kv-checksum). SGLang pairs aux buffers by
+    # position and moves the leading min(prefill, decode) of them.
+    decode_aux: Optional[Tuple[AuxBufferSpec, ...]] = None
+    # Decode prefix-cache hits: (plan index, pages) -- decode already holds the first pages of
+    # that room, sends metadata for the rest with decode_prefix_len, and prefill sends only the
+    # rest (SGLang's decode_prefix_len path). At least the last page is always sent.
+    decode_prefix: Tuple[Tuple[int, int], ...] = ()
+    # Independent decode servers (1P-nD), each with decode_tp ranks and its own pools; room i
+    # goes to decode instance i % decode_instances.
+    decode_instances: int = 1
+    rooms: int = 64
+    shape: RoomShape = field(default_factory=RoomShape)
+    # Rooms open at once on each side; None = all of them at the start (one burst).
+    max_inflight: Optional[int] = None
+    # Plan indices to abort: on prefill right after the room's last send() (an AbortReq for an
+    # in-flight request), on decode while still pre-allocating (after init, before send_metadata).
+    prefill_abort: Tuple[int, ...] = ()
+    decode_abort: Tuple[int, ...] = ()
+    # When prefill aborts: "sent" (right after the last send(); its writes may not be submitted
+    # yet) or "first_success" (once any room of this rank succeeded, so the aborted rooms' writes
+    # are typically in flight, e.g. under a softio bandwidth cap).
+    prefill_abort_trigger: str = "sent"
+    # Reliability tests (see pd/control.py). `rounds`: room counts of consecutive rounds
+    # (summing to `rooms`); a worker opens round k only after every room of earlier rounds is
+    # finished on its side and, with `control`, once the test opened round k. `control`: serve
+    # the per-worker control socket (fault injection mid-run, leftover tables, write log, engine
+    # restart). `decode_abort_inflight`: decode aborts these rooms once their transfer has
+    # started (mori: TransferStarted seen; other backends: right after send_metadata).
+    # `bad_decode_pages`: these rooms send metadata naming a decode page past the pool's end.
+    # `duplicate_rooms`: (a, b) pairs, room b reuses room a's bootstrap_room id.
+    rounds: Tuple[int, ...] = ()
+    control: bool = False
+    decode_abort_inflight: Tuple[int, ...] = ()
+    bad_decode_pages: Tuple[int, ...] = ()
+    duplicate_rooms: Tuple[Tuple[int, int], ...] = ()
+    # Plan indices whose decode receiver is given a bootstrap address where nothing listens (a
+    # port decode keeps bound but never listens on): the bootstrap server cannot be reached from
+    # the start. Prefill still runs these rooms against the live bootstrap server.
+    unreachable_bootstrap: Tuple[int, ...] = ()
+    # Decode's "ensure parallel info" retries, as SGLang's DecodePreallocQueue._ensure_prefill_info
+    # does them: one attempt per bootstrap address at most every ensure_retry_s, and after
+    # ensure_max_attempts failed attempts every room still waiting on that address is aborted
+    # (SGLang: 15 attempts, 1.0 s apart). 0 = retry until the run deadline (the harness default).
+    ensure_max_attempts: int = 0
+    ensure_retry_s: float = 0.05
+    seed: int = 1234
+    # Decode pages never given to any room, checked to stay zero.
+    spare_decode_pages: int = 16
+    # Extra environment for every worker (applied before SGLang is imported there), and per side
+    # on top of it (e.g. softio fault injection on prefill only).
+    env: Dict[str, str] = field(default_factory=dict)
+    prefill_env: Dict[str, str] = field(default_factory=dict)
+    decode_env: Dict[str, str] = field(default_factory=dict)
+    host: str = "127.0.0.1"
+    # Benchmarks: gc.freeze() in every worker once its manager exists, whatever the backend (what
+    # an operator calling SGLang's /freeze_gc gets), to compare backends without GC pauses.
+    freeze_gc_all: bool = False
+    # Deadlines (seconds): worker start-up (imports + manager construction), all rooms terminal,
+    # the whole run including teardown.
+    startup_timeout_s: float = 120.0
+    transfer_timeout_s: float = 120.0
+    # SGLang's own bootstrap/waiting timeouts inside the workers, so a lost room fails instead of
+    # hanging; they must stay below transfer_timeout_s to be observed.
+    sglang_timeout_s: float = 60.0
+    # Verify bytes on decode after the transfers (benchmarks may turn it off).
+    verify: bool = True
+    # "forkserver" shares one pre-imported SGLang between all workers of a session (fast);
+    # "spawn" gives every worker a fresh interpreter.
+    start_method: str = "forkserver"
+    log_level: str = "WARNING"
+
+    def validate(self) -> None:
+        lay = self.layout
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if lay.dtype not in DTYPE_SIZES:
+            raise ValueError(f"unsupported dtype {lay.dtype!r}; one of {sorted(DTYPE_SIZES)}")
+        for spec in lay.aux:
+            if spec.dtype not in AUX_DTYPE_SIZES:
+                raise ValueError(f"unsupported aux dtype {spec.dtype!r}")
+        if self.prefill_tp < 1 or self.decode_tp < 1:
+            raise ValueError("TP sizes must be >= 1")
+        big, small = max(self.prefill_tp, self.decode_tp), min(self.prefill_tp, self.decode_tp)
+        if big % small:
+            raise ValueError("one TP size must divide the other (SGLang's rank mapping needs it)")
+        if not lay.mla and lay.total_kv_heads % big:
+            raise ValueError(f"{lay.total_kv_heads} KV heads do not split over TP {big}")
+        if lay.state_item_bytes and self.prefill_tp != self.decode_tp:
+            # SGLang reslices Mamba state across TP only with per-tensor dim metadata; the harness
+            # keeps state to the equal-TP case where each rank's state goes to the same rank.
+            raise ValueError("state buffers need prefill_tp == decode_tp")
+        if any(not 0 <= i < self.rooms or n < 0 for i, n in self.decode_prefix):
+            raise ValueError("decode_prefix must name rooms of the plan with a page count >= 0")
+        if self.decode_instances < 1:
+            raise ValueError("decode_instances must be >= 1")
+        if self.rooms < 1:
+            raise ValueError("rooms must be >= 1")
+        if not (1 <= self.shape.min_tokens <= self.shape.max_tokens):
+            raise ValueError("need 1 <= min_tokens <= max_tokens")
+        if any(not 0 <= i < self.rooms for i in (*self.prefill_abort, *self.decode_abort)):
+            raise ValueError("abort indices must name rooms of the plan")
+        if self.prefill_abort_trigger not in ("sent", "first_success"):
+            raise ValueError("prefill_abort_trigger must be 'sent' or 'first_success'")
+        if self.rounds and (sum(self.rounds) != self.rooms or min(self.rounds) < 1):
+            raise ValueError("rounds must be positive room counts summing to rooms")
+        named = [
+            *self.decode_abort_inflight,
+            *self.bad_decode_pages,
+            *(i for p in self.duplicate_rooms for i in p),
+            *self.unreachable_bootstrap,
+        ]
+        if any(not 0 <= i < self.rooms for i in named):
+            raise ValueError("room indices of the reliability options must name rooms of the plan")
+        if self.ensure_max_attempts < 0 or self.ensure_retry_s < 0:
+            raise ValueError("ensure_max_attempts and ensure_retry_s must be >= 0")
+        if self.shape.chunks < 1:
+            raise ValueError("chunks must be >= 1")
+        if self.start_method not in ("forkserver", "spawn"):
+            raise ValueError("start_method must be 'forkserver' or 'spawn'")
+
+    def replace(self, **changes) -> "HarnessConfig":
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,85 @@
+"""The decode service in one process: statuses, aux copies, deadlines (fake clock), attempts."""
+
+from sglang_mori import protocol
+from sglang_mori.backend import room_status as S
+from sglang_mori.backend.decode.rooms import DecodePhase
+
+from rig import PrefillRig
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def decode_rig(clock=None):
+    rig = PrefillRig()
+    if clock is not None:
+        rig.decode_service.p.clock = clock
+    return rig
+
+
+def test_transfer_deadline_restarts_per_chunk_and_fails_a_stalled_room():
+    clock = Clock()
+    rig = decode_rig(clock)
+    svc = rig.decode_service
+    rig.new_attempt(1)
+    rig.metadata(1, pages=[1])
+    svc.enforce_deadlines(clock.now + 10_000)
+    assert rig.decode_sglang.status(1) == S.BOOTSTRAPPING  # no deadline before prefill starts
+    svc.handle(protocol.encode(protocol.TransferStarted(room=1, prefill_rank=0)))
+    clock.now += svc.deadline_s - 1
+    svc.handle(protocol.encode(protocol.TransferStarted(room=1, prefill_rank=0)))  # the next chunk
+    svc.enforce_deadlines(clock.now + svc.deadline_s - 0.5)
+    assert rig.decode_sglang.status(1) == S.BOOTSTRAPPING
+    svc.enforce_deadlines(clock.now + svc.deadline_s + 0.5)
+    assert rig.decode_sglang.status(1) == S.FAILED
+    assert "not complete" in rig.decode_sglang.failure_records[1]
+    assert svc.p.rooms.get(1).phase is DecodePhase.FAILED
+
+
+def test_aux_that_does_not_fit_fails_the_room_with_a_reason():
+    rig = decode_rig()
+    rig.new_attempt(2)
+    rig.metadata(2, pages=[1], aux_index=1)
+    rig.decode_service.on_status(protocol.RoomStatus(room=2, status=S.SUCCESS, prefill_rank=0, aux=[b"x" * 3]))
+    assert rig.decode_sglang.status(2) == S.FAILED
+    assert rig.decode_sglang.failure_records[2].startswith("aux item of 3 bytes for slot 1 does not fit")
+
+
+def test_status_for_a_cleared_room_changes_nothing():
+    rig = decode_rig()
+    rig.decode_service.on_status(protocol.RoomStatus(room=3, status=S.FAILED, prefill_rank=0, reason="x"))
+    assert rig.decode_sglang.prefill_statuses == [] and rig.decode_sglang.status(3) is None
+
+
+def test_each_receiver_is_a_new_attempt_and_its_clear_leaves_a_newer_one_alone():
+    rig = decode_rig()
+    svc = rig.decode_service
+    first = rig.new_attempt(4)
+    a = rig.metadata(4, pages=[1])
+    second = rig.new_attempt(4)
+    b = rig.metadata(4, pages=[2])
+    assert first != second and (a.attempt, b.attempt) == (first, second)
+    svc.forget(4, first)  # the old receiver's late clear
+    assert svc.p.rooms.attempt_of(4) == second
+    assert svc.abort(4, generation=1).attempt == second
+    svc.forget(4, second)
+    assert svc.p.rooms.get(4) is None
+
+
+def test_abort_ack_is_recorded_only_with_a_generation():
+    rig = decode_rig()
+    svc = rig.decode_service
+    svc.handle(protocol.encode(protocol.AbortAck(room=5, prefill_rank=2, generation=None)))
+    svc.handle(protocol.encode(protocol.AbortAck(room=5, prefill_rank=2, generation=7)))
+    assert rig.decode_sglang.abort_acks_noted == [(5, 2, 7)]
+
+
+def test_messages_meant_for_prefill_are_rejected():
+    rig = decode_rig()
+    rig.decode_service.handle(protocol.encode(rig.decode_service.registration()))
+    assert [e.reason for e in rig.rejections] == ["malformed"]

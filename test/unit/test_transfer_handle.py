@@ -1,0 +1,146 @@
+"""TransferHandle: result, typed state, failure classification, quiescence and drain proofs."""
+
+
+import pytest
+
+from sglang_mori.engine.transfer_engine import (
+    ERR_BAD_STATE,
+    ERR_NOT_FOUND,
+    ERR_RDMA_OP,
+    IN_PROGRESS,
+    INIT,
+    SUCCESS,
+    FailureKind,
+    TransferHandle,
+    WriteState,
+)
+
+
+
+class Status:
+    """The three methods of mori.io's TransferStatus that the backend reads."""
+
+    def __init__(self, code, message=""):
+        self.code = code
+        self.message = message
+
+    def Code(self):
+        return self.code
+
+    def Message(self):
+        return self.message
+
+    def Failed(self):
+        return self.code > 10
+
+
+def handle(*codes, peer="decode-A", issued=None, started_at=100.0, nbytes=64, **kw):
+    live = [c if isinstance(c, Status) else Status(c) for c in codes]
+    return TransferHandle(peer_key=peer, nbytes=nbytes, live=live,
+                          issued=list(live) if issued is None else issued,
+                          started_at=started_at, **kw)
+
+
+
+
+# --- TransferHandle.result / failure_message ----------------------------------------------------
+
+@pytest.mark.parametrize("codes,expected", [
+    ((), SUCCESS),
+    ((SUCCESS,), SUCCESS),
+    ((SUCCESS, SUCCESS, SUCCESS), SUCCESS),
+    ((SUCCESS, IN_PROGRESS), IN_PROGRESS),
+    ((IN_PROGRESS, ERR_RDMA_OP), ERR_RDMA_OP),
+    ((ERR_RDMA_OP, IN_PROGRESS), ERR_RDMA_OP),
+    ((SUCCESS, ERR_NOT_FOUND, ERR_RDMA_OP), ERR_NOT_FOUND),
+    ((SUCCESS, INIT), ERR_BAD_STATE),
+    ((IN_PROGRESS, INIT), ERR_BAD_STATE),
+])
+def test_handle_result(codes, expected):
+    assert handle(*codes).result() == expected
+
+
+def test_result_follows_status_updates():
+    s = Status(IN_PROGRESS)
+    h = handle(Status(SUCCESS), s)
+    assert h.result() == IN_PROGRESS
+    s.code = SUCCESS
+    assert h.result() == SUCCESS
+    # Once every status was seen SUCCESS the verdict is final. MORI can overwrite a SUCCESS only
+    # through a failed notification SEND (enable_notification), after the data writes completed,
+    # so the bytes are there; re-reading thousands of finished statuses per pass would cost the
+    # engine's threads the GIL.
+    s.code = ERR_RDMA_OP
+    assert h.result() == SUCCESS
+
+
+def test_failure_behind_a_running_status_is_seen():
+    first, later = Status(IN_PROGRESS), Status(IN_PROGRESS)
+    h = handle(first, later)
+    assert h.result() == IN_PROGRESS
+    later.code = ERR_RDMA_OP
+    h._next_failure_scan = 0.0  # the periodic scan of statuses behind the running one is due
+    assert h.result() == ERR_RDMA_OP
+
+
+def test_failure_message():
+    assert handle(SUCCESS, IN_PROGRESS).failure_message() == ""
+    h = handle(Status(SUCCESS), Status(ERR_RDMA_OP, "wc status 12 on qp 4"), Status(ERR_NOT_FOUND, "x"))
+    assert h.failure_message() == "code 13: wc status 12 on qp 4"
+    assert handle(Status(INIT, "never posted")).failure_message() == "code 1: never posted"
+
+
+# --- quiescence --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("codes,quiet", [
+    ((), True),
+    ((SUCCESS, SUCCESS), True),
+    ((SUCCESS, IN_PROGRESS), False),
+    ((IN_PROGRESS,), False),
+    ((INIT,), True),
+    ((ERR_RDMA_OP, INIT, SUCCESS), True),
+    ((ERR_RDMA_OP, IN_PROGRESS), False),
+])
+def test_quiescent(codes, quiet):
+    assert handle(*codes).quiescent() is quiet
+
+
+def test_quiescent_looks_at_every_issued_status_not_only_live():
+    old_attempt = Status(IN_PROGRESS)  # an earlier post-batch still writing
+    h = handle(SUCCESS, issued=[old_attempt, Status(SUCCESS)])
+    assert h.result() == SUCCESS
+    assert not h.quiescent()
+    old_attempt.code = ERR_RDMA_OP
+    assert h.quiescent()
+
+
+@pytest.mark.parametrize("codes", [(), (SUCCESS,), (INIT, ERR_RDMA_OP)])
+def test_unaccounted_is_never_quiescent(codes):
+    assert handle(*codes, unaccounted=True).quiescent() is False
+
+
+
+@pytest.mark.parametrize("codes,state", [
+    ((SUCCESS,), WriteState.SUCCEEDED),
+    ((SUCCESS, IN_PROGRESS), WriteState.RUNNING),
+    ((ERR_RDMA_OP,), WriteState.FAILED),
+    ((INIT,), WriteState.FAILED),
+])
+def test_typed_state(codes, state):
+    assert handle(*codes).state() is state
+
+
+def test_unaccounted_success_is_a_failure():
+    assert handle(SUCCESS, unaccounted=True).state() is WriteState.FAILED
+    assert handle(SUCCESS, unaccounted=True).failure_kind() is FailureKind.REFUSED
+
+
+def test_failure_kind_of_a_running_handle_is_a_timeout():
+    assert handle(IN_PROGRESS).failure_kind() is FailureKind.TIMED_OUT
+
+
+def test_drained_needs_every_issued_status_to_prove_nothing_lands():
+    assert handle(SUCCESS, SUCCESS).drained()
+    assert handle(INIT).drained()  # never posted
+    assert not handle(ERR_RDMA_OP).drained()  # failed after posting: its other QPs may still write
+    assert not handle(SUCCESS, IN_PROGRESS).drained()
