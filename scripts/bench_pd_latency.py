@@ -4,23 +4,29 @@
 One run measures, one configuration at a time (only one deployment alive, so they do not compete
 for the 2 cores):
   mori          our backend through the plugin, softio engine (SGLANG_MORI_ENGINE=soft)
+  mori_layerwise  the same with layer-wise streaming (SGLANG_MORI_LAYERWISE=on, MIN_TOKENS=1)
   mori_builtin  SGLang 0.5.23's own mori backend, on softio through the mori shim (PYTHONPATH)
   mooncake_tcp  SGLang's Mooncake backend over TCP (needs libibverbs.so.1 installed)
   standalone    one ordinary server, no disaggregation: the baseline of the ratios
 
-Each PD configuration is prefill + decode + router with the tiny local model; every request is
+Each PD configuration is prefill + decode + router with the tiny local model (or, with
+--model real, SmolLM2-135M-Instruct: 30 layers, 46 KiB of float32 KV per token, converted by
+harness.real_model; --prompt-tokens N then gives long prompts of about N tokens); every request is
 greedy, streamed, with ignore_eos so that all configurations generate the same number of tokens.
 Two phases on the same prompts: `seq` (one request at a time: pure latency) and `batch` (all at
 once up to --concurrency). Prints a markdown table with ratios to standalone, and checks that every
 configuration produced the standalone server's tokens.
 
     .venv/bin/python scripts/bench_pd_latency.py [--configs mori,mooncake_tcp,...] [--prompts 32]
+    .venv/bin/python scripts/bench_pd_latency.py --model real --prompt-tokens 1500 --prompts 6 \
+        --chunked-prefill-size 512 --max-new-tokens 8 --concurrency 3   # the layer-wise workload
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import random
 import shutil
 import sys
 import tempfile
@@ -31,15 +37,30 @@ from typing import Dict, List, Optional
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "python"))
+sys.path.insert(0, str(REPO / "test"))  # the harness (test tooling, not in the wheel)
 
-from sglang_mori.testing import client, launch  # noqa: E402
-from sglang_mori.testing.deployment import PDDeployment, Standalone  # noqa: E402
-from sglang_mori.testing.plugin_check import plugin_serves_mori  # noqa: E402
-from sglang_mori.testing.prompts import varied_prompts  # noqa: E402
-from sglang_mori.testing.tiny_model import build_tiny_model  # noqa: E402
-from sglang_mori.testing.transfer_stats import TransferProbe  # noqa: E402
+from harness import client, launch  # noqa: E402
+from harness.deployment import PDDeployment, Standalone  # noqa: E402
+from harness.plugin_check import plugin_serves_mori  # noqa: E402
+from harness.prompts import varied_prompts  # noqa: E402
+from harness.tiny_model import build_tiny_model  # noqa: E402
+from harness.transfer_stats import TransferProbe  # noqa: E402
 
-CONFIGS = ["mori", "mori_builtin", "mooncake_tcp", "standalone"]
+CONFIGS = ["mori", "mori_layerwise", "mori_builtin", "mooncake_tcp", "standalone"]
+LAYERWISE_ENV = {"SGLANG_MORI_LAYERWISE": "on", "SGLANG_MORI_LAYERWISE_MIN_TOKENS": "1"}
+LONG_WORDS = ("river mountain city forest engine memory cache prefill decode token batch server router request "
+              "transfer page layer kernel tensor signal packet network queue thread worker lane buffer offset "
+              "morning evening winter summer stone glass paper music light").split()
+
+
+def long_prompts(count: int, tokens: int, seed: int = 17) -> List[str]:
+    """About `tokens` tokens each (one word is about one token for these tokenizers)."""
+    rng = random.Random(seed)
+    return [f"Story {i}: " + " ".join(rng.choice(LONG_WORDS) for _ in range(tokens)) for i in range(count)]
+
+
+def bench_prompts(args, count: int, seed: int) -> List[str]:
+    return long_prompts(count, args.prompt_tokens, seed) if args.prompt_tokens else varied_prompts(count, seed=seed)
 
 
 @dataclass
@@ -92,7 +113,7 @@ def run_phase(url: str, prompts: List[str], max_new_tokens: int, concurrency: in
 
 
 def unavailable_reason(name: str) -> str:
-    if name == "mori":
+    if name in ("mori", "mori_layerwise"):
         ok, detail = plugin_serves_mori()
         return "" if ok else f"plugin does not serve mori: {detail.splitlines()[-1] if detail else '?'}"
     if name == "mori_builtin" and not (launch.MORI_SHIM / "mori").is_dir():
@@ -107,11 +128,12 @@ def bench_config(name: str, model: Path, work: Path, args) -> ConfigResult:
         return result
     # --enable-metrics everywhere (same overhead for all); the prefill's counters give KV bytes.
     opts = launch.ServerOptions(model_dir=model, chunked_prefill_size=args.chunked_prefill_size,
-                                extra_args=["--enable-metrics"])
+                                max_total_tokens=args.max_total_tokens, extra_args=["--enable-metrics"])
     log_dir = work / f"logs-{name}"
-    dep = Standalone(opts, log_dir) if name == "standalone" else PDDeployment(opts, name, log_dir)
+    backend, env = ("mori", LAYERWISE_ENV) if name == "mori_layerwise" else (name, None)
+    dep = Standalone(opts, log_dir) if name == "standalone" else PDDeployment(opts, backend, log_dir, env=env)
     url = dep.url if name == "standalone" else dep.router_url
-    prompts = varied_prompts(args.prompts, seed=11)
+    prompts = bench_prompts(args, args.prompts, seed=11)
     t0 = time.monotonic()
     try:
         dep.start()
@@ -119,6 +141,8 @@ def bench_config(name: str, model: Path, work: Path, args) -> ConfigResult:
         result.startup_s = time.monotonic() - t0
         print(f"  {name}: up in {result.startup_s:.0f} s; warm-up ...", flush=True)
         run_phase(url, varied_prompts(4, seed=3), 8, concurrency=1)
+        if args.prompt_tokens:
+            run_phase(url, long_prompts(1, args.prompt_tokens, seed=3), 4, concurrency=1)
         probe = TransferProbe(dep.prefill_url) if name != "standalone" else None
         if probe:
             probe.before()
@@ -139,8 +163,10 @@ def bench_config(name: str, model: Path, work: Path, args) -> ConfigResult:
 
 def table(results: List[ConfigResult], args) -> str:
     base = {r.name: r for r in results}.get("standalone")
+    prompts = (f"{args.prompts} prompts of ~{args.prompt_tokens} tokens" if args.prompt_tokens
+               else f"{args.prompts} prompts of 10-600 tokens")
     lines = [
-        f"{args.prompts} prompts of 10-600 tokens, {args.max_new_tokens} new tokens each (greedy, "
+        f"{prompts} ({args.model} model), {args.max_new_tokens} new tokens each (greedy, "
         f"ignore_eos, streamed), chunked prefill {args.chunked_prefill_size}; `seq`: one at a time, "
         f"`batch`: {args.concurrency} concurrent. Times in ms; x = ratio to standalone.",
         "",
@@ -163,7 +189,21 @@ def table(results: List[ConfigResult], args) -> str:
                 f"| {r.name} | {phase} | {pct(p.ttft, .5) * 1000:.1f} | {pct(p.ttft, .9) * 1000:.1f} "
                 f"| {mean(p.itl) * 1000:.2f} | {pct(p.itl, .9) * 1000:.2f} | {p.wall_s:.1f} "
                 f"| {ratio_ttft} | {ratio_itl} | {kv} | {kv_ms} | {p.errors} | {same} | {r.load_1m:.1f} |")
-    return "\n".join(lines)
+    summary = excess_summary(results)
+    return "\n".join(lines + ([f"\n{summary}"] if summary else []))
+
+
+def excess_summary(results: List[ConfigResult]) -> str:
+    """Issue 12's goal: layer-wise removes at least half of chunk-wise's TTFT excess over standalone."""
+    by = {r.name: r for r in results if not r.unavailable and "seq" in r.phases}
+    if not {"standalone", "mori", "mori_layerwise"} <= set(by):
+        return ""
+    ref = pct(by["standalone"].phases["seq"].ttft, .5)
+    chunk = pct(by["mori"].phases["seq"].ttft, .5) - ref
+    layer = pct(by["mori_layerwise"].phases["seq"].ttft, .5) - ref
+    removed = f"{(1 - layer / chunk) * 100:.0f}%" if chunk > 0 else "n/a"
+    return (f"TTFT p50 excess over standalone (seq): chunk-wise {chunk * 1000:.1f} ms, layer-wise "
+            f"{layer * 1000:.1f} ms; layer-wise removes {removed} of chunk-wise's excess (goal: >= 50%).")
 
 
 def parse_args():
@@ -173,6 +213,10 @@ def parse_args():
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--chunked-prefill-size", type=int, default=64)
+    p.add_argument("--model", choices=["tiny", "real"], default="tiny",
+                   help="real: SmolLM2-135M-Instruct via harness.real_model (30 layers)")
+    p.add_argument("--prompt-tokens", type=int, default=0, help="long prompts of about N tokens (0: varied)")
+    p.add_argument("--max-total-tokens", type=int, default=8192)
     p.add_argument("--markdown", type=Path, help="also write the table to this file")
     p.add_argument("--no-netns", action="store_true")
     return p.parse_args()
@@ -187,7 +231,12 @@ def main() -> int:
     if unknown:
         sys.exit(f"unknown configs {sorted(unknown)}; choose from {CONFIGS}")
     work = Path(tempfile.mkdtemp(prefix="sglang-mori-bench-"))
-    model = build_tiny_model(work / "tiny-llama")
+    if args.model == "real":
+        from harness.real_model import ensure_real_model
+
+        model = ensure_real_model()
+    else:
+        model = build_tiny_model(work / "tiny-llama")
     print(f"bench_pd_latency: {configs}; work dir {work}", flush=True)
     results = []
     try:

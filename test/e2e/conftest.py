@@ -13,18 +13,17 @@ session's tmp dir (path printed in the report).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from pathlib import Path
 from typing import List
 
 import pytest
 
-from sglang_mori.testing import launch
-from sglang_mori.testing.deployment import Deployment, PDDeployment, Standalone
-from sglang_mori.testing.failure_env import FAILURE_ENV
-from sglang_mori.testing.plugin_check import plugin_serves_mori
-from sglang_mori.testing.tiny_model import build_tiny_model
+from harness import launch
+from harness.deployment import Deployment, PDDeployment, Standalone, standalone_and_pd
+from harness.failure_env import FAILURE_ENV
+from harness.plugin_check import plugin_serves_mori
+from harness.tiny_model import build_tiny_model
 
 BACKEND = os.environ.get("SGLANG_MORI_E2E_BACKEND", "mori")
 CHUNKED_PREFILL = 64
@@ -34,6 +33,8 @@ _ACTIVE: List[Deployment] = []
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "restarts_prefill: kills and restarts the shared prefill server; runs last")
+    config.addinivalue_line("markers", "own_servers: a module with its own servers (not the shared ones); runs "
+                            "first, so that they never share the host with the shared servers")
     config.addinivalue_line("markers", "needs_backend(name): only meaningful with that transfer backend")
 
 
@@ -47,10 +48,13 @@ def pytest_runtest_setup(item):
 def pytest_collection_modifyitems(config, items):
     # The destructive test goes after every e2e test that expects an untouched deployment, but stays
     # among the e2e tests (moving it past other directories would start the servers a second time).
+    # Modules with their own servers go first: they start and stop theirs before the shared ones start
+    # (an idle PD scheduler spins on a core, so two sets at once would halve the speed of both).
     here = Path(__file__).parent
     slots = [i for i, item in enumerate(items) if here in Path(item.path).parents]
     ordered = sorted((items[i] for i in slots),
-                     key=lambda item: item.get_closest_marker("restarts_prefill") is not None)
+                     key=lambda item: (item.get_closest_marker("own_servers") is None,
+                                       item.get_closest_marker("restarts_prefill") is not None))
     for i, item in zip(slots, ordered):
         items[i] = item
 
@@ -79,6 +83,12 @@ def e2e_backend() -> str:
 
 
 @pytest.fixture(scope="package")
+def active_deployments() -> List[Deployment]:
+    """Deployments whose log tails a failing test's report gets; modules with own servers add theirs."""
+    return _ACTIVE
+
+
+@pytest.fixture(scope="package")
 def tiny_model(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
 
@@ -92,22 +102,13 @@ def server_options(tiny_model) -> launch.ServerOptions:
 def deployments(e2e_backend, server_options, tmp_path_factory):
     """Start the standalone server and the PD deployment together; stop both after the last e2e test."""
     log_dir = tmp_path_factory.mktemp("e2e-logs")
-    ports: set = set()
-    standalone = Standalone(server_options, log_dir, ports, sleep_on_idle=True)
     # --enable-metrics: the prefill's /metrics then carries the backend's transfer counters.
-    pd_options = dataclasses.replace(server_options, extra_args=["--enable-metrics"])
-    pd = PDDeployment(pd_options, e2e_backend, log_dir, ports, env=FAILURE_ENV)
-    _ACTIVE.extend([standalone, pd])
+    # --enable-pd-role-switch: test_pd_role_switch flips the decode server's role and back.
     try:
-        standalone.start()
-        pd.start()
-        standalone.wait_ready(300)
-        pd.wait_ready(300)
-        yield standalone, pd
+        with standalone_and_pd(server_options, e2e_backend, log_dir, env=FAILURE_ENV, registry=_ACTIVE,
+                               pd_extra_args=["--enable-metrics", "--enable-pd-role-switch"]) as pair:
+            yield pair
     finally:
-        _ACTIVE.clear()
-        pd.stop()
-        standalone.stop()
         print(f"\ne2e server logs: {log_dir}")
 
 

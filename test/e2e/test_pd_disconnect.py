@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_mori.testing import client
-from sglang_mori.testing.deployment import http_ok
-from sglang_mori.testing.procs import wait_until
+from harness import client
+from harness.deployment import http_ok
+from harness.procs import wait_until
 
 pytestmark = pytest.mark.e2e
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_mori.testing import client
-from sglang_mori.testing.tiny_model import kv_bytes_per_token
-from sglang_mori.testing.transfer_stats import TransferProbe
+from harness import client
+from harness.tiny_model import kv_bytes_per_token
+from harness.transfer_stats import TransferProbe
 
 pytestmark = [
     pytest.mark.e2e,

@@ -36,7 +36,7 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from sglang_mori.testing import client
+from harness import client
 
 pytestmark = [
     pytest.mark.e2e,

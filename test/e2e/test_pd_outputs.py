@@ -1,6 +1,6 @@
 """Greedy outputs through the PD router are token-identical to a standalone server's.
 
-The tiny model's weights give wide logit margins in float32 (see sglang_mori.testing.tiny_model), so
+The tiny model's weights give wide logit margins in float32 (see harness.tiny_model), so
 any difference means the decode server attended over KV that differs from what prefill computed:
 a wrong page, a missing chunk, a stale or partial transfer.
 """
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_mori.testing import client
-from sglang_mori.testing.prompts import varied_prompts
+from harness import client
+from harness.prompts import varied_prompts
 
 pytestmark = pytest.mark.e2e
 

@@ -20,10 +20,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from sglang_mori.testing import client
-from sglang_mori.testing.deployment import http_ok
-from sglang_mori.testing.failure_env import failure_deadline_s
-from sglang_mori.testing.procs import wait_until
+from harness import client
+from harness.deployment import http_ok
+from harness.failure_env import failure_deadline_s
+from harness.procs import wait_until
 
 pytestmark = pytest.mark.e2e
 

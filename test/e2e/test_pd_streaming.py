@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_mori.testing import client
+from harness import client
 
 pytestmark = pytest.mark.e2e
 
