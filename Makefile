@@ -6,7 +6,7 @@ PIP     := $(VPY) -m pip --disable-pip-version-check -q
 STAMP   := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast demo bench clean
+.PHONY: install test test-fast demo bench bench-serving-deps bench-serving clean
 
 install: $(STAMP)
 
@@ -40,6 +40,14 @@ demo: install
 
 bench: install
 	$(VENV)/bin/sglang-mori bench engine
+
+# SGLang's own serving client against ours, the built-in mori backend and Mooncake (docs/benchmarks.md).
+# Its extra dependencies (datasets, pyarrow, pandas) are not part of install / CI.
+bench-serving-deps: install
+	$(PIP) install -r requirements/bench.txt
+
+bench-serving: bench-serving-deps
+	$(VPY) scripts/bench_serving_pd.py $(BENCH_SERVING_ARGS)
 
 clean:
 	rm -rf $(VENV) build python/*.egg-info

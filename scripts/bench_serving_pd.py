@@ -243,6 +243,7 @@ def parse_args(argv: Optional[Sequence[str]] = None):
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--client-timeout", type=float, default=1200.0, help="seconds per client run")
     p.add_argument("--markdown", type=Path, help="also write the table to this file")
+    p.add_argument("--keep-work", action="store_true", help="keep the logs and result files on success too")
     p.add_argument("--no-netns", action="store_true")
     args = p.parse_args(argv)
     args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
@@ -290,7 +291,7 @@ def main() -> int:
     if args.markdown:
         args.markdown.write_text(text + "\n")
     failed = [r for r in rows if r.error] or len(rows) < len(args.backends)
-    if not failed:
+    if not failed and not args.keep_work:
         shutil.rmtree(work, ignore_errors=True)
     return 1 if failed else 0
 
