@@ -25,6 +25,7 @@ configuration produced the standalone server's tokens.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import shutil
@@ -51,6 +52,17 @@ LAYERWISE_ENV = {"SGLANG_MORI_LAYERWISE": "on", "SGLANG_MORI_LAYERWISE_MIN_TOKEN
 LONG_WORDS = ("river mountain city forest engine memory cache prefill decode token batch server router request "
               "transfer page layer kernel tensor signal packet network queue thread worker lane buffer offset "
               "morning evening winter summer stone glass paper music light").split()
+
+
+SOFTIO_CONFIGS = ("mori", "mori_layerwise", "mori_builtin")  # the configurations whose bytes move over softio
+
+
+def link_cap_env(mbps: float) -> Dict[str, str]:
+    """softio's bandwidth cap (fault injection's set_bandwidth, on every engine of the deployment;
+    only prefill's engine sends): a link slower than this host's memory, as a NIC is slower than
+    a GPU's prefill, so that the transfer becomes a visible part of TTFT. Mooncake/TCP is a
+    different transport and is not capped."""
+    return {"SGLANG_MORI_SOFTIO_FAULTS": json.dumps([{"kind": "set_bandwidth", "bytes_per_s": mbps * 1e6}])}
 
 
 def long_prompts(count: int, tokens: int, seed: int = 17) -> List[str]:
@@ -130,7 +142,9 @@ def bench_config(name: str, model: Path, work: Path, args) -> ConfigResult:
     opts = launch.ServerOptions(model_dir=model, chunked_prefill_size=args.chunked_prefill_size,
                                 max_total_tokens=args.max_total_tokens, extra_args=["--enable-metrics"])
     log_dir = work / f"logs-{name}"
-    backend, env = ("mori", LAYERWISE_ENV) if name == "mori_layerwise" else (name, None)
+    backend, env = ("mori", dict(LAYERWISE_ENV)) if name == "mori_layerwise" else (name, {})
+    if args.link_mbps and name in SOFTIO_CONFIGS:
+        env.update(link_cap_env(args.link_mbps))
     dep = Standalone(opts, log_dir) if name == "standalone" else PDDeployment(opts, backend, log_dir, env=env)
     url = dep.url if name == "standalone" else dep.router_url
     prompts = bench_prompts(args, args.prompts, seed=11)
@@ -165,8 +179,10 @@ def table(results: List[ConfigResult], args) -> str:
     base = {r.name: r for r in results}.get("standalone")
     prompts = (f"{args.prompts} prompts of ~{args.prompt_tokens} tokens" if args.prompt_tokens
                else f"{args.prompts} prompts of 10-600 tokens")
+    link = (f"softio link capped at {args.link_mbps:g} MB/s for {', '.join(SOFTIO_CONFIGS)}; "
+            if args.link_mbps else "")
     lines = [
-        f"{prompts} ({args.model} model), {args.max_new_tokens} new tokens each (greedy, "
+        f"{link}{prompts} ({args.model} model), {args.max_new_tokens} new tokens each (greedy, "
         f"ignore_eos, streamed), chunked prefill {args.chunked_prefill_size}; `seq`: one at a time, "
         f"`batch`: {args.concurrency} concurrent. Times in ms; x = ratio to standalone.",
         "",
@@ -218,6 +234,9 @@ def parse_args():
     p.add_argument("--prompt-tokens", type=int, default=0, help="long prompts of about N tokens (0: varied)")
     p.add_argument("--max-total-tokens", type=int, default=8192)
     p.add_argument("--markdown", type=Path, help="also write the table to this file")
+    p.add_argument("--link-mbps", type=float, default=0.0,
+                   help="cap softio's send rate to this many MB/s for the softio configurations "
+                        f"({', '.join(SOFTIO_CONFIGS)}): a slow link that makes the transfer visible in TTFT")
     p.add_argument("--no-netns", action="store_true")
     return p.parse_args()
 
