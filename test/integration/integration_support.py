@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+from harness.pd.plan import build_plan, rooms_of_rank
 from harness.pd.run import HarnessConfig, HarnessResult
 
 IN_PRIVATE_NETNS = os.environ.get("SGLANG_MORI_IN_NETNS") == "1"
@@ -22,12 +23,13 @@ def assert_clean(result: HarnessResult, cfg: HarnessConfig) -> None:
     still answering at the end."""
     summary = result.summary()
     assert result.error is None, summary
-    assert len(result.side("prefill")) == cfg.prefill_tp, summary
-    assert len(result.side("decode")) == cfg.decode_tp * cfg.decode_instances, summary
+    assert len(result.side("prefill")) == cfg.prefill_tp * cfg.prefill_dp * cfg.prefill_pp, summary
+    assert len(result.side("decode")) == cfg.decode_tp * cfg.decode_dp * cfg.decode_instances, summary
     assert result.all_succeeded(cfg.rooms), summary
+    plan = build_plan(cfg)
     for rep in result.ranks:
-        n = cfg.decode_instances if rep.side == "decode" else 1
-        mine = [i for i in range(cfg.rooms) if rep.side == "prefill" or i % n == rep.instance]
+        # Every rank ran exactly the rooms of its DP rank (and decode instance).
+        mine = [r.index for r in rooms_of_rank(plan, cfg, rep.side, rep.dp_rank, rep.instance)]
         assert [o.index for o in rep.rooms] == mine, summary
         assert all(o.failure is None for o in rep.rooms), summary
     assert result.byte_exact(), summary

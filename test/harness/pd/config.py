@@ -47,6 +47,9 @@ class KVLayout:
     # Mamba-like state: per state tensor one item of `state_item_bytes` per request slot. Empty
     # tuple = no state component (kv_args.state_types == []).
     state_item_bytes: Tuple[int, ...] = ()
+    # An MTP/EAGLE draft model's KV layers, registered after the main model's on both sides
+    # (KVArgs.num_draft_entries: K and V per draft layer for MHA, one latent buffer for MLA).
+    draft_layers: int = 0
 
     @property
     def itemsize(self) -> int:
@@ -83,8 +86,24 @@ class HarnessConfig:
     # "mori-builtin": SGLang's own mori backend on softio through the mori shim (benchmark baseline).
     backend: str = "mori"
     layout: KVLayout = field(default_factory=KVLayout)
+    # Attention TP size of each side (per DP rank with DP attention).
     prefill_tp: int = 1
     decode_tp: int = 1
+    # DP attention (--enable-dp-attention --dp-size N --tp-size N*attn_tp): DP ranks per side, each
+    # with its own pools and attention TP ranks. A room runs on one prefill DP rank and one decode
+    # DP rank (plan.RoomPlan.prefill_dp / decode_dp).
+    prefill_dp: int = 1
+    decode_dp: int = 1
+    # How decode learns a room's prefill DP rank (SGLang's three ways, decode.py
+    # _resolve_prefill_dp_rank): "follow_bootstrap_room" (bootstrap_room % dp, the default
+    # --load-balance-method), "explicit" (the router set req.disagg_prefill_dp_rank: the sender
+    # is told so and decode calls init(rank)), "query" (prefill runs --load-balance-method
+    # round_robin, registers each room's DP rank with the bootstrap server, decode asks
+    # /query_dp_ranks).
+    prefill_dp_routing: str = "follow_bootstrap_room"
+    # Pipeline-parallel stages of the prefill (decode stays PP 1): stage s holds layers
+    # [s*L/pp, (s+1)*L/pp) with prefill_start_layer, its own KV buffers; aux from the last stage.
+    prefill_pp: int = 1
     # Decode's metadata buffers when they differ from layout.aux (an optional buffer enabled on one
     # engine only, e.g. --disaggregation-enable-kv-checksum). SGLang pairs aux buffers by
     # position and moves the leading min(prefill, decode) of them.
@@ -118,6 +137,9 @@ class HarnessConfig:
     # `duplicate_rooms`: (a, b) pairs, room b reuses room a's bootstrap_room id.
     rounds: Tuple[int, ...] = ()
     control: bool = False
+    # Decode (mori only): record every RoomStatus message per room (RankReport.statuses), e.g. to
+    # see which prefill ranks sent Success and which of them carried aux.
+    record_statuses: bool = False
     decode_abort_inflight: Tuple[int, ...] = ()
     bad_decode_pages: Tuple[int, ...] = ()
     duplicate_rooms: Tuple[Tuple[int, int], ...] = ()
@@ -168,6 +190,17 @@ class HarnessConfig:
                 raise ValueError(f"unsupported aux dtype {spec.dtype!r}")
         if self.prefill_tp < 1 or self.decode_tp < 1:
             raise ValueError("TP sizes must be >= 1")
+        if min(self.prefill_dp, self.decode_dp, self.prefill_pp) < 1:
+            raise ValueError("DP and PP sizes must be >= 1")
+        if self.prefill_dp_routing not in ("follow_bootstrap_room", "explicit", "query"):
+            raise ValueError("prefill_dp_routing must be 'follow_bootstrap_room', 'explicit' or 'query'")
+        if self.prefill_pp > 1 and lay.num_layers % self.prefill_pp:
+            raise ValueError(f"{lay.num_layers} layers do not split over {self.prefill_pp} PP stages")
+        if self.prefill_pp > 1 and (lay.state_item_bytes or lay.draft_layers):
+            # Per-stage state needs layer ids per stage, and SGLang runs no draft model under PP.
+            raise ValueError("prefill_pp > 1 is harnessed without state buffers and draft layers")
+        if self.decode_instances > 1 and self.decode_dp > 1:
+            raise ValueError("decode_instances and decode_dp do not combine in the harness")
         big, small = max(self.prefill_tp, self.decode_tp), min(self.prefill_tp, self.decode_tp)
         if big % small:
             raise ValueError("one TP size must divide the other (SGLang's rank mapping needs it)")

@@ -3,8 +3,11 @@ scheduler uses (disaggregation/decode.py, DecodePreallocQueue and DecodeTransfer
 
 1. construct the receiver (`_create_receiver_and_enqueue`);
 2. `mgr.try_ensure_parallel_info(bootstrap_addr)` until it answers True, one attempt per address
-   at most every cfg.ensure_retry_s like `_ensure_prefill_info`, then `init(prefill_dp_rank=0)` (a
-   DP-1 prefill). With cfg.ensure_max_attempts, after that many failed attempts on an address
+   at most every cfg.ensure_retry_s like `_ensure_prefill_info`, then resolve the room's prefill
+   DP rank as `_resolve_prefill_dp_rank` does (the router's `disagg_prefill_dp_rank` with
+   cfg.prefill_dp_routing "explicit"; 0 for a DP-1 prefill; bootstrap_room % dp_size when the
+   prefill follows the room id; else ask the bootstrap server, `query_prefill_dp_ranks`, for the
+   waiting rooms of that address at most every cfg.ensure_retry_s) and `init(prefill_dp_rank)`. With cfg.ensure_max_attempts, after that many failed attempts on an address
    every room still waiting on it is aborted (`kv_receiver.abort()`), as SGLang's scheduler does
    after its 15 attempts; the room then polls Failed and is dropped with its failure text;
 3. poll until WaitingForInput, then `send_metadata(page_indices, aux_index, state_indices,
@@ -73,6 +76,41 @@ def run_decode_rooms(
     abort_inflight = set(pool.cfg.decode_abort_inflight)
     bad_pages = set(pool.cfg.bad_decode_pages)
     release_timeout = _release_timeout_s()
+    # Per bootstrap address: rooms waiting for their prefill DP rank, and the last query time.
+    dp_waiting: Dict[str, List[RoomState]] = {}
+    dp_queried: Dict[str, float] = {}
+
+    def prefill_dp_rank(st: RoomState) -> Optional[int]:
+        """SGLang's DecodePreallocQueue._resolve_prefill_dp_rank, from what bootstrap told us."""
+        info = st.mgr.prefill_info_table[st.addr]
+        if cfg.prefill_dp_routing == "explicit" and cfg.prefill_dp > 1:
+            return st.plan.prefill_dp  # req.disagg_prefill_dp_rank, set by the router
+        if info.dp_size == 1:
+            return 0
+        if info.follow_bootstrap_room:
+            return st.plan.room % info.dp_size
+        return None
+
+    def init_receiver(st: RoomState, dp_rank: int) -> None:
+        st.receiver.init(dp_rank)
+        st.phase = "handshake"
+        if st.plan.index in abort:
+            st.receiver.abort()
+
+    def dp_query_step(st: RoomState) -> bool:
+        """One batched /query_dp_ranks for the rooms of this room's address (decode.py
+        _resolve_pending_prefill_dp_ranks), at most every cfg.ensure_retry_s."""
+        addr, now = st.addr, time.monotonic()
+        if now - dp_queried.get(addr, float("-inf")) < cfg.ensure_retry_s:
+            return False
+        dp_queried[addr] = now
+        pending = dp_waiting.get(addr, [])
+        answer = receiver_cls.query_prefill_dp_ranks(addr, [w.plan.room for w in pending])
+        resolved = [w for w in pending if str(w.plan.room) in answer]
+        for w in resolved:
+            pending.remove(w)
+            init_receiver(w, int(answer[str(w.plan.room)]))
+        return bool(resolved)
 
     def open_room(room) -> RoomState:
         st = RoomState(room, clock())
@@ -99,10 +137,12 @@ def run_decode_rooms(
         if st.mgr.try_ensure_parallel_info(addr):
             ensure.pop(addr, None)  # cached now: the other rooms of this address pass at once
             waiting[addr].remove(st)
-            st.receiver.init(0)
-            st.phase = "handshake"
-            if st.plan.index in abort:
-                st.receiver.abort()
+            dp_rank = prefill_dp_rank(st)
+            if dp_rank is None:
+                st.phase = "dp_query"
+                dp_waiting.setdefault(addr, []).append(st)
+                return dp_query_step(st)
+            init_receiver(st, dp_rank)
             return True
         attempts += 1
         if cfg.ensure_max_attempts and attempts >= cfg.ensure_max_attempts:
@@ -159,6 +199,8 @@ def run_decode_rooms(
     def step_room(st: RoomState) -> bool:
         if st.phase == "ensure":
             return ensure_step(st)
+        if st.phase == "dp_query":
+            return dp_query_step(st)
         if st.phase == "release":
             return release(st)
         poll = st.receiver.poll()

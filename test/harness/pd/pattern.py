@@ -12,6 +12,8 @@ from __future__ import annotations
 import numpy as np
 
 KIND_K, KIND_V, KIND_MLA, KIND_AUX, KIND_STATE = 1, 2, 3, 4, 5
+# An MTP/EAGLE draft model's KV buffers (indexed by draft layer).
+KIND_DRAFT_K, KIND_DRAFT_V, KIND_DRAFT_MLA = 6, 7, 8
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
@@ -28,7 +30,9 @@ def _mix(x: np.ndarray) -> np.ndarray:
 
 
 def buffer_key(seed: int, kind: int, index: int, rank: int = 0) -> int:
-    """Key of one registered buffer: (kind, layer or buffer index, owning rank for state)."""
+    """Key of one registered buffer: (kind, layer or buffer index, source). The source tells
+    apart copies that would otherwise hold the same bytes: the owning TP rank for state, the
+    prefill DP rank (and PP stage for aux), so bytes from the wrong rank show up as a mismatch."""
     return ((seed & 0xFFFFFFFF) << 32) ^ (kind << 24) ^ (index << 8) ^ rank
 
 

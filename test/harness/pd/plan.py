@@ -36,6 +36,9 @@ class RoomPlan:
     decode_state: int
     # Leading pages decode already holds (prefix cache): never sent, never written on decode.
     prefix_pages: int = 0
+    # DP attention: the prefill DP rank and the decode DP rank that serve this room.
+    prefill_dp: int = 0
+    decode_dp: int = 0
 
     @property
     def num_pages(self) -> int:
@@ -50,6 +53,24 @@ class RoomPlan:
 def rooms_of_instance(plan: "Plan", instance: int, instances: int) -> List[RoomPlan]:
     """The rooms decode instance `instance` serves (all of them with a single instance)."""
     return [r for r in plan.rooms if r.index % instances == instance]
+
+
+def rooms_of_rank(plan: "Plan", cfg: HarnessConfig, side: str, dp_rank: int = 0, instance: int = 0) -> List[RoomPlan]:
+    """The rooms one rank of `side` serves: its DP rank's rooms (and its decode instance's)."""
+    if side == "prefill":
+        return [r for r in plan.rooms if r.prefill_dp == dp_rank]
+    mine = rooms_of_instance(plan, instance, cfg.decode_instances)
+    return [r for r in mine if r.decode_dp == dp_rank]
+
+
+def prefill_dp_of(cfg: HarnessConfig, index: int, room_id: int, rng: np.random.Generator) -> int:
+    """The prefill DP rank of a room: bootstrap_room % dp when SGLang follows the room id, else a
+    seeded draw independent of the id (the router's choice), so routing by id would be wrong."""
+    if cfg.prefill_dp == 1:
+        return 0
+    if cfg.prefill_dp_routing == "follow_bootstrap_room":
+        return room_id % cfg.prefill_dp
+    return int(rng.integers(0, cfg.prefill_dp))
 
 
 @dataclass(frozen=True)
@@ -105,6 +126,8 @@ def build_plan(cfg: HarnessConfig) -> Plan:
         room_ids[b] = room_ids[a]
 
     prefix = dict(cfg.decode_prefix)
+    # A separate stream, so plans without DP are unchanged by it.
+    dp_rng = np.random.Generator(np.random.PCG64(cfg.seed + 1))
     rooms, pos = [], 0
     for i, n in enumerate(pages_per_room):
         cached = min(prefix.get(i, 0), n - 1)
@@ -121,6 +144,8 @@ def build_plan(cfg: HarnessConfig) -> Plan:
                 prefill_state=int(p_state[i]),
                 decode_state=int(d_state[i]),
                 prefix_pages=cached,
+                prefill_dp=prefill_dp_of(cfg, i, room_ids[i], dp_rng),
+                decode_dp=i % cfg.decode_dp,
             )
         )
         pos += n

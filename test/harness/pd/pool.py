@@ -9,7 +9,7 @@ when heterogeneous-TP staging is on, so a backend must not rely on them there.
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 import numpy as np
 import torch
@@ -26,45 +26,70 @@ def _torch_dtype(name: str) -> torch.dtype:
 
 
 class RankPool:
-    """Buffers of one prefill or decode TP rank. Decode buffers start zeroed."""
+    """Buffers of one prefill or decode rank. Decode buffers start zeroed.
 
-    def __init__(self, cfg: HarnessConfig, plan: Plan, side: str, tp_rank: int):
+    `tp_rank` is the rank in the side's whole TP group (SGLang's tp_rank: with DP attention,
+    dp_rank * attention-TP size + attention-TP rank); `pp_rank` the prefill's PP stage, which
+    holds only its stage's layers.
+    """
+
+    def __init__(self, cfg: HarnessConfig, plan: Plan, side: str, tp_rank: int, pp_rank: int = 0):
         lay = cfg.layout
-        self.cfg, self.side, self.tp_rank = cfg, side, tp_rank
-        self.tp_size = cfg.prefill_tp if side == "prefill" else cfg.decode_tp
+        self.cfg, self.side, self.tp_rank, self.pp_rank = cfg, side, tp_rank, pp_rank
+        self.tp_size = cfg.prefill_tp if side == "prefill" else cfg.decode_tp  # attention TP
+        self.dp_size = cfg.prefill_dp if side == "prefill" else cfg.decode_dp
+        self.pp_size = cfg.prefill_pp if side == "prefill" else 1
+        self.dp_rank, self.attn_rank = divmod(tp_rank, self.tp_size)
         self.heads = lay.heads_per_rank(self.tp_size)
-        self.head_offset = 0 if lay.mla else tp_rank * self.heads
+        self.head_offset = 0 if lay.mla else self.attn_rank * self.heads
+        # This stage's model layers [start_layer, start_layer + num_layers); draft layers last.
+        self.num_layers = lay.num_layers // self.pp_size
+        self.start_layer = pp_rank * self.num_layers
         pages = plan.prefill_pool_pages if side == "prefill" else plan.decode_pool_pages
         self.num_slots = pages * lay.page_size
         dtype = _torch_dtype(lay.dtype)
         shape = (self.num_slots, self.heads, lay.head_dim)
-        if lay.mla:
-            self.kv = [torch.zeros(shape, dtype=dtype) for _ in range(lay.num_layers)]
-        else:
-            k = [torch.zeros(shape, dtype=dtype) for _ in range(lay.num_layers)]
-            v = [torch.zeros(shape, dtype=dtype) for _ in range(lay.num_layers)]
-            self.kv = k + v
+        groups = 1 if lay.mla else 2  # (K, V) per layer for MHA
+        self._entries = self._entry_keys(groups)
+        self.kv = [torch.zeros(shape, dtype=dtype) for _ in self._entries]
+        self.num_draft_entries = groups * lay.draft_layers
         aux_slots = plan.prefill_aux_slots if side == "prefill" else plan.decode_aux_slots
         specs = lay.aux if side == "prefill" or cfg.decode_aux is None else cfg.decode_aux
         self.aux = [torch.zeros((aux_slots, s.width), dtype=_torch_dtype(s.dtype)) for s in specs]
         st_slots = plan.prefill_state_slots if side == "prefill" else plan.decode_state_slots
         self.state = [torch.zeros((st_slots, n), dtype=torch.uint8) for n in lay.state_item_bytes]
 
+    def _entry_keys(self, groups: int):
+        """(pattern kind, global layer or draft layer) of each KV entry, in kv_data_ptrs order:
+        [K per layer..., V per layer..., draft K..., draft V...] or [latent per layer..., draft...]."""
+        lay = self.cfg.layout
+        layers = range(self.start_layer, self.start_layer + self.num_layers)
+        if groups == 1:
+            return [(pat.KIND_MLA, l) for l in layers] + [(pat.KIND_DRAFT_MLA, d) for d in range(lay.draft_layers)]
+        main = [(pat.KIND_K, l) for l in layers] + [(pat.KIND_V, l) for l in layers]
+        draft = [(pat.KIND_DRAFT_K, d) for d in range(lay.draft_layers)]
+        draft += [(pat.KIND_DRAFT_V, d) for d in range(lay.draft_layers)]
+        return main + draft
+
     # -- content -------------------------------------------------------------------------------
 
-    def kv_key(self, entry: int) -> int:
-        """Pattern key of kv entry `entry` (position in kv_data_ptrs)."""
-        lay = self.cfg.layout
-        if lay.mla:
-            return pat.buffer_key(self.cfg.seed, pat.KIND_MLA, entry)
-        kind = pat.KIND_K if entry < lay.num_layers else pat.KIND_V
-        return pat.buffer_key(self.cfg.seed, kind, entry % lay.num_layers)
+    def kv_key(self, entry: int, prefill_dp: Optional[int] = None) -> int:
+        """Pattern key of kv entry `entry` (position in kv_data_ptrs) as prefill DP rank
+        `prefill_dp` holds it (default: this rank's own DP rank)."""
+        kind, layer = self._entries[entry]
+        dp = self.dp_rank if prefill_dp is None else prefill_dp
+        return pat.buffer_key(self.cfg.seed, kind, layer, dp)
 
-    def aux_key(self, i: int) -> int:
-        return pat.buffer_key(self.cfg.seed, pat.KIND_AUX, i)
+    def aux_key(self, i: int, prefill_dp: Optional[int] = None, prefill_pp: Optional[int] = None) -> int:
+        """Aux buffer i as prefill DP rank `prefill_dp`, PP stage `prefill_pp` holds it (default:
+        this rank's own); every stage fills its aux, decode must get the last stage's."""
+        dp = self.dp_rank if prefill_dp is None else prefill_dp
+        pp = self.pp_rank if prefill_pp is None else prefill_pp
+        return pat.buffer_key(self.cfg.seed, pat.KIND_AUX, i, dp * 16 + pp)
 
-    def state_key(self, i: int, prefill_rank: int) -> int:
-        return pat.buffer_key(self.cfg.seed, pat.KIND_STATE, i, prefill_rank)
+    def state_key(self, i: int, prefill_rank: int, prefill_dp: int = 0) -> int:
+        """State tensor i of attention-TP rank `prefill_rank` of prefill DP rank `prefill_dp`."""
+        return pat.buffer_key(self.cfg.seed, pat.KIND_STATE, i, prefill_dp * 16 + prefill_rank)
 
     def global_heads(self) -> np.ndarray:
         return np.arange(self.head_offset, self.head_offset + self.heads)
@@ -91,7 +116,7 @@ class RankPool:
         for i, t in enumerate(self.state):
             view = self.byte_view(t)
             rows = np.arange(view.shape[0])
-            key = self.state_key(i, self.tp_rank)
+            key = self.state_key(i, self.attn_rank, self.dp_rank)
             view[:] = pat.pattern(key, rows, np.array([0]), view.shape[1])[:, 0]
 
     # -- SGLang registration -------------------------------------------------------------------
@@ -102,18 +127,21 @@ class RankPool:
 
         lay, ps = self.cfg.layout, self.cfg.layout.page_size
         a = kv_args_class()
-        a.engine_rank = self.tp_rank  # == tp_rank % attn_tp_size without attention DP
-        a.pp_rank = 0
-        a.system_dp_rank = None  # get_parallel().dp_rank is None without a DP controller
+        # prefill.py: engine_rank = tp_rank (the whole TP group's rank, also with DP attention);
+        # decode.py: tp_rank % attn_tp_size.
+        a.engine_rank = self.tp_rank if self.side == "prefill" else self.attn_rank
+        a.pp_rank = self.pp_rank
+        # get_parallel().dp_rank: the DP controller's rank, None without one.
+        a.system_dp_rank = self.dp_rank if self.dp_size > 1 else None
         a.rust_http_port = None
         a.kv_cache_dtype_str = lay.dtype
         a.kv_layout = None
-        a.prefill_start_layer = 0
-        a.prefill_end_layer = lay.num_layers
+        a.prefill_start_layer = self.start_layer
+        a.prefill_end_layer = self.start_layer + self.num_layers
         a.kv_data_ptrs = [t.data_ptr() for t in self.kv]
         a.kv_data_lens = [t.nbytes for t in self.kv]
         a.kv_item_lens = [t[0].nbytes * ps for t in self.kv]
-        a.num_draft_entries = 0
+        a.num_draft_entries = self.num_draft_entries
         a.kv_layer_ids = []
         if self.side == "prefill" and not lay.mla:
             a.kv_head_num = self.heads

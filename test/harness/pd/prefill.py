@@ -10,6 +10,11 @@ scheduler uses (disaggregation/prefill.py):
 4. poll until Success or Failed; on Success `get_transfer_metric()` and `clear()`, on Failed
    `failure_exception()` (which clears) and keep its text (process_disagg_prefill_inflight_queue).
 
+With DP attention each prefill DP rank runs only the rooms routed to it (plan.RoomPlan.prefill_dp);
+with cfg.prefill_dp_routing == "explicit" the sender is told the request names its DP rank. With
+PP every stage runs every room of its DP rank (SGLang's stages share the request's pages), each
+acting on its own polls.
+
 Rooms listed in cfg.prefill_abort get `abort()` right after their last send, as the scheduler
 does for an AbortReq that finds the request in its inflight queue.
 
@@ -39,8 +44,13 @@ def run_prefill_rooms(
     deadline: float,
     on_pass=None,
     may_open=None,
+    rooms=None,
 ) -> List[RoomOutcome]:
+    """Run `rooms` (default: every room of the plan): with DP attention, this rank's DP rank's."""
     cfg = pool.cfg
+    # The router named the prefill DP rank (req.disagg_prefill_dp_rank): the sender skips
+    # SGLang's follow_bootstrap_room check and the DP-rank registration.
+    explicit_dp = cfg.prefill_dp > 1 and cfg.prefill_dp_routing == "explicit"
     ps = cfg.layout.page_size
     aborts = set(cfg.prefill_abort)
     successes = [0]
@@ -51,7 +61,7 @@ def run_prefill_rooms(
             mgr=mgr,
             bootstrap_addr=bootstrap_addr,
             bootstrap_room=room.room,
-            req_has_disagg_prefill_dp_rank=False,
+            req_has_disagg_prefill_dp_rank=explicit_dp,
         )
         st.phase = "bootstrap"
         st.next_chunk = 0
@@ -142,5 +152,6 @@ def run_prefill_rooms(
     def expire_room(st: RoomState) -> None:
         st.sender.abort()  # what the scheduler does to a request it gives up on
 
-    return drive(plan.rooms, open_room, step_room, expire_room, cfg.max_inflight, deadline, on_pass, may_open)
+    rooms = plan.rooms if rooms is None else rooms
+    return drive(rooms, open_room, step_room, expire_room, cfg.max_inflight, deadline, on_pass, may_open)
 

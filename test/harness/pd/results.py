@@ -63,6 +63,8 @@ class RankReport:
     rank: int
     pid: int
     instance: int = 0  # decode instance (cfg.decode_instances)
+    dp_rank: int = 0  # attention-DP rank (cfg.prefill_dp / decode_dp)
+    pp_rank: int = 0  # prefill PP stage (cfg.prefill_pp)
     worker: str = ""  # the orchestrator's name for the worker ("decode0.i1", "decode0.i1.r1", ...)
     rooms: List[RoomOutcome] = field(default_factory=list)
     error: Optional[str] = None  # traceback if the worker itself crashed
@@ -81,6 +83,9 @@ class RankReport:
     cpu_s: Optional[float] = None
     # Prefill (mori backends on softio): the path its writes took to decode ("intra-host", "tcp").
     engine_path: Optional[str] = None
+    # Decode with cfg.record_statuses: plan index -> [(prefill_rank, KVPoll status, carried aux)]
+    # for every RoomStatus message the rank handled, in arrival order.
+    statuses: Dict[int, List[tuple]] = field(default_factory=dict)
 
 
 @dataclass

@@ -84,7 +84,7 @@ def _context(method: str):
 class _Worker:
     def __init__(
         self, ctx, name: str, role: str, rank: int, cfg, model_dir: str, port: int, instance: int = 0,
-        first_index: int = 0, pin: Optional[dict] = None,
+        first_index: int = 0, pin: Optional[dict] = None, pp_rank: int = 0, pp_links=None,
     ):
         from harness.pd.worker import worker_main
 
@@ -92,7 +92,7 @@ class _Worker:
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(
             target=worker_main,
-            args=(role, rank, cfg, model_dir, port, child, instance, first_index, pin),
+            args=(role, rank, cfg, model_dir, port, child, instance, first_index, pin, pp_rank, pp_links),
             name=f"pd-harness-{name}",
             # Also reaped by multiprocessing's exit handler if the caller dies between our
             # try/finally and the join (e.g. KeyboardInterrupt); workers start only threads.
@@ -215,9 +215,9 @@ def run_transfer(cfg: HarnessConfig, *, on_ready: Optional[Hook] = None, during:
             decode = [
                 _Worker(ctx, decode_worker_name(r, i), "decode", r, cfg, model_dir, port, i)
                 for i in range(cfg.decode_instances)
-                for r in range(cfg.decode_tp)
+                for r in range(cfg.decode_tp * cfg.decode_dp)
             ]
-            prefill = [_Worker(ctx, f"prefill{r}", "prefill", r, cfg, model_dir, port) for r in range(cfg.prefill_tp)]
+            prefill = _prefill_workers(ctx, cfg, model_dir, port)
             workers += decode + prefill
             _collect(workers, "ready", time.monotonic() + cfg.startup_timeout_s)
             result.phase_s["all_ready"] = time.monotonic() - t_start
@@ -280,6 +280,27 @@ def run_transfer(cfg: HarnessConfig, *, on_ready: Optional[Hook] = None, during:
                 w.report.worker = w.name
         result.ranks = [w.report for w in workers if w.report is not None]
     return result
+
+
+def prefill_worker_name(rank: int, pp_rank: int = 0, pp_size: int = 1) -> str:
+    """'prefill<rank>' (rank in the whole TP group, DP attention included), '.pp<stage>' with PP."""
+    return f"prefill{rank}" if pp_size == 1 else f"prefill{rank}.pp{pp_rank}"
+
+
+def _prefill_workers(ctx, cfg: HarnessConfig, model_dir: str, port: int) -> List[_Worker]:
+    """One worker per prefill (DP, TP, PP) rank. The PP stages of one TP rank get pipes to each
+    other for their PP group's broadcast (sglang_setup.PipePPGroup): stage 0 one per later stage."""
+    workers = []
+    for r in range(cfg.prefill_tp * cfg.prefill_dp):
+        pairs = [ctx.Pipe() for _ in range(cfg.prefill_pp - 1)]
+        for p in range(cfg.prefill_pp):
+            links = [a for a, _ in pairs] if p == 0 else [pairs[p - 1][1]]
+            name = prefill_worker_name(r, p, cfg.prefill_pp)
+            workers.append(_Worker(ctx, name, "prefill", r, cfg, model_dir, port, pp_rank=p, pp_links=links))
+        for a, b in pairs:  # the workers hold their own copies now
+            a.close()
+            b.close()
+    return workers
 
 
 def _restarter(ctx, cfg: HarnessConfig, model_dir: str, port: int, info: ReadyInfo, workers, joiners):

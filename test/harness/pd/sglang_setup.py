@@ -76,9 +76,31 @@ def write_model_dir(cfg: HarnessConfig, path: Path) -> Path:
     return path
 
 
-def setup_process(cfg: HarnessConfig, model_dir: str, mode: str, tp_rank: int, bootstrap_port: int):
+def parallel_args(cfg: HarnessConfig, server_mode: str) -> list:
+    """--tp-size / --dp-size / --enable-dp-attention / --pp-size for one side, as a user runs it."""
+    attn_tp = cfg.prefill_tp if server_mode == "prefill" else cfg.decode_tp
+    dp = cfg.prefill_dp if server_mode == "prefill" else cfg.decode_dp
+    pp = cfg.prefill_pp if server_mode == "prefill" else 1
+    args = ["--tp-size", str(attn_tp * dp)]
+    if dp > 1:
+        args += ["--dp-size", str(dp), "--enable-dp-attention"]
+    if pp > 1:
+        args += ["--pp-size", str(pp)]
+    if server_mode == "prefill" and dp > 1 and cfg.prefill_dp_routing == "query":
+        # Not follow_bootstrap_room: each sender registers its room's DP rank with the bootstrap
+        # server, and decode asks for it (/register_dp_rank, /query_dp_ranks).
+        args += ["--load-balance-method", "round_robin"]
+    return args
+
+
+def setup_process(
+    cfg: HarnessConfig, model_dir: str, mode: str, tp_rank: int, bootstrap_port: int,
+    pp_rank: int = 0, pp_links=None,
+):
     """Prepare this process to host a KV manager (mode 'prefill'/'decode') or the bootstrap server
-    (mode 'bootstrap'); returns the published ServerArgs."""
+    (mode 'bootstrap'); returns the published ServerArgs. `tp_rank` is the rank in the whole TP
+    group (with DP attention: dp_rank * attention TP + attention-TP rank), `pp_rank` the prefill's
+    PP stage and `pp_links` its pipes to the other stages (see PipePPGroup)."""
     os.environ.update(worker_env(cfg, mode))
     if cfg.backend == "mori-builtin" and str(MORI_SHIM) not in sys.path:
         sys.path.insert(0, str(MORI_SHIM))
@@ -90,13 +112,12 @@ def setup_process(cfg: HarnessConfig, model_dir: str, mode: str, tp_rank: int, b
     from sglang.srt.server_args import prepare_server_args
 
     server_mode = "prefill" if mode == "bootstrap" else mode
-    tp = cfg.prefill_tp if server_mode == "prefill" else cfg.decode_tp
     args = [
         "--model-path", model_dir,
         "--device", "cpu",
         "--host", cfg.host,
         "--load-format", "dummy",
-        "--tp-size", str(tp),
+        *parallel_args(cfg, server_mode),
         "--page-size", str(cfg.layout.page_size),
         "--disaggregation-mode", server_mode,
         "--disaggregation-transfer-backend", sglang_backend(cfg.backend),
@@ -108,9 +129,22 @@ def setup_process(cfg: HarnessConfig, model_dir: str, mode: str, tp_rank: int, b
         # The bootstrap server lives in the launcher (tokenizer) process in SGLang.
         publish(server_args, role="tokenizer")
         return server_args
-    publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=tp_rank, dp_rank=None, gpu_id=0))
-    # Prefill managers read get_parallel().pp_group (PPConsensusStore needs it only for PP > 1).
-    get_parallel().override_permanently(pp_group=_SinglePPGroup())
+    from sglang.srt.runtime_context import spawn_world_rank
+
+    dp_size = cfg.prefill_dp if mode == "prefill" else cfg.decode_dp
+    attn_tp = cfg.prefill_tp if mode == "prefill" else cfg.decode_tp
+    # As run_scheduler_process: the WORLD rank from TP and PP ranks; the DP controller's rank
+    # (with DP attention, the attention-DP rank) or None without one.
+    ranks = SpawnRanks(
+        world_rank=spawn_world_rank(server_args, tp_rank=tp_rank, pp_rank=pp_rank),
+        dp_rank=tp_rank // attn_tp if dp_size > 1 else None,
+        gpu_id=0,
+    )
+    publish(server_args, role="scheduler", ranks=ranks)
+    # Prefill managers read get_parallel().pp_group (PPConsensusStore needs it for PP > 1).
+    pp_size = cfg.prefill_pp if mode == "prefill" else 1
+    group = _SinglePPGroup() if pp_size == 1 else PipePPGroup(pp_rank, pp_size, pp_links, cfg.startup_timeout_s)
+    get_parallel().override_permanently(pp_group=group)
     if cfg.backend == "mooncake":
         # SGLang creates the shared Mooncake engine in its model-parallel set-up, not in the manager.
         from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
@@ -128,6 +162,30 @@ class _SinglePPGroup:
     rank_in_group = 0
     is_first_rank = True
     is_last_rank = True
+
+
+class PipePPGroup:
+    """Stands in for the prefill's pipeline-parallel group of one (DP, TP) rank: the only
+    collective a KV manager runs on it is PPConsensusStore's broadcast_object from stage 0 (its
+    listening address), carried over multiprocessing pipes the orchestrator made (stage 0 holds
+    one per later stage, each later stage one to stage 0)."""
+
+    def __init__(self, rank: int, size: int, links, timeout_s: float):
+        self.rank_in_group, self.world_size = rank, size
+        self.is_first_rank, self.is_last_rank = rank == 0, rank == size - 1
+        self._links, self._timeout_s = list(links or []), timeout_s
+
+    def broadcast_object(self, obj=None, src: int = 0):
+        if src != 0:
+            raise NotImplementedError("the harness PP group broadcasts from stage 0 only")
+        if self.rank_in_group == 0:
+            for link in self._links:
+                link.send(obj)
+            return obj
+        (link,) = self._links
+        if not link.poll(self._timeout_s):
+            raise TimeoutError(f"PP stage {self.rank_in_group}: no broadcast from stage 0")
+        return link.recv()
 
 
 def kv_classes(backend: str):

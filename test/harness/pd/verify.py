@@ -52,7 +52,7 @@ def _check_kv(pool: RankPool, room: RoomPlan, out: _Collector) -> int:
     checked = 0
     for entry, t in enumerate(pool.kv):
         view = pool.byte_view(t)
-        expected = pat.pattern(pool.kv_key(entry), p_slots, heads, view.shape[2])
+        expected = pat.pattern(pool.kv_key(entry, room.prefill_dp), p_slots, heads, view.shape[2])
         actual = view[d_slots]
         valid_ok = (actual[:valid] == expected[:valid]).all(axis=(1, 2))
         tail_act, tail_exp = actual[valid:], expected[valid:]
@@ -62,7 +62,7 @@ def _check_kv(pool: RankPool, room: RoomPlan, out: _Collector) -> int:
             row_i = int(np.flatnonzero(~valid_ok)[0])
             tok = first + row_i
             row = actual[row_i]
-            what = "zeros (never written)" if not row.any() else _whose(pool, entry, row, p_slots, heads)
+            what = "zeros (never written)" if not row.any() else _whose(pool, entry, row, p_slots, heads, room.prefill_dp)
             out.bad(
                 f"room#{room.index} kv entry {entry} token {tok}/{room.tokens} "
                 f"(decode slot {d_slots[row_i]}, prefill slot {p_slots[row_i]}): {(~valid_ok).sum()} "
@@ -73,21 +73,26 @@ def _check_kv(pool: RankPool, room: RoomPlan, out: _Collector) -> int:
     return checked
 
 
-def _whose(pool: RankPool, entry: int, row: np.ndarray, p_slots: np.ndarray, heads) -> str:
-    """Best-effort diagnosis of a wrong row: which prefill slot of this room it came from."""
-    cand = pat.pattern(pool.kv_key(entry), p_slots, heads, row.shape[1])
-    hits = np.flatnonzero((cand == row).all(axis=(1, 2)))
-    if len(hits):
-        return f"the bytes of prefill slot {p_slots[hits[0]]} (wrong offset in this room)"
+def _whose(pool: RankPool, entry: int, row: np.ndarray, p_slots: np.ndarray, heads, prefill_dp: int) -> str:
+    """Best-effort diagnosis of a wrong row: which prefill slot of this room (or which other
+    prefill DP rank) it came from."""
+    for dp in [prefill_dp] + [d for d in range(pool.cfg.prefill_dp) if d != prefill_dp]:
+        cand = pat.pattern(pool.kv_key(entry, dp), p_slots, heads, row.shape[1])
+        hits = np.flatnonzero((cand == row).all(axis=(1, 2)))
+        if len(hits) and dp != prefill_dp:
+            return f"the bytes of prefill DP rank {dp}, slot {p_slots[hits[0]]} (wrong prefill DP rank)"
+        if len(hits):
+            return f"the bytes of prefill slot {p_slots[hits[0]]} (wrong offset in this room)"
     return "foreign bytes (other room, layer, head or rank)"
 
 
 def _check_rows(pool: RankPool, room: RoomPlan, out: _Collector) -> int:
     checked = 0
     prefill_aux = pool.cfg.layout.aux
+    last_stage = pool.cfg.prefill_pp - 1  # aux is the last PP stage's (it holds the outputs)
     for i, t in enumerate(pool.aux):
         view = pool.byte_view(t)
-        exp = pat.row_pattern(pool.aux_key(i), room.prefill_aux, view.shape[1])
+        exp = pat.row_pattern(pool.aux_key(i, room.prefill_dp, last_stage), room.prefill_aux, view.shape[1])
         if i >= len(prefill_aux):  # prefill has no such buffer: nothing may arrive here
             exp = np.zeros_like(exp)
         checked += view.shape[1]
@@ -96,7 +101,8 @@ def _check_rows(pool: RankPool, room: RoomPlan, out: _Collector) -> int:
     for i, t in enumerate(pool.state):
         view = pool.byte_view(t)
         # Equal TP only (see config): decode rank r holds prefill rank r's state.
-        exp = pat.row_pattern(pool.state_key(i, pool.tp_rank), room.prefill_state, view.shape[1])
+        key = pool.state_key(i, pool.attn_rank, room.prefill_dp)
+        exp = pat.row_pattern(key, room.prefill_state, view.shape[1])
         checked += view.shape[1]
         if not np.array_equal(view[room.decode_state], exp):
             out.bad(f"room#{room.index} state tensor {i} row {room.decode_state} differs")

@@ -42,16 +42,20 @@ def worker_main(
     instance: int = 0,
     first_index: int = 0,
     pin: Optional[dict] = None,
+    pp_rank: int = 0,
+    pp_links=None,
 ) -> None:
     """`first_index`, `pin`: a decode server started in place of a dead one (see
     pd_harness.ReadyInfo.restart_decode) serves only the rooms from `first_index` on, and with
-    `pin` binds the dead one's ports ({"rank_port", "engine_port"})."""
+    `pin` binds the dead one's ports ({"rank_port", "engine_port"}). `rank` is the rank in the
+    side's whole TP group (DP attention included); `pp_rank`, `pp_links`: a prefill PP stage and
+    its pipes to the other stages of its (DP, TP) rank."""
     code = 0
     try:
         if role == "bootstrap":
             _run_bootstrap(cfg, model_dir, bootstrap_port, conn)
         else:
-            _run_rank(role, rank, cfg, model_dir, bootstrap_port, conn, instance, first_index, pin)
+            _run_rank(role, rank, cfg, model_dir, bootstrap_port, conn, instance, first_index, pin, pp_rank, pp_links)
     except BaseException:
         code = 1
         try:
@@ -180,11 +184,11 @@ def _run_bootstrap(cfg: HarnessConfig, model_dir: str, port: int, conn) -> None:
 
 def _run_rank(
     side: str, rank: int, cfg: HarnessConfig, model_dir: str, port: int, conn, instance: int,
-    first_index: int = 0, pin: Optional[dict] = None,
+    first_index: int = 0, pin: Optional[dict] = None, pp_rank: int = 0, pp_links=None,
 ) -> None:
     from harness.pd.sglang_setup import kv_classes, setup_process
 
-    server_args = setup_process(cfg, model_dir, side, rank, port)
+    server_args = setup_process(cfg, model_dir, side, rank, port, pp_rank, pp_links)
     if pin:
         from harness.pd.pin import pin_ports
 
@@ -192,14 +196,14 @@ def _run_rank(
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
     from harness.pd.decode import run_decode_rooms
-    from harness.pd.plan import build_plan, rooms_of_instance
+    from harness.pd.plan import build_plan, rooms_of_rank
     from harness.pd.pool import RankPool
     from harness.pd.prefill import run_prefill_rooms
     from harness.pd.verify import late_writes, verify_decode
 
     kv_args_cls, mgr_cls, sender_cls, receiver_cls, _ = kv_classes(cfg.backend)
     plan = build_plan(cfg)
-    pool = RankPool(cfg, plan, side, rank)
+    pool = RankPool(cfg, plan, side, rank, pp_rank)
     if side == "prefill":
         pool.fill_prefill()
     mode = DisaggregationMode.PREFILL if side == "prefill" else DisaggregationMode.DECODE
@@ -238,9 +242,10 @@ def _run_rank(
 
     deadline = t0 + cfg.transfer_timeout_s
     addr = f"{cfg.host}:{port}"
-    report = RankReport(side=side, rank=rank, pid=os.getpid(), instance=instance)
-    mine = rooms_of_instance(plan, instance, cfg.decode_instances) if side == "decode" else plan.rooms
+    report = RankReport(side=side, rank=rank, pid=os.getpid(), instance=instance, dp_rank=pool.dp_rank, pp_rank=pp_rank)
+    mine = rooms_of_rank(plan, cfg, side, pool.dp_rank, instance)
     mine = [r for r in mine if r.index >= first_index]
+    statuses = _record_statuses(mgr) if side == "decode" and cfg.record_statuses else None
     # cfg.unreachable_bootstrap: a port this process keeps bound and never listens on, so a
     # connection to it is refused (and no other process can take the port meanwhile).
     dead = _unreachable_port(cfg) if side == "decode" and cfg.unreachable_bootstrap else None
@@ -248,7 +253,7 @@ def _run_rank(
     snapshots: dict = {}
     if side == "prefill":
         report.rooms = run_prefill_rooms(
-            pool, plan, mgr, sender_cls, addr, clock, deadline, progress, may_open=gate.may_open
+            pool, plan, mgr, sender_cls, addr, clock, deadline, progress, may_open=gate.may_open, rooms=mine
         )
     else:
         report.rooms = run_decode_rooms(
@@ -256,6 +261,9 @@ def _run_rank(
             rooms=mine, unreachable_addr=None if dead is None else f"{cfg.host}:{dead.getsockname()[1]}",
         )
     progress.flush()
+    if statuses is not None:
+        index = {r.room: r.index for r in plan.rooms}
+        report.statuses = {index[room]: list(seen) for room, seen in list(statuses.items()) if room in index}
     report.cpu_s = time.process_time() - cpu0
     if side == "prefill":
         report.engine_path = _engine_path(mgr)
@@ -267,6 +275,23 @@ def _run_rank(
     # Stay up (manager threads keep serving) until the orchestrator has every report; then it may
     # ask decode to look again at the pages of released failed rooms.
     _serve_until_stop(conn, time.monotonic() + LINGER_S, lambda: late_writes(pool, plan, snapshots))
+
+
+def _record_statuses(mgr) -> dict:
+    """bootstrap_room -> [(prefill_rank, status, carried aux)] of every RoomStatus this decode
+    manager's status thread handles (our backend only: it wraps the service's handler)."""
+    seen: dict = {}
+    service = getattr(mgr, "service", None)
+    if service is None or not hasattr(service, "on_status"):
+        raise RuntimeError("record_statuses needs the mori backend's decode service")
+    handle = service.on_status
+
+    def on_status(msg):
+        seen.setdefault(int(msg.room), []).append((int(msg.prefill_rank), int(msg.status), bool(msg.aux)))
+        handle(msg)
+
+    service.on_status = on_status  # looked up on the instance by the status thread
+    return seen
 
 
 def _engine_path(mgr):
