@@ -244,7 +244,9 @@ class MoriKVManager(compat.CompatKVManager):
     # --- lifecycle and introspection -------------------------------------------------------------
     def debug_snapshot(self) -> dict:
         """Entries every per-room table of this rank still holds, by name (0 everywhere = idle)."""
-        out = {"sglang.request_status": len(self.request_status)}
+        # Not len(): with prefill PP, request_status is SGLang's PPConsensusStore, which has none
+        # (debug_snapshot raised TypeError on every PP prefill rank).
+        out = {"sglang.request_status": compat.room_count(self.request_status)}
         with self.failure_lock:
             out["sglang.failure_records"] = len(self.failure_records)
         for name in ("transfer_infos", "req_to_decode_prefix_len", "required_prefill_response_num_table",

@@ -162,6 +162,13 @@ def stop_heartbeat_checker(mgr) -> None:
         event.set()
 
 
+def room_count(request_status) -> int:
+    """Rooms in SGLang's `request_status`: a dict, or on a prefill with PP > 1 a PPConsensusStore,
+    which has no len() (its own rooms are in `_local_map`; the peers' replicas do not count)."""
+    local = getattr(request_status, "_local_map", None)
+    return len(request_status if local is None else local)
+
+
 def table_sizes(mgr) -> dict:
     """Entries SGLang's private per-room tables still hold (for debug snapshots)."""
     out = {}

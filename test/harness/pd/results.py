@@ -86,6 +86,9 @@ class RankReport:
     # Decode with cfg.record_statuses: plan index -> [(prefill_rank, KVPoll status, carried aux)]
     # for every RoomStatus message the rank handled, in arrival order.
     statuses: Dict[int, List[tuple]] = field(default_factory=dict)
+    # Ours: the manager's debug_snapshot() once every room of the rank finished (entries each
+    # per-room table still holds; SGLang's request_status is empty once every room was cleared).
+    tables: Optional[Dict[str, int]] = None
 
 
 @dataclass

@@ -264,6 +264,8 @@ def _run_rank(
     if statuses is not None:
         index = {r.room: r.index for r in plan.rooms}
         report.statuses = {index[room]: list(seen) for room, seen in list(statuses.items()) if room in index}
+    if hasattr(mgr, "debug_snapshot"):  # ours: what its per-room tables still hold
+        report.tables = mgr.debug_snapshot()
     report.cpu_s = time.process_time() - cpu0
     if side == "prefill":
         report.engine_path = _engine_path(mgr)

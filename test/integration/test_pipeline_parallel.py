@@ -1,0 +1,56 @@
+"""Prefill with pipeline parallelism (`--pp-size 2`) into a decode with PP 1, one process per PP
+stage, as SGLang places them: stage s registers only its layers' KV buffers with
+`prefill_start_layer = s * L/2` and `pp_rank = s`, both stages register with the bootstrap server
+under their PP rank, and the decode fetches both (`target_pp_ranks = [0, 1]`) and waits for a
+Success from each (`required_prefill_response_num = 2`). The stages' managers replicate their room
+statuses to stage 0 (SGLang's PPConsensusStore), over the harness's stand-in PP group.
+
+Every stage fills its metadata (aux) buffers, with different bytes per stage; only the last stage
+computes the outputs, so decode must hold the last stage's aux rows, and exactly one Success per
+room may carry aux. The decode's every layer is checked byte for byte against the stage that owns
+it (the pattern is keyed by the global layer).
+"""
+
+from __future__ import annotations
+
+import pytest
+from integration_support import config
+
+from harness.pd.results import SUCCESS
+from harness.pd.run import AuxBufferSpec, KVLayout, RoomShape
+
+AUX = (AuxBufferSpec("int32", 16), AuxBufferSpec("float32", 16), AuxBufferSpec("int64", 8))
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        KVLayout(num_layers=4, total_kv_heads=4, head_dim=16, page_size=16, aux=AUX),
+        KVLayout(num_layers=4, mla=True, head_dim=72, page_size=1, aux=AUX),
+    ],
+    ids=["mha", "mla"],
+)
+def test_prefill_pp2_into_decode_pp1(run_clean, layout):
+    cfg = config(
+        rooms=16,
+        prefill_pp=2,
+        layout=layout,
+        shape=RoomShape(min_tokens=1, max_tokens=3 * layout.page_size + 5, chunks=2),
+        record_statuses=True,
+    )
+    result = run_clean(cfg)
+    stages = sorted((r.pp_rank, len(r.rooms)) for r in result.side("prefill"))
+    assert stages == [(0, 16), (1, 16)], result.summary()
+    for rep in result.ranks:
+        # Every room was cleared on every stage (under PP, SGLang's request_status is its
+        # PPConsensusStore, replicated to stage 0).
+        assert rep.tables is not None and rep.tables["sglang.request_status"] == 0, (rep.worker, rep.tables)
+    (decode,) = result.side("decode")
+    # SGLang's per-sender id: attn_tp_rank * pp_size + pp_rank, so stage s reports as rank s.
+    last = cfg.prefill_pp - 1
+    for index in range(cfg.rooms):
+        seen = decode.statuses.get(index, [])
+        successes = sorted(rank for rank, status, _ in seen if status == SUCCESS)
+        with_aux = [rank for rank, status, aux in seen if status == SUCCESS and aux]
+        assert successes == [0, 1], f"room#{index}: {seen}"
+        assert with_aux == [last], f"room#{index}: aux must ride once, on the last stage's Success: {seen}"
