@@ -13,7 +13,7 @@ from typing import Dict, Optional, Tuple
 BACKENDS = ("mori", "mooncake", "mori-builtin")
 # torch dtype names we accept; the harness only moves bytes, so any fixed-width dtype works.
 DTYPE_SIZES = {"bfloat16": 2, "float16": 2, "float32": 4, "int8": 1, "uint8": 1}
-AUX_DTYPE_SIZES = {"int32": 4, "float32": 4, "int64": 8}
+AUX_DTYPE_SIZES = {"int32": 4, "float32": 4, "int64": 8, "bfloat16": 2}
 
 
 @dataclass(frozen=True)
@@ -192,6 +192,8 @@ class HarnessConfig:
             raise ValueError("TP sizes must be >= 1")
         if min(self.prefill_dp, self.decode_dp, self.prefill_pp) < 1:
             raise ValueError("DP and PP sizes must be >= 1")
+        if lay.draft_layers < 0:
+            raise ValueError("draft_layers must be >= 0")
         if self.prefill_dp_routing not in ("follow_bootstrap_room", "explicit", "query"):
             raise ValueError("prefill_dp_routing must be 'follow_bootstrap_room', 'explicit' or 'query'")
         if self.prefill_pp > 1 and lay.num_layers % self.prefill_pp:
