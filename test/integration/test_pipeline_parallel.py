@@ -7,7 +7,8 @@ statuses to stage 0 (SGLang's PPConsensusStore), over the harness's stand-in PP 
 
 Every stage fills its metadata (aux) buffers, with different bytes per stage; only the last stage
 computes the outputs, so decode must hold the last stage's aux rows, and exactly one Success per
-room may carry aux. The decode's every layer is checked byte for byte against the stage that owns
+room may carry aux. Mamba-like state is per layer: each stage sends its own layers' state tensors,
+which decode pairs by layer id. The decode's every layer is checked byte for byte against the stage that owns
 it (the pattern is keyed by the global layer).
 """
 
@@ -27,8 +28,12 @@ AUX = (AuxBufferSpec("int32", 16), AuxBufferSpec("float32", 16), AuxBufferSpec("
     [
         KVLayout(num_layers=4, total_kv_heads=4, head_dim=16, page_size=16, aux=AUX),
         KVLayout(num_layers=4, mla=True, head_dim=72, page_size=1, aux=AUX),
+        # Mamba-like state, one tensor per layer: each stage holds its layers' tensors and
+        # reports their global layer ids, and sends them with its last chunk (as Mooncake does);
+        # decode pairs them by id.
+        KVLayout(num_layers=4, total_kv_heads=2, head_dim=16, page_size=16, aux=AUX, state_item_bytes=(48, 40, 32, 24)),
     ],
-    ids=["mha", "mla"],
+    ids=["mha", "mla", "mha_mamba_state"],
 )
 def test_prefill_pp2_into_decode_pp1(run_clean, layout):
     cfg = config(

@@ -198,9 +198,10 @@ class HarnessConfig:
             raise ValueError("prefill_dp_routing must be 'follow_bootstrap_room', 'explicit' or 'query'")
         if self.prefill_pp > 1 and lay.num_layers % self.prefill_pp:
             raise ValueError(f"{lay.num_layers} layers do not split over {self.prefill_pp} PP stages")
-        if self.prefill_pp > 1 and (lay.state_item_bytes or lay.draft_layers):
-            # Per-stage state needs layer ids per stage, and SGLang runs no draft model under PP.
-            raise ValueError("prefill_pp > 1 is harnessed without state buffers and draft layers")
+        if self.prefill_pp > 1 and len(lay.state_item_bytes) % self.prefill_pp:
+            raise ValueError("with prefill_pp > 1 the state tensors (one per layer) must split over the stages")
+        if self.prefill_pp > 1 and lay.draft_layers:
+            raise ValueError("SGLang runs no draft model under PP; the harness does not either")
         if self.decode_instances > 1 and self.decode_dp > 1:
             raise ValueError("decode_instances and decode_dp do not combine in the harness")
         big, small = max(self.prefill_tp, self.decode_tp), min(self.prefill_tp, self.decode_tp)

@@ -57,7 +57,11 @@ class RankPool:
         specs = lay.aux if side == "prefill" or cfg.decode_aux is None else cfg.decode_aux
         self.aux = [torch.zeros((aux_slots, s.width), dtype=_torch_dtype(s.dtype)) for s in specs]
         st_slots = plan.prefill_state_slots if side == "prefill" else plan.decode_state_slots
-        self.state = [torch.zeros((st_slots, n), dtype=torch.uint8) for n in lay.state_item_bytes]
+        # Mamba-like state: tensor i is layer i's; a PP stage holds its share of the tensors, in
+        # order, and reports their global layer ids (decode holds them all).
+        per_stage = len(lay.state_item_bytes) // self.pp_size
+        self.state_layer_ids = list(range(pp_rank * per_stage, (pp_rank + 1) * per_stage))
+        self.state = [torch.zeros((st_slots, lay.state_item_bytes[i]), dtype=torch.uint8) for i in self.state_layer_ids]
 
     def _entry_keys(self, groups: int):
         """(pattern kind, global layer or draft layer) of each KV entry, in kv_data_ptrs order:
@@ -116,7 +120,7 @@ class RankPool:
         for i, t in enumerate(self.state):
             view = self.byte_view(t)
             rows = np.arange(view.shape[0])
-            key = self.state_key(i, self.attn_rank, self.dp_rank)
+            key = self.state_key(self.state_layer_ids[i], self.attn_rank, self.dp_rank)
             view[:] = pat.pattern(key, rows, np.array([0]), view.shape[1])[:, 0]
 
     # -- SGLang registration -------------------------------------------------------------------
@@ -166,7 +170,7 @@ class RankPool:
             a.state_item_lens.append([t[0].nbytes for t in self.state])
             a.state_dim_per_tensor.append([])
             a.state_slice_outer_counts.append([])
-            a.state_layer_ids.append(list(range(len(self.state))))
+            a.state_layer_ids.append(list(self.state_layer_ids))
             a.state_conv_shard_groups.append([])
         return a
 
