@@ -57,3 +57,23 @@ def test_two_prefill_dp_ranks_into_dp_attention_decode(run_clean, case):
         assert served, f"{rep.worker} served no room\n{result.summary()}"
     assert {(r.dp_rank, r.rank) for r in result.side("prefill")} == {(0, 0), (1, 1)}
     assert {(r.dp_rank, r.rank) for r in result.side("decode")} == {(0, 0), (1, 1)}
+
+
+def test_deepseek_shaped_prefill_tp2_into_dp_attention_decode(run_clean):
+    # DeepSeek-V3 shape at small scale: MLA with an MTP layer, prefill TP 2 (no DP attention) into
+    # a decode with DP attention (2 DP ranks of attention TP 1). Each decode DP rank fetches both
+    # prefill TP ranks: one sends the replicated latent KV, the other is a dummy that only
+    # reports Success; the rooms of the other decode DP rank stay zero.
+    layout = KVLayout(num_layers=2, mla=True, head_dim=72, page_size=16, draft_layers=1, state_item_bytes=())
+    cfg = config(
+        rooms=16,
+        prefill_tp=2,
+        decode_dp=2,
+        layout=layout,
+        shape=RoomShape(min_tokens=1, max_tokens=3 * layout.page_size + 5, chunks=2),
+    )
+    result = run_clean(cfg)
+    plan = build_plan(cfg)
+    assert {r.decode_dp for r in plan.rooms} == {0, 1}
+    assert sorted(len(r.rooms) for r in result.side("prefill")) == [16, 16]
+    assert {(r.dp_rank, r.rank) for r in result.side("decode")} == {(0, 0), (1, 1)}
