@@ -59,3 +59,20 @@ def test_draft_kv_and_draft_aux(run_clean, case):
     pool = RankPool(cfg, build_plan(cfg), "decode", 0)
     assert pool.num_draft_entries == groups * cfg.layout.draft_layers > 0
     assert len(pool.kv) == groups * (cfg.layout.num_layers + cfg.layout.draft_layers)
+
+
+def test_decode_with_a_draft_model_the_prefill_does_not_run(run_clean):
+    # A decode running MTP/EAGLE fed by a prefill without it: decode registers a draft layer's KV
+    # and the draft's aux buffers, prefill has neither. The target's layers and the leading aux
+    # buffers move; the decode's draft KV and extra aux buffers are never written (they stay zero).
+    layout = KVLayout(num_layers=2, total_kv_heads=4, head_dim=16, page_size=16, aux=DRAFT_AUX[:3])
+    cfg = config(
+        rooms=16,
+        layout=layout,
+        decode_draft_layers=1,
+        decode_aux=DRAFT_AUX,
+        shape=RoomShape(min_tokens=1, max_tokens=3 * layout.page_size + 5, chunks=2),
+    )
+    run_clean(cfg)
+    pool = RankPool(cfg, build_plan(cfg), "decode", 0)
+    assert pool.num_draft_entries == 2 and not pool.sent_by_prefill(len(pool.kv) - 1)

@@ -108,6 +108,9 @@ class HarnessConfig:
     # engine only, e.g. --disaggregation-enable-kv-checksum). SGLang pairs aux buffers by
     # position and moves the leading min(prefill, decode) of them.
     decode_aux: Optional[Tuple[AuxBufferSpec, ...]] = None
+    # Decode's draft-model layers when they differ from layout.draft_layers (a decode running
+    # MTP/EAGLE fed by a prefill without it): the draft buffers prefill does not have stay zero.
+    decode_draft_layers: Optional[int] = None
     # Decode prefix-cache hits: (plan index, pages) -- decode already holds the first pages of
     # that room, sends metadata for the rest with decode_prefix_len, and prefill sends only the
     # rest (SGLang's decode_prefix_len path). At least the last page is always sent.

@@ -50,9 +50,12 @@ class RankPool:
         dtype = _torch_dtype(lay.dtype)
         shape = (self.num_slots, self.heads, lay.head_dim)
         groups = 1 if lay.mla else 2  # (K, V) per layer for MHA
+        self.draft_layers = lay.draft_layers
+        if side == "decode" and cfg.decode_draft_layers is not None:
+            self.draft_layers = cfg.decode_draft_layers
         self._entries = self._entry_keys(groups)
         self.kv = [torch.zeros(shape, dtype=dtype) for _ in self._entries]
-        self.num_draft_entries = groups * lay.draft_layers
+        self.num_draft_entries = groups * self.draft_layers
         aux_slots = plan.prefill_aux_slots if side == "prefill" else plan.decode_aux_slots
         specs = lay.aux if side == "prefill" or cfg.decode_aux is None else cfg.decode_aux
         self.aux = [torch.zeros((aux_slots, s.width), dtype=_torch_dtype(s.dtype)) for s in specs]
@@ -66,14 +69,20 @@ class RankPool:
     def _entry_keys(self, groups: int):
         """(pattern kind, global layer or draft layer) of each KV entry, in kv_data_ptrs order:
         [K per layer..., V per layer..., draft K..., draft V...] or [latent per layer..., draft...]."""
-        lay = self.cfg.layout
         layers = range(self.start_layer, self.start_layer + self.num_layers)
+        drafts = range(self.draft_layers)
         if groups == 1:
-            return [(pat.KIND_MLA, l) for l in layers] + [(pat.KIND_DRAFT_MLA, d) for d in range(lay.draft_layers)]
+            return [(pat.KIND_MLA, l) for l in layers] + [(pat.KIND_DRAFT_MLA, d) for d in drafts]
         main = [(pat.KIND_K, l) for l in layers] + [(pat.KIND_V, l) for l in layers]
-        draft = [(pat.KIND_DRAFT_K, d) for d in range(lay.draft_layers)]
-        draft += [(pat.KIND_DRAFT_V, d) for d in range(lay.draft_layers)]
+        draft = [(pat.KIND_DRAFT_K, d) for d in drafts] + [(pat.KIND_DRAFT_V, d) for d in drafts]
         return main + draft
+
+    def sent_by_prefill(self, entry: int) -> bool:
+        """Whether the prefill has this KV entry to send (a draft layer the prefill does not run
+        has nothing to send, and must stay zero on decode)."""
+        kind, index = self._entries[entry]
+        draft = kind in (pat.KIND_DRAFT_K, pat.KIND_DRAFT_V, pat.KIND_DRAFT_MLA)
+        return not draft or index < self.cfg.layout.draft_layers
 
     # -- content -------------------------------------------------------------------------------
 
