@@ -208,3 +208,63 @@ def test_decode_prefix_pages_must_stay_untouched():
     q = plan.rooms[1].decode_pages[0]  # ... but one that also overwrites decode's cached prefix
     dst.kv[0][q * 4] = src.kv[0][plan.rooms[1].prefill_pages[0] * 4]
     assert "unassigned pages were written" in "\n".join(_verify(plan, dst, outcomes).mismatches)
+
+
+def _copy_room(src: RankPool, dst: RankPool, room, ps: int, aux=True, state=True) -> None:
+    """Copy one room's bytes from one prefill pool (a DP rank or PP stage) into decode, entry to
+    the decode entry of the same (kind, layer)."""
+    where = {key: j for j, key in enumerate(dst._entries)}
+    for i, key in enumerate(src._entries):
+        d = dst.kv[where[key]]
+        for p, q in zip(room.prefill_pages, room.decode_pages):
+            d[q * ps : (q + 1) * ps] = src.kv[i][p * ps : (p + 1) * ps]
+    if aux:
+        for s, d in zip(src.aux, dst.aux):
+            d[room.decode_aux] = s[room.prefill_aux]
+    if state:
+        for s, d in zip(src.state, dst.state):
+            d[room.decode_state] = s[room.prefill_state]
+
+
+def test_bytes_from_the_wrong_prefill_dp_rank_are_caught():
+    # DP attention: each prefill DP rank's pool holds its own bytes, so a room served from the
+    # other DP rank (same pages, same layers) is a mismatch, named as such.
+    cfg = _cfg(prefill_dp=2, prefill_dp_routing="explicit", rooms=8)
+    plan = build_plan(cfg)
+    src = [RankPool(cfg, plan, "prefill", r) for r in range(2)]
+    for pool in src:
+        pool.fill_prefill()
+    dst = RankPool(cfg, plan, "decode", 0)
+    for room in plan.rooms:
+        _copy_room(src[room.prefill_dp], dst, room, cfg.layout.page_size)
+    outcomes = [RoomOutcome(index=r.index, room=r.room, status=SUCCESS) for r in plan.rooms]
+    assert _verify(plan, dst, outcomes).mismatch_count == 0
+    wrong = plan.rooms[3]
+    _copy_room(src[1 - wrong.prefill_dp], dst, wrong, cfg.layout.page_size)
+    report = _verify(plan, dst, outcomes)
+    assert report.mismatch_count > 0
+    assert any("wrong prefill DP rank" in m for m in report.mismatches), report.mismatches
+
+
+def test_aux_from_a_pp_stage_that_is_not_the_last_is_caught():
+    # Prefill PP 2: the stages' layers together fill decode's model; aux must be the last stage's.
+    cfg = _cfg(prefill_pp=2, layout=KVLayout(num_layers=4, page_size=4, state_item_bytes=(24, 16)), rooms=6)
+    plan = build_plan(cfg)
+    stages = [RankPool(cfg, plan, "prefill", 0, pp_rank=p) for p in range(2)]
+    for pool in stages:
+        pool.fill_prefill()
+    assert [p.start_layer for p in stages] == [0, 2] and [p.state_layer_ids for p in stages] == [[0], [1]]
+    dst = RankPool(cfg, plan, "decode", 0)
+    for room in plan.rooms:
+        _copy_room(stages[0], dst, room, cfg.layout.page_size, state=False)
+        _copy_room(stages[1], dst, room, cfg.layout.page_size, state=False)
+        for pool in stages:  # each stage's state tensors go to decode's tensors of their layer ids
+            for k, layer in enumerate(pool.state_layer_ids):
+                dst.state[layer][room.decode_state] = pool.state[k][room.prefill_state]
+    outcomes = [RoomOutcome(index=r.index, room=r.room, status=SUCCESS) for r in plan.rooms]
+    assert _verify(plan, dst, outcomes).mismatch_count == 0
+    room = plan.rooms[2]
+    for s, d in zip(stages[0].aux, dst.aux):
+        d[room.decode_aux] = s[room.prefill_aux]
+    report = _verify(plan, dst, outcomes)
+    assert report.mismatch_count == len(cfg.layout.aux), report.mismatches
