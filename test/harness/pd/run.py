@@ -6,8 +6,10 @@ drive them, with byte-exact checks on decode.
     result = run_transfer(HarnessConfig(backend="mori", prefill_tp=2, decode_tp=1, rooms=64))
     assert result.all_succeeded(64) and result.byte_exact(), result.summary()
 
-Processes: one bootstrap server, one per prefill TP rank, one per decode TP rank (of each decode
-instance, cfg.decode_instances; room i goes to instance i % decode_instances). The orchestrator
+Processes: one bootstrap server, one per prefill rank (cfg.prefill_dp DP ranks x cfg.prefill_tp
+attention-TP ranks x cfg.prefill_pp PP stages), one per decode rank (cfg.decode_dp x cfg.decode_tp,
+of each decode instance, cfg.decode_instances; room i goes to instance i % decode_instances). With
+DP attention each room runs on one DP rank per side (plan.RoomPlan.prefill_dp / decode_dp). The orchestrator
 (the caller's process) never imports SGLang. Optional hooks let a test act on the running system:
 `on_ready(ReadyInfo)` runs after every worker is up and before "go"; `during(ReadyInfo)` runs on a
 thread while the rooms transfer (ReadyInfo.progress / wait_progress follow the rooms). Every worker
