@@ -175,6 +175,15 @@ class DecodeRank(Rank):
         return get_write_log(self.engine.engine)
 
 
+def mori_sender_class():
+    """The class hooks.py recognises our requests by. Importing the real one imports SGLang
+    (seconds), so unless some test did already, a stand-in module takes its place (installed by
+    the `stub_sender_module` fixture of the tests that go through hooks.py)."""
+    import sys
+
+    return sys.modules["sglang_mori.backend.sender"].MoriKVSender
+
+
 @dataclass
 class Request:
     room: int
@@ -204,8 +213,12 @@ class Request:
 
 class LayerwiseRig:
     def __init__(self, geometry: Geometry, prefill_tp: int = 1, decode_tp: int = 1, group_size: int = 1,
-                 config: Optional[MoriConfig] = None):
+                 config: Optional[MoriConfig] = None, via_hooks: bool = False):
         self.g = geometry
+        # True: passes go through hooks.py's AROUND hooks with stand-ins for SGLang's scheduler,
+        # batch, Req and attention backend (run_batch_through_hooks); False: the session directly
+        self.via_hooks = via_hooks
+        self.req_to_token: dict = {}  # req_pool_idx -> row (what hooks.py indexes)
         self.config = config or MoriConfig(transfer_shards=2, transfer_timeout_ms=5000)
         self.prefills = [PrefillRank(geometry, prefill_tp, r, self.config, group_size) for r in range(prefill_tp)]
         self.decodes = [DecodeRank(geometry, decode_tp, r, self.config) for r in range(decode_tp)]
@@ -266,6 +279,7 @@ class LayerwiseRig:
         dst = np.array([self.free_dst.pop() for _ in range(n)], dtype=np.int64)
         tokens = np.arange(input_len, dtype=np.int64)
         row = src[tokens // self.g.page_size] * self.g.page_size + tokens % self.g.page_size
+        self.req_to_token[room] = row  # the request's req_pool_idx is its room here
         return Request(room, input_len, self.g.page_size, src, dst, row, cached, decode_prefix)
 
     def open(self, req: Request, aux_index: int = 1) -> None:
@@ -282,6 +296,54 @@ class LayerwiseRig:
                     decode_prefix_len=req.decode_prefix or None, is_dummy=self.is_dummy(p)))
             p.sglang.open(req.room)
             assert p.service.claim(req.room) is None
+
+    # --- through hooks.py ------------------------------------------------------------------------
+    def scheduler(self, p: PrefillRank) -> SimpleNamespace:
+        """What hooks.py reads of SGLang's Scheduler on prefill rank `p`."""
+        return SimpleNamespace(
+            disagg_prefill_bootstrap_queue=SimpleNamespace(kv_manager=SimpleNamespace(layerwise=p.session)),
+            token_to_kv_pool_allocator=SimpleNamespace(page_size=self.g.page_size, get_kvcache=p.pool),
+            req_to_token_pool=SimpleNamespace(req_to_token=self.req_to_token))
+
+    def run_batch_through_hooks(self, p: PrefillRank, views, layers):
+        """One extend batch through `around_run_batch`, whose forward calls
+        `around_attention_forward` after each layer; the published LayerBatch, or None."""
+        from sglang_mori.backend.prefill.layerwise import hooks
+
+        sender_class = mori_sender_class()
+        extend = SimpleNamespace(is_extend=lambda: True)
+        reqs = [SimpleNamespace(
+            disagg_kv_sender=object.__new__(sender_class), kv=SimpleNamespace(req_pool_idx=v.room),
+            bootstrap_room=v.room, origin_input_ids=range(v.input_len), disagg_decode_prefix_len=v.decode_prefix_len,
+            start_send_idx=v.start_send_idx, pending_bootstrap=False) for v in views]
+        batch = SimpleNamespace(forward_mode=extend, spec_algorithm=None, tbo_split_seq_index=None, reqs=reqs,
+                                prefix_lens=[v.prefix_len for v in views], extend_lens=[v.extend_len for v in views])
+        backend = SimpleNamespace()  # no pool of its own: the hook uses the scheduler's
+        published = []
+
+        def attention(backend, q, k, v, layer, forward_batch):
+            return q
+
+        def forward(scheduler, batch):
+            current = getattr(hooks._current, "published", None)
+            published.append(None if current is None else current[1])
+            q = np.zeros(1)  # not a CUDA tensor: no device event
+            for layer in layers:
+                hooks.around_attention_forward(attention, backend, q, None, None, SimpleNamespace(layer_id=layer),
+                                               SimpleNamespace(forward_mode=extend))
+            return "forward result"
+
+        assert hooks.around_run_batch(forward, self.scheduler(p), batch) == "forward result"
+        assert getattr(hooks._current, "published", None) is None
+        return published[0]
+
+    def checkpoint_through_hooks(self, p: PrefillRank, room: int) -> None:
+        """SGLang's radix checkpoint of `room` on rank `p` through `around_checkpoint` (the row in
+        `req_to_token` is what the checkpoint left)."""
+        from sglang_mori.backend.prefill.layerwise import hooks
+
+        req = SimpleNamespace(kv=SimpleNamespace(req_pool_idx=room), bootstrap_room=room)
+        hooks.around_checkpoint(lambda scheduler, req: None, self.scheduler(p), req)
 
     def batch_view(self, req: Request, lo: int, hi: int, start_send: Optional[int] = None) -> BatchView:
         """What hooks.batch_view reads of a batch extending `req` over tokens [lo, hi)."""
@@ -331,9 +393,14 @@ class LayerwiseRig:
                                  input_len=req.input_len, decode_prefix_len=req.decode_prefix,
                                  start_send_idx=states[p.tp_rank, req.room].start_send, row=req.row)
                          for req in active]
-                batch = p.session.begin_batch(BatchView(views, page_size=P))
+                layers = range(self.g.layers) if hook_layers is None or hook_layers(k) is None else hook_layers(k)
+                if self.via_hooks:
+                    batch = self.run_batch_through_hooks(p, views, layers)
+                else:
+                    batch = p.session.begin_batch(BatchView(views, page_size=P))
+                    if batch is not None:
+                        self.forward(p, batch, layers)
                 if batch is not None:
-                    self.forward(p, batch, None if hook_layers is None else hook_layers(k))
                     batches.append((p, batch))
                 for req in active:  # overlap: the previous pass's send comes only now
                     state = states[p.tp_rank, req.room]

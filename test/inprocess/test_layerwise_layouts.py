@@ -18,7 +18,9 @@ an abort mid-stream and a radix checkpoint moving a streamed page, on these geom
 """
 
 import math
+import sys
 import threading
+import types
 from typing import NamedTuple
 
 import numpy as np
@@ -69,16 +71,32 @@ CASES = [
     Case("mha", 16, 1, 1, 87, 32, cached=20),  # cached page 0 goes with send(), page 1 streams
     Case("mla", 16, 1, 1, 87, 32, decode_prefix=32),  # decode holds pages 0-1: nothing lands there
     Case("mha", 64, 1, 2, 200, 96, cached=70, decode_prefix=64),
+    Case("mha", 16, 1, 1, 87, 40, decode_prefix=64),  # pass 1 lies inside decode's prefix: no stream
     Case("mha", 16, 1, 2, 87, 32, hnd=True),  # head-major pages: one range per page and head block
     Case("mha", 64, 2, 1, 148, 40, hnd=True),
 ]
 
 
-def make_rig(case: Case, group_size: int = 1) -> LayerwiseRig:
+DRIVERS = ["session", "hooks"]  # the session's calls directly, or through hooks.py's AROUND hooks
+
+
+@pytest.fixture
+def stub_sender_module(monkeypatch):
+    """hooks.py recognises our requests by `isinstance(req.disagg_kv_sender, MoriKVSender)`; the
+    real module imports SGLang (seconds), so a stand-in takes its place unless it is loaded."""
+    name = "sglang_mori.backend.sender"
+    if name not in sys.modules:
+        stub = types.ModuleType(name)
+        stub.MoriKVSender = type("MoriKVSender", (), {})
+        monkeypatch.setitem(sys.modules, name, stub)
+
+
+def make_rig(case: Case, group_size: int = 1, via_hooks: bool = False) -> LayerwiseRig:
     pages = max(8, 2 * math.ceil(case.tokens / case.page) + 2)
     geometry = Geometry(is_mla=case.pool == "mla", layers=LAYERS, page_size=case.page, pages=pages,
                         head_major=case.hnd)
-    return LayerwiseRig(geometry, prefill_tp=case.prefill_tp, decode_tp=case.decode_tp, group_size=group_size)
+    return LayerwiseRig(geometry, prefill_tp=case.prefill_tp, decode_tp=case.decode_tp, group_size=group_size,
+                        via_hooks=via_hooks)
 
 
 def open_request(rig, case: Case, room: int):
@@ -123,8 +141,9 @@ def assert_success_aux(rig, req):
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_chunked_layerwise_lands_byte_exact(case):
-    with make_rig(case) as rig:
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_chunked_layerwise_lands_byte_exact(case, driver, stub_sender_module):
+    with make_rig(case, via_hooks=driver == "hooks") as rig:
         req = open_request(rig, case, 21)
         marks = []  # (decode rank, write-log position, request pages streamed before that send)
 
@@ -164,10 +183,11 @@ OVERLAP_CASES = [
 
 
 @pytest.mark.parametrize("case", OVERLAP_CASES, ids=str)
-def test_overlap_scheduler_order_with_layer_groups(case):
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_overlap_scheduler_order_with_layer_groups(case, driver, stub_sender_module):
     """Pass k+1 is published and run before pass k's send() (the overlap scheduler), layers in
     groups of two (a group of 2 and a group of 1 per pass)."""
-    with make_rig(case, group_size=2) as rig:
+    with make_rig(case, group_size=2, via_hooks=driver == "hooks") as rig:
         req = open_request(rig, case, 22)
         streamed = rig.prefill_chunked(req, case.chunk, overlap=True)
         rig.wait_success(req.room)
@@ -310,23 +330,45 @@ def test_abort_mid_stream_lands_nothing_after_it(case):
 
 
 @pytest.mark.parametrize("case", STALL_CASES, ids=str)
-def test_radix_checkpoint_moving_a_streamed_page_holds_the_next_forward(case):
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_radix_checkpoint_moving_a_streamed_page_holds_the_next_forward(case, driver, stub_sender_module):
     """After the forward, SGLang's radix checkpoint dedups streamed page 1 into another page
     (the old one is freed) while its writes are stalled: the next forward waits until they are
-    terminal; the last send() (from the moved row) does not write the streamed pages again."""
-    with make_rig(case) as rig:
+    terminal; the last send() (from the moved row) does not write the streamed pages again.
+    Through hooks.py: the checkpoint hook finds the hazard, the next run_batch hook waits."""
+    hooks = driver == "hooks"
+    with make_rig(case, via_hooks=hooks) as rig:
         (p,) = rig.prefills
         req = open_request(rig, case, 25)
         released = threading.Event()
         with stalled(p):
-            batch = p.session.begin_batch(rig.batch_view(req, 0, req.input_len))
-            rig.forward(p, batch)
-            assert p.session.after_checkpoint(req.room, req.row, case.page) is False  # nothing moved
+            if hooks:
+                batch = rig.run_batch_through_hooks(p, rig.batch_view(req, 0, req.input_len).reqs, range(LAYERS))
+                rig.checkpoint_through_hooks(p, req.room)
+                assert p.session.hazards == []  # nothing moved
+            else:
+                batch = p.session.begin_batch(rig.batch_view(req, 0, req.input_len))
+                rig.forward(p, batch)
+                assert p.session.after_checkpoint(req.room, req.row, case.page) is False  # nothing moved
+            assert batch is not None and batch.streams[0].room == req.room
             moved = req.row.copy()
             new_page = rig.free_src.pop()
             moved[case.page:2 * case.page] = new_page * case.page + np.arange(case.page)
-            assert p.session.after_checkpoint(req.room, moved, case.page) is True
-            waiter = threading.Thread(target=lambda: (p.session.wait_hazards(), released.set()), daemon=True)
+            if hooks:
+                rig.req_to_token[req.room] = moved
+                rig.checkpoint_through_hooks(p, req.room)
+                assert len(p.session.hazards) == 1
+
+                def next_forward():  # another batch (none of our requests) through the run_batch hook
+                    rig.run_batch_through_hooks(p, [], range(LAYERS))
+                    released.set()
+            else:
+                assert p.session.after_checkpoint(req.room, moved, case.page) is True
+
+                def next_forward():
+                    p.session.wait_hazards()
+                    released.set()
+            waiter = threading.Thread(target=next_forward, daemon=True)
             waiter.start()
             assert not released.wait(0.2)  # the next forward (which could rewrite the old page) waits
         assert released.wait(10)
