@@ -6,7 +6,11 @@ Each prefill TP rank is a prefill service with its own layer-wise session (built
 metadata are handed to the prefill ranks SGLang pairs it with. Tests drive every prefill rank the
 way hooks.py drives it (begin_batch, on_layer per layer over the rank's own pool, end_batch) and
 SGLang's `send()` the way `_send_kv_chunk` cuts it (full pages only for non-last chunks,
-`index_slice` from the sender's running page count), see `LayerwiseRig.prefill_chunked`.
+`index_slice` from the sender's running page count), see `LayerwiseRig.prefill_chunked`. With
+`via_hooks=True` the passes go through hooks.py's AROUND hooks themselves (run_batch, attention
+forward, checkpoint), over stand-ins for SGLang's scheduler, batch, Req and attention backend.
+Decode's services only register and describe destinations here; what prefill tells them is
+captured, not applied.
 
 Byte layout of a page, as SGLang's pools hold it: MHA (NHD) [page_size, heads_of_this_rank,
 head_bytes] per K or V buffer (head-major, HND: [heads, page_size, head_bytes]), buffers ordered K
