@@ -7,6 +7,7 @@ the abort / drain / poison / replay races that otherwise only the multi-process 
 
 import time
 
+import numpy as np
 import pytest
 
 import sglang_mori.softio.faults as faults
@@ -257,20 +258,57 @@ def test_no_failure_is_recorded_for_a_cleared_sender_and_a_stale_one_is_not_adop
 
 
 def test_decode_context_parallel_is_refused_at_registration_with_both_sides():
-    """A DCP decode stripes tokens over its ranks: copying pages would be accepted, then wrong."""
+    """A DCP decode stripes tokens over its ranks; the relayout is MLA-only, so an MHA pair is
+    refused at registration (copying pages would be accepted, then wrong)."""
     with PrefillRig() as rig:
         rig.decode_service.p.identity.dcp_size = 2
         rig.decode_service.p.identity.dcp_rank = 1
         rig.register()
         peer = rig.service.p.peers.get(rig.decode.engine.key)
-        assert "dcp_size=2 dcp_rank=1, prefill dcp_size=1 dcp_rank=0" in peer.rejected
+        assert "prefill dcp_size=1 dcp_rank=0, decode dcp_size=2 dcp_rank=1" in peer.rejected
+        assert "MLA KV only" in peer.rejected
         rig.new_attempt(1)
         rig.metadata(1, pages=[1])
         assert rig.claim(1) is None
         rig.send(1, pages=[1], last=True)
         rig.wait_status(1, S.FAILED)
-        assert "does not relayout KV across DCP ranks" in rig.sglang.failure_records[1]
+        assert "decode dcp_size=2 dcp_rank=1" in rig.sglang.failure_records[1]
         assert rig.decode.page(0, 1) == bytes(256)
+
+
+def test_decode_context_parallel_mla_is_relaid_out_byte_exact():
+    """MLA prefill (DCP 1) into decode DCP rank 1 of 2, through Register, RoomMetadata and two
+    chunks (SGLang's num_kv_tokens and index_slice) after a decode prefix of 2 tokens: the rank
+    receives the tokens at odd absolute positions, packed into its pages; nothing else is written."""
+    import msgspec
+
+    from sglang_mori.backend.plans import KVPlanner
+
+    with PrefillRig() as rig:
+        mla = dict(is_mla=True, kv_physical_layout=None)
+        rig.parts.planner = KVPlanner(msgspec.structs.replace(rig.prefill.layout, **mla), rig.prefill.buffers)
+        rig.decode_service.p.layout = msgspec.structs.replace(rig.decode.layout, dcp_size=2, dcp_rank=1, **mla)
+        rig.decode_service.p.identity.dcp_size = 2
+        rig.decode_service.p.identity.dcp_rank = 1
+        rig.register()
+        peer = rig.service.p.peers.get(rig.decode.engine.key)
+        assert peer.rejected is None
+        rig.new_attempt(5)
+        # 7 tokens after a prefix of 2 (page_size 1, virtual pages of 2 tokens: 4 of them).
+        rig.service.control.on_metadata(rig.decode_service.metadata(
+            bootstrap_room=5, required_dst_info_num=1, kv_indices=np.asarray([20, 21, 22, 23]), aux_index=0,
+            state_indices=None, decode_prefix_len=2, is_dummy=False))
+        assert rig.claim(5) is None
+        src = list(range(10, 17))
+        rig.service.add_chunk(5, np.asarray(src[:4]), slice(0, 4), False, num_kv_tokens=4)
+        rig.service.add_chunk(5, np.asarray(src[4:]), slice(4, 7), True, aux_index=0, num_kv_tokens=3)
+        rig.wait_status(5, S.SUCCESS)
+        # Absolute positions 3, 5, 7 (relative 1, 3, 5) are this rank's: local slots 0, 1, 2.
+        expected = {20: 11, 21: 13, 22: 15}
+        for buffer in range(len(rig.decode.kv)):
+            for page in range(64):
+                want = rig.prefill.page(buffer, expected[page]) if page in expected else bytes(256)
+                assert rig.decode.page(buffer, page) == want, (buffer, page)
 
 
 def test_a_rank_that_does_not_own_aux_sends_success_without_it():

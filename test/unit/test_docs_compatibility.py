@@ -145,6 +145,12 @@ CHECKS = {
         mha(1, 0, kv_physical_layout="page_major"), mha(2, 1, kv_physical_layout="page_major")),
     "Page sizes 1, 16, 64": lambda: (mha(page=64), mha(page=64)),
     "Page size differs between the sides": lambda: (mha(page=16), mha(page=64)),
+    "Decode context parallel (`--dcp-size > 1`), MLA and hybrid MLA (prefill DCP 1 into decode DCP N)":
+        lambda: (mla(), mla(dcp_size=2, dcp_rank=1)),
+    "Decode context parallel with MHA KV": lambda: (mha(), mha(dcp_size=2, dcp_rank=1)),
+    "Prefill DCP > 1 into a decode of another DCP size": lambda: (mla(dcp_size=2, dcp_rank=1),
+                                                                 mla(dcp_size=4, dcp_rank=3)),
+    "Equal DCP sizes, different DCP ranks": lambda: (mla(dcp_size=2, dcp_rank=0), mla(dcp_size=2, dcp_rank=1)),
 }
 
 

@@ -53,7 +53,8 @@ class MoriKVManager(compat.CompatKVManager):
             bool(getattr(server_args, "enable_metrics", False)), engine_type=self.role,
             tp_rank=self.attn_tp_rank, pp_rank=self.pp_rank or 0, dp_rank=self.system_dp_rank or 0,
         )
-        self.layout = local_layout(args, self.attn_tp_size, self.attn_tp_rank, bool(is_mla_backend))
+        self.layout = local_layout(args, self.attn_tp_size, self.attn_tp_rank, bool(is_mla_backend),
+                                   int(getattr(self, "dcp_size", 1) or 1), int(getattr(self, "dcp_rank", 0) or 0))
         self.engine = self._start_engine()
         self.buffers = self._register_buffers()
         self.messenger = Messenger(compat.zmq_context(self))

@@ -9,7 +9,7 @@ from typing import Optional
 import msgspec
 
 from sglang_mori.engine.transfer_engine import WritePair
-from sglang_mori.planning import InvalidLayoutError, KVLayout, PlanError, TransferPlanner
+from sglang_mori.planning import InvalidLayoutError, KVLayout, PlanError, TransferPlanner, UnsupportedLayoutError
 from sglang_mori.planning.transfer_plan import TransferPlan
 
 logger = logging.getLogger(__name__)
@@ -24,8 +24,9 @@ class LocalBuffers:
     state: list  # one list per state component
 
 
-def local_layout(kv_args, attn_tp_size: int, attn_tp_rank: int, is_mla: bool) -> KVLayout:
-    return KVLayout.from_kv_args(kv_args, attn_tp_size, attn_tp_rank, bool(is_mla))
+def local_layout(kv_args, attn_tp_size: int, attn_tp_rank: int, is_mla: bool,
+                 dcp_size: int = 1, dcp_rank: int = 0) -> KVLayout:
+    return KVLayout.from_kv_args(kv_args, attn_tp_size, attn_tp_rank, bool(is_mla), dcp_size, dcp_rank)
 
 
 def encode_layout(layout: KVLayout) -> bytes:
@@ -42,15 +43,30 @@ def decode_layout(blob: bytes) -> KVLayout:
 class KVPlanner:
     """Per-decode-peer planners for one prefill rank."""
 
+    # Whether chunks into a decode with context parallelism (token relayout) are planned here.
+    supports_dcp_relayout = True
+
     def __init__(self, layout: KVLayout, local: LocalBuffers):
         self.layout = layout
         self.local = local
         self._planners: dict[str, TransferPlanner] = {}
 
-    def accept_peer(self, key: str, layout_blob: bytes, kv, aux, state) -> KVLayout:
-        """Check a registering decode rank; raise a PlanningError naming both sides' values."""
+    def accept_peer(self, key: str, layout_blob: bytes, kv, aux, state, dcp=None) -> KVLayout:
+        """Check a registering decode rank; raise a PlanningError naming both sides' values.
+
+        `dcp`: the decode's (dcp_size, dcp_rank) from its Register message, which wins over the
+        layout's (a layout from an older decode does not carry them)."""
         remote = decode_layout(layout_blob)
+        if dcp is not None:
+            # Validated like any layout (InvalidLayoutError for a rank outside the size).
+            remote = msgspec.structs.replace(remote, dcp_size=int(dcp[0]), dcp_rank=int(dcp[1]))
         planner = TransferPlanner(self.layout, remote)
+        if planner.dcp_relayout and not self.supports_dcp_relayout:
+            raise UnsupportedLayoutError(
+                f"decode context parallel (prefill dcp_size={self.layout.dcp_size}, decode "
+                f"dcp_size={remote.dcp_size} dcp_rank={remote.dcp_rank}) is not planned in layer-wise "
+                "mode; run the prefill with SGLANG_MORI_LAYERWISE=off"
+            )
         if len(kv) != remote.num_kv_buffers:
             raise InvalidLayoutError(
                 f"decode sent {len(kv)} KV descriptors for a layout of {remote.num_kv_buffers} buffers"
@@ -92,8 +108,15 @@ class KVPlanner:
         planner = self._planners.get(peer.engine_key)
         if planner is None:  # forgotten (replaced or pruned) after the caller looked it up
             raise PlanError(f"decode engine {peer.engine_key} is no longer registered with this prefill rank")
-        dst = target.kv_indices[chunk.index_slice]
-        pairs = _to_pairs(planner.plan_kv(chunk.kv_indices, dst), self.local.kv, peer.kv_descs)
+        if planner.dcp_relayout:
+            # Decode's virtual pages are not paired with prefill's: the whole list, and where
+            # the chunk starts, place its tokens.
+            kv_plan = planner.plan_kv_dcp(
+                chunk.kv_indices, target.kv_indices, page_offset=chunk.index_slice.start or 0,
+                decode_prefix_len=target.decode_prefix_len or 0, num_tokens=chunk.num_kv_tokens)
+        else:
+            kv_plan = planner.plan_kv(chunk.kv_indices, target.kv_indices[chunk.index_slice])
+        pairs = _to_pairs(kv_plan, self.local.kv, peer.kv_descs)
         if chunk.is_last and chunk.state_indices is not None and target.state_indices is not None:
             if len(chunk.state_indices) != len(target.state_indices):
                 raise PlanError(

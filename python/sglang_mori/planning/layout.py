@@ -101,10 +101,15 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
     aux_item_lens: Tuple[int, ...] = ()
     aux_data_lens: Tuple[int, ...] = ()
     states: Tuple[StateLayout, ...] = ()
+    # Decode context parallel (SGLang --dcp-size): tokens striped over dcp_size ranks (dcp.py).
+    dcp_size: int = 1
+    dcp_rank: int = 0
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
             raise InvalidLayoutError(f"tp_rank={self.tp_rank} with tp_size={self.tp_size}")
+        if self.dcp_size < 1 or not 0 <= self.dcp_rank < self.dcp_size:
+            raise InvalidLayoutError(f"dcp_rank={self.dcp_rank} with dcp_size={self.dcp_size}")
         if self.page_size < 1:
             raise InvalidLayoutError(f"page_size must be >= 1, got {self.page_size}")
         if len(self.kv_item_lens) != len(self.kv_data_lens):
@@ -146,7 +151,8 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
         return self.kv_head_num * self.tp_size
 
     @classmethod
-    def from_kv_args(cls, kv_args, tp_size: int, tp_rank: int, is_mla: bool) -> "KVLayout":
+    def from_kv_args(cls, kv_args, tp_size: int, tp_rank: int, is_mla: bool,
+                     dcp_size: int = 1, dcp_rank: int = 0) -> "KVLayout":
         """Describe the buffers of an SGLang `KVArgs`, filled as prefill.py / decode.py fill it.
 
         `tp_size` is the attention TP size; `tp_rank` may be the global TP rank (SGLang's
@@ -203,4 +209,6 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
             aux_item_lens=_ints(attr("aux_item_lens", ())),
             aux_data_lens=_ints(attr("aux_data_lens", ())),
             states=states,
+            dcp_size=int(dcp_size or 1),
+            dcp_rank=int(dcp_rank or 0),
         )

@@ -21,6 +21,13 @@ from sglang_mori.planning.compatibility import (
     mha_head_slice,
     pair_head_slice,
 )
+from sglang_mori.planning.dcp import (
+    check_dcp_item_lens,
+    dcp_token_rows,
+    is_draft_pair,
+    needs_dcp_relayout,
+    token_ranges,
+)
 from sglang_mori.planning.errors import PlanError
 from sglang_mori.planning.head_slice import HeadSlice, head_sliced_ranges
 from sglang_mori.planning.layer_map import map_kv_buffers
@@ -62,6 +69,9 @@ class TransferPlanner:
         check_scalar_fields(prefill, decode)
         self.prefill = prefill
         self.decode = decode
+        # Prefill DCP 1 into decode DCP N > 1 (MLA): tokens are striped over decode ranks, planned
+        # by plan_kv_dcp; plan_kv refuses such a pair. Other DCP topologies raise here.
+        self.dcp_relayout: bool = needs_dcp_relayout(prefill, decode)
         self.kv_pairs: Tuple[Tuple[int, int], ...] = map_kv_buffers(prefill, decode)
         base_slice = mha_head_slice(prefill, decode)
         # Which heads move (MHA with different TP sizes), else None. Its head_bytes is a
@@ -69,7 +79,13 @@ class TransferPlanner:
         self.head_slice: Optional[HeadSlice] = base_slice
         # One geometry key per KV pair; pairs with the same key share one set of arrays.
         self._kv_geometry: List[Hashable] = []
-        if base_slice is None:
+        self._dcp_token_bytes: Tuple[int, ...] = ()
+        self._dcp_draft: Tuple[bool, ...] = ()
+        if self.dcp_relayout:
+            self._dcp_token_bytes = check_dcp_item_lens(prefill, decode, self.kv_pairs)
+            self._dcp_draft = tuple(is_draft_pair(prefill, i) for i, _ in self.kv_pairs)
+            self._kv_geometry = list(zip(self._dcp_draft, self._dcp_token_bytes))
+        elif base_slice is None:
             check_equal_item_lens(
                 self.kv_pairs, prefill.kv_item_lens, decode.kv_item_lens, "KV buffer"
             )
@@ -100,6 +116,11 @@ class TransferPlanner:
         Runs contiguous on both sides become one range per buffer pair; with MHA head slicing,
         one range per token slot (merged across slots and pages when whole tokens move).
         """
+        if self.dcp_relayout:
+            raise PlanError(
+                f"decode context parallel (decode dcp_size={self.decode.dcp_size}) needs the token "
+                "relayout (plan_kv_dcp); pages cannot be copied page for page"
+            )
         src = as_index_array(src_pages, "prefill KV page indices")
         dst = as_index_array(dst_pages, "decode KV page indices")
         check_paired(src, dst, "KV page indices")
@@ -117,6 +138,45 @@ class TransferPlanner:
                 else:
                     ranges = contiguous_item_ranges(src, dst, geometry)
                 ranges = by_geometry[geometry] = _read_only(ranges)
+            transfers.append(BufferTransfer(i, j, *ranges))
+        return TransferPlan("kv", tuple(transfers))
+
+    def plan_kv_dcp(self, src_pages, dst_pages, *, page_offset: int, decode_prefix_len: int = 0,
+                    num_tokens: Optional[int] = None) -> TransferPlan:
+        """Ranges for one chunk into a decode with context parallelism (see dcp.py).
+
+        `src_pages`: the chunk's prefill pages; `dst_pages`: decode's whole virtual page list of
+        the request (not sliced); `page_offset`: the chunk's first page in prefill's page list;
+        `num_tokens`: real tokens of the chunk (None = every slot of its pages).
+        """
+        if not self.dcp_relayout:
+            raise PlanError("plan_kv_dcp called for a pair without decode context parallelism")
+        src = as_index_array(src_pages, "prefill KV page indices")
+        dst = as_index_array(dst_pages, "decode KV page indices")
+        if src.size == 0:
+            return TransferPlan("kv")
+        check_in_range(src, self._src_kv_limits, self._src_kv_names, "page")
+        ps, n = self.prefill.page_size, self.decode.dcp_size
+        rows = {}
+        for draft in sorted(set(self._dcp_draft)):
+            src_rows, dst_rows = dcp_token_rows(
+                src, dst, page_size=ps, dcp_size=n, dcp_rank=self.decode.dcp_rank,
+                page_offset=int(page_offset), decode_prefix_len=int(decode_prefix_len or 0),
+                num_tokens=None if num_tokens is None else int(num_tokens), draft=draft,
+            )
+            if dst_rows.size:
+                used = np.unique(dst_rows // (ps * n if draft else ps))
+                limits = [lim for lim, d in zip(self._dst_kv_limits, self._dcp_draft) if d == draft]
+                names = [nm for nm, d in zip(self._dst_kv_names, self._dcp_draft) if d == draft]
+                check_in_range(used, limits, names, "page")
+            rows[draft] = (src_rows, dst_rows)
+        by_geometry: Dict[Hashable, Ranges] = {}
+        transfers = []
+        for (i, j), geometry in zip(self.kv_pairs, self._kv_geometry):
+            ranges = by_geometry.get(geometry)
+            if ranges is None:
+                draft, token_bytes = geometry
+                ranges = by_geometry[geometry] = _read_only(token_ranges(*rows[draft], token_bytes))
             transfers.append(BufferTransfer(i, j, *ranges))
         return TransferPlan("kv", tuple(transfers))
 

@@ -75,14 +75,12 @@ class PrefillControl:
         peer = DecodePeer(engine_key=key, endpoint=(msg.decode_ip, msg.decode_port), attn_tp_size=msg.attn_tp_size,
                           attn_tp_rank=msg.attn_tp_rank, kv_descs=kv, aux_descs=aux, state_descs=state, layout=None)
         try:
-            peer.layout = p.planner.accept_peer(key, msg.layout, kv, aux, state)
+            peer.layout = p.planner.accept_peer(key, msg.layout, kv, aux, state, dcp=(msg.dcp_size, msg.dcp_rank))
             # A different aux buffer count is served (leading buffers move), with SGLang's warning.
             p.sglang.check_peer_aux_buffer_count(f"{msg.decode_ip}:{msg.decode_port}", len(aux))
         except PlanningError as exc:
             peer.rejected = f"decode {msg.decode_ip}:{msg.decode_port} refused at registration: {exc}"
             logger.error("sglang-mori: %s", peer.rejected)
-        if peer.rejected is None:
-            peer.rejected = self._dcp_problem(msg)
         # No engine session yet: it opens on the first write to this peer (submitter.py), so pairs
         # that never carry bytes (MLA dummy ranks, a DP rank nobody routes to) cost nothing.
         replaced = p.peers.add(peer)
@@ -97,21 +95,6 @@ class PrefillControl:
         logger.info("sglang-mori: decode peer %s registered from %s:%s (tp %d/%d)%s", key, msg.decode_ip,
                     msg.decode_port, msg.attn_tp_rank, msg.attn_tp_size,
                     f" REJECTED: {peer.rejected}" if peer.rejected else "")
-
-    def _dcp_problem(self, msg: protocol.Register):
-        """Decode context parallel stripes tokens over the decode ranks: pages cannot be copied page
-        for page into such a peer. Equal topologies (same size, matching ranks) need no relayout;
-        the relayout itself (SGLang's built-in mori packs tokens per DCP rank) is not done here,
-        so any other pair is refused now rather than written wrong later."""
-        size, rank = self.p.dcp
-        if (msg.dcp_size, msg.dcp_rank) == (size, rank):
-            return None
-        problem = (f"decode {msg.decode_ip}:{msg.decode_port} refused at registration: decode context parallel "
-                   f"dcp_size={msg.dcp_size} dcp_rank={msg.dcp_rank}, prefill dcp_size={size} dcp_rank={rank}: "
-                   "sglang-mori does not relayout KV across DCP ranks; run decode with --dcp-size "
-                   f"{size} (or use a backend that does)")
-        logger.error("sglang-mori: %s", problem)
-        return problem
 
     def forget_peer(self, key: str) -> None:
         self.p.planner.forget_peer(key)

@@ -130,7 +130,7 @@ class PrefillService:
         self.submitter.enqueue(Chunk(
             room=room_id, kv_indices=np.asarray(kv_indices, dtype=np.int64), index_slice=index_slice,
             is_last=is_last, aux_index=kw.get("aux_index"), state_indices=kw.get("state_indices"),
-            wait_event=kw.get("wait_event"),
+            wait_event=kw.get("wait_event"), num_kv_tokens=kw.get("num_kv_tokens"),
         ))
 
     def fail(self, room_id: int, reason: str, label: str = "other") -> bool:

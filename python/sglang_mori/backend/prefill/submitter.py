@@ -47,6 +47,7 @@ class Chunk:
     aux_index: Optional[int]
     state_indices: Optional[list]
     wait_event: object = None
+    num_kv_tokens: Optional[int] = None  # real tokens of the chunk (SGLang's send(num_kv_tokens))
 
 
 class ChunkSubmitter:

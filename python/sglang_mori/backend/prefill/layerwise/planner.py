@@ -48,6 +48,8 @@ class SelectedChunk(Chunk):
 
 
 class LayerwisePlanner(KVPlanner):
+    supports_dcp_relayout = False  # layer streams pair pages one to one
+
     def _planner(self, peer):
         planner = self._planners.get(peer.engine_key)
         if planner is None:
