@@ -280,3 +280,24 @@ def test_a_rank_with_no_token_in_a_chunk_plans_nothing():
     planner = TransferPlanner(mla(), mla(dcp_size=4, dcp_rank=3))
     plan = planner.plan_kv_dcp([5], [2], page_offset=0, num_tokens=3)  # positions 0..2: ranks 0..2
     assert plan.empty
+
+
+# --- the backend's registration ------------------------------------------------------------
+
+def test_register_dcp_position_reaches_the_planner_and_layerwise_mode_refuses_it():
+    """Decode's Register carries dcp_size / dcp_rank (they win over the layout's); the chunk-wise
+    planner serves the relayout, the layer-wise one refuses the peer at registration."""
+    from types import SimpleNamespace
+
+    from sglang_mori.backend.plans import KVPlanner, encode_layout
+    from sglang_mori.backend.prefill.layerwise.planner import LayerwisePlanner
+
+    decode = mla()
+    descs = [SimpleNamespace(size=d) for d in decode.kv_data_lens]
+    remote = KVPlanner(mla(), None).accept_peer("k", encode_layout(decode), descs, [], [], dcp=(2, 1))
+    assert (remote.dcp_size, remote.dcp_rank) == (2, 1)
+    with pytest.raises(UnsupportedLayoutError, match="layer-wise") as err:
+        LayerwisePlanner(mla(), None).accept_peer("k", encode_layout(decode), descs, [], [], dcp=(2, 1))
+    assert "prefill dcp_size=1" in str(err.value) and "decode dcp_size=2 dcp_rank=1" in str(err.value)
+    with pytest.raises(UnsupportedLayoutError, match="MLA KV only"):
+        KVPlanner(mha(), None).accept_peer("k", encode_layout(mha()), descs, [], [], dcp=(2, 1))
