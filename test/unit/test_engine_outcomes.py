@@ -50,4 +50,4 @@ def test_peer_failure_from_an_event_missing_fields():
 
     failure = PeerFailure.from_event(Event())
     assert failure.engine_key == "decode-x"
-    assert failure.reason == "peer failure reported by the engine: ?"
+    assert failure.reason == "peer failure of decode-x reported by the engine: ?"

@@ -294,7 +294,7 @@ def test_peer_failure_events():
     eng.engine.failure_events = [Event("d1"), Event("d2")]
     events = eng.pop_peer_failures()
     assert [e.engine_key for e in events] == ["d1", "d2"]
-    assert events[0].reason == "peer failure reported by the engine: QP_ERROR retry exceeded"
+    assert events[0].reason == "peer failure of d1 reported by the engine: QP_ERROR retry exceeded"
     assert eng.pop_peer_failures() == []
 
 

@@ -83,4 +83,5 @@ class PeerFailure:
         # `detail`, so read what is there and keep the rest readable.
         key = str(getattr(event, "remote_engine_key", "") or "")
         reason = " ".join(str(x) for x in (getattr(event, "reason", "?"), getattr(event, "detail", "")) if x)
-        return cls(engine_key=key, reason=f"peer failure reported by the engine: {reason}")
+        # The key goes into the reason: a room failed by this event must say which peer died.
+        return cls(engine_key=key, reason=f"peer failure of {key or '?'} reported by the engine: {reason}")
