@@ -17,24 +17,12 @@ from sglang_mori.backend import room_status as S
 from sglang_mori.backend.prefill.layerwise.planner import LayerwisePlanner
 from sglang_mori.backend.prefill.layerwise.session import BatchView, ReqView
 from sglang_mori.config import MoriConfig
-from sglang_mori.metrics import NullTransferMetrics
 from sglang_mori.softio.write_log import enable_write_log, get_write_log
 
+from layerwise_rig import CountingMetrics
 from rig import PrefillRig
 
 LAYERS = 4
-
-
-class CountingMetrics(NullTransferMetrics):
-    def __init__(self):
-        self.layerwise = 0
-        self.fallbacks: list = []
-
-    def layerwise_writes(self, n: int = 1) -> None:
-        self.layerwise += n
-
-    def layerwise_fallback(self, reason: str, n: int = 1) -> None:
-        self.fallbacks.append(reason)
 
 
 @pytest.fixture
