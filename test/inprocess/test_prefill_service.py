@@ -35,7 +35,7 @@ def test_bytes_land_then_success_with_aux(rig):
     rig.wait_status(1, S.SUCCESS)
     for b in range(2):
         assert [rig.decode.page(b, p) for p in (10, 11, 12)] == [rig.prefill.page(b, p) for p in (0, 1, 5)]
-    assert rig.service.p.peers.get(rig.decode.engine.key).session_open  # opened by the first write
+    assert rig.service.p.peers.get(rig.decode.engine.key).open_pairs  # opened by the first write
     (done,) = rig.messenger.of_type(protocol.RoomStatus, 1)
     assert done.status == S.SUCCESS and done.aux == [rig.prefill.aux[48:64].tobytes()]
     assert len(rig.messenger.of_type(protocol.TransferStarted, 1)) == 2  # one per chunk
@@ -215,7 +215,7 @@ def test_a_room_whose_only_destination_is_a_dummy_succeeds_without_writes(rig):
     assert rig.decode.page(0, 9) == bytes(256)
     assert rig.messenger.of_type(protocol.RoomStatus, 14) == [] and rig.messenger.of_type(protocol.TransferStarted, 14) == []
     # No engine session was opened to a peer that never received a byte.
-    assert rig.service.p.peers.get(rig.decode.engine.key).session_open is False
+    assert rig.service.p.peers.get(rig.decode.engine.key).open_pairs == set()
     rig.clear(14)
     rig.wait_idle()
 
@@ -236,6 +236,27 @@ def test_a_decode_engine_dead_before_its_first_write_fails_the_room_with_a_reaso
     rig.send(16, pages=[2], last=True)
     rig.wait_status(16, S.FAILED)
     assert "failed recently" in rig.sglang.failure_records[16]
+
+
+def test_a_region_pair_that_cannot_be_opened_fails_before_any_byte_is_posted(rig):
+    """The engine opens each (local, remote) region pair's session the first time it meets it, and
+    inside one batch_write that can raise after the earlier pairs were posted: their writes would
+    then be in flight with no status, and the room could never prove it drained. Here decode's
+    second KV buffer is gone (deregistered, as a dying decode's would be) while its first is fine:
+    the room must fail naming the peer, nothing may land, and the room must drain."""
+    decode = rig.decode.engine
+    decode.engine.deregister_memory(rig.decode.buffers.kv[1])
+    rig.new_attempt(18)
+    rig.metadata(18, pages=[4, 5])
+    rig.claim(18)
+    rig.send(18, pages=[0, 1], last=True)
+    rig.wait_status(18, S.FAILED)
+    reason = rig.sglang.failure_records[18]
+    assert decode.key in reason and "size mismatch" in reason, reason
+    assert rig.decode.page(0, 4) == bytes(256) and rig.decode.page(0, 5) == bytes(256)
+    assert rig.decode.page(1, 4) == bytes(256)
+    rig.clear(18)
+    rig.wait_idle()  # every write the room issued is accounted for: nothing left draining
 
 
 def test_no_failure_is_recorded_for_a_cleared_sender_and_a_stale_one_is_not_adopted(rig):

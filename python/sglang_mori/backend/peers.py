@@ -26,8 +26,9 @@ class DecodePeer:
     # Last transport failure; unlike failed_at it is not cleared when the fail-fast window ends,
     # because MORI never rebuilds a broken connection: only a new engine key brings the peer back.
     broken_at: Optional[float] = None
-    # The engine session (dial, QPs, remote memory) is opened on the first write, once.
-    session_open: bool = False
+    # (local region id, remote region id) pairs whose engine session (dial, QPs, remote memory
+    # lookup) is open: each is opened before the first write that uses it, never inside one.
+    open_pairs: set = field(default_factory=set, repr=False, compare=False)
     session_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
     last_seen: float = field(default_factory=lambda: time.monotonic())  # registration or room metadata
 

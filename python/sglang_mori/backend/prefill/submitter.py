@@ -136,27 +136,35 @@ class ChunkSubmitter:
         if failure is not None:
             self.failures.fail_life(r, *failure)
 
-    def _open_session(self, peer) -> Optional[str]:
-        """First contact with a peer (dial, QPs, remote memory) before its first write, so it can
-        never raise in the middle of a batch; None when the session is up."""
-        if peer.session_open:
+    def _open_sessions(self, peer, pairs) -> Optional[str]:
+        """First contact with every (local, remote) region pair of a write before it is posted;
+        None when they are all open.
+
+        The engine opens a pair's session (dial, QPs, remote memory lookup) inside `batch_write`
+        when it meets the pair there, and that can raise after earlier pairs of the same call were
+        posted: those writes are then in flight with no status to wait on, and their room could
+        never prove it drained. Opening the pairs here means a dead or broken peer fails the write
+        before a single byte is posted.
+        """
+        opened = peer.open_pairs
+        missing = [pair for pair in pairs if (pair.local.id, pair.remote.id) not in opened]
+        if not missing:
             return None
         p = self.p
         with peer.session_lock:
-            if peer.session_open:
-                return None
-            local = next((d for d in p.local.kv if d is not None), None)
-            if local is None or not peer.kv_descs:
-                return None
-            try:
-                p.engine.connect(local, peer.kv_descs[0])
-            except Exception as exc:
-                reason = f"cannot reach decode engine {peer.engine_key}: {exc}"
-                if p.peers.mark_failed(peer.engine_key, reason):
-                    p.metrics.peer_down(peer.engine_key)
-                return reason
-            peer.session_open = True
-            return None
+            for pair in missing:
+                key = (pair.local.id, pair.remote.id)
+                if key in opened:
+                    continue
+                try:
+                    p.engine.connect(pair.local, pair.remote)
+                except Exception as exc:
+                    reason = f"cannot reach decode engine {peer.engine_key}: {exc}"
+                    if p.peers.mark_failed(peer.engine_key, reason):
+                        p.metrics.peer_down(peer.engine_key)
+                    return reason
+                opened.add(key)
+        return None
 
     def _post(self, chunk: Chunk, r, targets, writes: List[TrackedWrite]):
         """Post the chunk to every destination; (reason, label) of the first failure, or None."""
@@ -176,7 +184,7 @@ class ChunkSubmitter:
                 pairs = p.planner.write_pairs(peer, chunk, t)
             except PlanningError as exc:
                 return f"room {chunk.room}: {exc}", BAD_INDEX
-            failure = self._open_session(peer) if pairs else None
+            failure = self._open_sessions(peer, pairs) if pairs else None
             if failure is not None:
                 return failure, PEER_DEAD
             if not p.peers.budget.acquire(peer.engine_key, deadline):
