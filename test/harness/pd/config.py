@@ -25,6 +25,25 @@ class AuxBufferSpec:
 
 
 @dataclass(frozen=True)
+class HybridMambaShape:
+    """Qwen3-Next-shaped linear attention (GDN) next to the full-attention KV (harness/pd/mamba.py).
+
+    Sizes are the model's, unsharded: each TP rank holds 1/TP of the key and value heads. The
+    KV layout's `num_layers` counts the full-attention layers; every `full_attention_interval`-th
+    model layer is one of them and the others carry this state.
+    """
+
+    full_attention_interval: int = 4
+    num_key_heads: int = 2
+    num_value_heads: int = 4
+    head_k_dim: int = 4
+    head_v_dim: int = 4
+    conv_kernel: int = 4
+    conv_dtype: str = "bfloat16"
+    temporal_dtype: str = "float32"
+
+
+@dataclass(frozen=True)
 class KVLayout:
     """Shape of the KV pool of one rank, as SGLang would register it.
 
@@ -47,6 +66,10 @@ class KVLayout:
     # Mamba-like state: per state tensor one item of `state_item_bytes` per request slot. Empty
     # tuple = no state component (kv_args.state_types == []).
     state_item_bytes: Tuple[int, ...] = ()
+    # Qwen3-Next-shaped hybrid: mamba state sharded over TP like SGLang's MambaPool, registered
+    # with its slice metadata, so prefill and decode TP sizes may differ. Excludes
+    # state_item_bytes; the KV then reports its full-attention layer ids (HybridLinearKVPool).
+    mamba: Optional[HybridMambaShape] = None
     # An MTP/EAGLE draft model's KV layers, registered after the main model's on both sides
     # (KVArgs.num_draft_entries: K and V per draft layer for MHA, one latent buffer for MLA).
     draft_layers: int = 0
@@ -212,6 +235,8 @@ class HarnessConfig:
             raise ValueError("one TP size must divide the other (SGLang's rank mapping needs it)")
         if not lay.mla and lay.total_kv_heads % big:
             raise ValueError(f"{lay.total_kv_heads} KV heads do not split over TP {big}")
+        if lay.mamba is not None:
+            self._validate_mamba(big)
         if lay.state_item_bytes and self.prefill_tp != self.decode_tp:
             # SGLang reslices Mamba state across TP only with per-tensor dim metadata; the harness
             # keeps state to the equal-TP case where each rank's state goes to the same rank.
@@ -244,6 +269,21 @@ class HarnessConfig:
             raise ValueError("chunks must be >= 1")
         if self.start_method not in ("forkserver", "spawn"):
             raise ValueError("start_method must be 'forkserver' or 'spawn'")
+
+    def _validate_mamba(self, big_tp: int) -> None:
+        m = self.layout.mamba
+        if self.layout.state_item_bytes:
+            raise ValueError("layout.mamba and layout.state_item_bytes do not combine")
+        if self.prefill_pp > 1 or self.layout.draft_layers:
+            raise ValueError("the harness's hybrid mamba layout runs without PP and draft layers")
+        if m.num_key_heads % big_tp or m.num_value_heads % big_tp:
+            raise ValueError(f"linear-attention heads ({m.num_key_heads} key, {m.num_value_heads} value) "
+                             f"do not split over TP {big_tp}")
+        if m.full_attention_interval < 2 or m.conv_kernel < 2:
+            raise ValueError("need full_attention_interval >= 2 and conv_kernel >= 2")
+        for dtype in (m.conv_dtype, m.temporal_dtype):
+            if dtype not in DTYPE_SIZES:
+                raise ValueError(f"unsupported state dtype {dtype!r}")
 
     def replace(self, **changes) -> "HarnessConfig":
         return dataclasses.replace(self, **changes)

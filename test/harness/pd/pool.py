@@ -14,6 +14,7 @@ from typing import List, Optional
 import numpy as np
 import torch
 
+from harness.pd import mamba
 from harness.pd import pattern as pat
 from harness.pd.config import HarnessConfig
 from harness.pd.plan import Plan
@@ -65,6 +66,16 @@ class RankPool:
         per_stage = len(lay.state_item_bytes) // self.pp_size
         self.state_layer_ids = list(range(pp_rank * per_stage, (pp_rank + 1) * per_stage))
         self.state = [torch.zeros((st_slots, lay.state_item_bytes[i]), dtype=torch.uint8) for i in self.state_layer_ids]
+        # Qwen3-Next-shaped hybrid: this rank's TP shard of every mamba layer's conv and temporal
+        # state (replaces the layer-per-tensor rows above, which exist only without it).
+        self.mamba_specs = []
+        self.kv_layer_ids: List[int] = []
+        if lay.mamba is not None:
+            attention, _ = mamba.layer_ids(lay.mamba, lay.num_layers)
+            self.kv_layer_ids = attention if lay.mla else attention * 2
+            self.mamba_specs = mamba.state_tensors(lay.mamba, lay.num_layers)
+            self.state_layer_ids = [s.layer for s in self.mamba_specs]
+            self.state = [s.allocate(st_slots, self.tp_size) for s in self.mamba_specs]
 
     def _entry_keys(self, groups: int):
         """(pattern kind, global layer or draft layer) of each KV entry, in kv_data_ptrs order:
@@ -104,6 +115,10 @@ class RankPool:
         """State tensor i of attention-TP rank `prefill_rank` of prefill DP rank `prefill_dp`."""
         return pat.buffer_key(self.cfg.seed, pat.KIND_STATE, i, prefill_dp * 16 + prefill_rank)
 
+    def mamba_positions(self, i: int) -> np.ndarray:
+        """Global positions (along the sliced axis) of mamba state tensor i this rank holds."""
+        return self.mamba_specs[i].positions(self.tp_size, self.attn_rank)
+
     def global_heads(self) -> np.ndarray:
         return np.arange(self.head_offset, self.head_offset + self.heads)
 
@@ -126,7 +141,12 @@ class RankPool:
             view = self.byte_view(t)
             rows = np.arange(view.shape[0])
             view[:] = pat.pattern(self.aux_key(i), rows, np.array([0]), view.shape[1])[:, 0]
-        for i, t in enumerate(self.state):
+        for spec, t in zip(self.mamba_specs, self.state):
+            view = mamba.rows_view(t)
+            rows = np.arange(view.shape[0])
+            positions = spec.positions(self.tp_size, self.attn_rank)
+            view[:] = spec.content(self.cfg.seed, self.dp_rank, rows, positions)
+        for i, t in enumerate([] if self.mamba_specs else self.state):
             view = self.byte_view(t)
             rows = np.arange(view.shape[0])
             key = self.state_key(self.state_layer_ids[i], self.attn_rank, self.dp_rank)
@@ -155,7 +175,9 @@ class RankPool:
         a.kv_data_lens = [t.nbytes for t in self.kv]
         a.kv_item_lens = [t[0].nbytes * ps for t in self.kv]
         a.num_draft_entries = self.num_draft_entries
-        a.kv_layer_ids = []
+        # build_kv_layer_ids: [] for plain pools; HybridLinearKVPool reports its full-attention
+        # layers' global ids (K then V for MHA).
+        a.kv_layer_ids = list(self.kv_layer_ids)
         if self.side == "prefill" and not lay.mla:
             a.kv_head_num = self.heads
             a.total_kv_head_num = lay.total_kv_heads
@@ -172,7 +194,19 @@ class RankPool:
         a.is_hybrid_mla_backend = False
         a.swa_kv_cache_layout = None
         a.mla_compression_ratios = None
-        if self.state:
+        if self.mamba_specs:
+            # setup_state_kv_args for a HybridLinearKVPool: one MAMBA component with MambaPool's
+            # slice metadata, so a peer of another TP size can slice it.
+            a.is_hybrid_mla_backend = lay.mla
+            a.state_types.append(StateType.MAMBA)
+            a.state_data_ptrs.append([t.data_ptr() for t in self.state])
+            a.state_data_lens.append([t.nbytes for t in self.state])
+            a.state_item_lens.append([t[0].nbytes for t in self.state])
+            a.state_dim_per_tensor.append([s.local_dim(self.tp_size) for s in self.mamba_specs])
+            a.state_slice_outer_counts.append([1] * len(self.mamba_specs))
+            a.state_layer_ids.append(list(self.state_layer_ids))
+            a.state_conv_shard_groups.append([mamba.conv_shard_groups(s) for s in self.mamba_specs])
+        elif self.state:
             a.state_types.append(StateType.MAMBA)
             a.state_data_ptrs.append([t.data_ptr() for t in self.state])
             a.state_data_lens.append([t.nbytes for t in self.state])

@@ -17,6 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
+from harness.pd import mamba
 from harness.pd import pattern as pat
 from harness.pd.plan import Plan, RoomPlan
 from harness.pd.pool import RankPool
@@ -100,6 +101,8 @@ def _check_rows(pool: RankPool, room: RoomPlan, out: _Collector) -> int:
         checked += view.shape[1]
         if not np.array_equal(view[room.decode_aux], exp):
             out.bad(f"room#{room.index} aux buffer {i} row {room.decode_aux} differs")
+    if pool.mamba_specs:
+        return checked + _check_mamba(pool, room, out)
     for i, t in enumerate(pool.state):
         view = pool.byte_view(t)
         # Equal TP only (see config): decode rank r holds prefill rank r's state.
@@ -109,6 +112,41 @@ def _check_rows(pool: RankPool, room: RoomPlan, out: _Collector) -> int:
         if not np.array_equal(view[room.decode_state], exp):
             out.bad(f"room#{room.index} state tensor {i} row {room.decode_state} differs")
     return checked
+
+
+def _check_mamba(pool: RankPool, room: RoomPlan, out: _Collector) -> int:
+    """Each mamba tensor's decode slot holds, at every position of this rank's shard, the bytes
+    the prefill computed for that global position of the room's prefill slot (any TP sizes)."""
+    checked = 0
+    slot = np.array([room.prefill_state])
+    for i, (spec, t) in enumerate(zip(pool.mamba_specs, pool.state)):
+        actual = mamba.rows_view(t)[room.decode_state]
+        positions = pool.mamba_positions(i)
+        expected = spec.content(pool.cfg.seed, room.prefill_dp, slot, positions)[0]
+        checked += actual.nbytes
+        bad = ~(actual == expected).all(axis=1)
+        if bad.any():
+            first = int(np.flatnonzero(bad)[0])
+            out.bad(
+                f"room#{room.index} state tensor {i} (layer {spec.layer}, "
+                f"{'conv' if spec.is_conv else 'temporal'}) row {room.decode_state}: {int(bad.sum())} "
+                f"of {len(positions)} positions differ, first global position {positions[first]} "
+                f"holds {_whose_position(pool, spec, room, actual[first])}"
+            )
+    return checked
+
+
+def _whose_position(pool: RankPool, spec, room: RoomPlan, row: np.ndarray) -> str:
+    """Best-effort diagnosis of one wrong position: which global position of the room's prefill
+    slot it holds (a shard cut in the wrong place), or zeros, or something else."""
+    if not row.any():
+        return "zeros (never written)"
+    every = np.arange(sum(spec.groups))
+    cand = spec.content(pool.cfg.seed, room.prefill_dp, np.array([room.prefill_state]), every)[0]
+    hits = np.flatnonzero((cand == row).all(axis=1))
+    if len(hits):
+        return f"the bytes of global position {hits[0]} (wrong shard or sub-block)"
+    return "foreign bytes (other slot, layer or field)"
 
 
 def _check_untouched(pool: RankPool, plan: Plan, rooms: Sequence[RoomPlan], out: _Collector) -> None:
