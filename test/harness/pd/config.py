@@ -43,6 +43,32 @@ class HybridMambaShape:
     temporal_dtype: str = "float32"
 
 
+DEEPSEEK_STATE_TYPES = ("swa", "swa_ring", "c128_state", "request_row", "dsa", "dsa_tail")
+
+
+@dataclass(frozen=True)
+class DeepSeekStateSpec:
+    """One DeepSeek-V4 / V3.2 state component (an entry of KVArgs.state_types) of an MLA model,
+    whole on every TP rank; one tensor per entry of `item_bytes` (one per layer), registered after
+    any mamba state. See ds_state.py for how each type's items are addressed.
+
+    `item_bytes` is the bytes of one item: a SWA page (swa), a DSA index page (dsa), a ring row
+    (swa_ring), a c128 ring page (c128_state), a request row (request_row), or one slot of the
+    DSA tail ring (dsa_tail: SGLang's item is the whole ring row, `ring` slots of it).
+    `window`: SWA window in tokens (swa, swa_ring). `ring`: ring rows per request (swa_ring),
+    ring size in tokens (c128_state), tail ring slots (dsa_tail). `ratio`: c128 compression ratio
+    (c128_state), index_kpool (dsa_tail). `decode_ring`: decode's ring when it differs (a
+    positional match: SGLang adds tail slots for speculative decoding on one side only).
+    """
+
+    state_type: str
+    item_bytes: Tuple[int, ...] = (24, 40)
+    window: int = 0
+    ring: int = 0
+    ratio: int = 0
+    decode_ring: Optional[int] = None
+
+
 @dataclass(frozen=True)
 class KVLayout:
     """Shape of the KV pool of one rank, as SGLang would register it.
@@ -73,6 +99,8 @@ class KVLayout:
     # An MTP/EAGLE draft model's KV layers, registered after the main model's on both sides
     # (KVArgs.num_draft_entries: K and V per draft layer for MHA, one latent buffer for MLA).
     draft_layers: int = 0
+    # DeepSeek-V4 / V3.2 state components (MLA only), in registration order after mamba state.
+    deepseek_state: Tuple[DeepSeekStateSpec, ...] = ()
 
     @property
     def itemsize(self) -> int:
@@ -241,6 +269,8 @@ class HarnessConfig:
             # SGLang reslices Mamba state across TP only with per-tensor dim metadata; the harness
             # keeps state to the equal-TP case where each rank's state goes to the same rank.
             raise ValueError("state buffers need prefill_tp == decode_tp")
+        for spec in lay.deepseek_state:
+            _validate_deepseek_state(spec, lay, self.prefill_pp)
         if any(not 0 <= i < self.rooms or n < 0 for i, n in self.decode_prefix):
             raise ValueError("decode_prefix must name rooms of the plan with a page count >= 0")
         if self.decode_instances < 1:
@@ -287,3 +317,24 @@ class HarnessConfig:
 
     def replace(self, **changes) -> "HarnessConfig":
         return dataclasses.replace(self, **changes)
+
+
+def _validate_deepseek_state(spec: DeepSeekStateSpec, lay: KVLayout, prefill_pp: int) -> None:
+    if spec.state_type not in DEEPSEEK_STATE_TYPES:
+        raise ValueError(f"deepseek_state type must be one of {DEEPSEEK_STATE_TYPES}, got {spec.state_type!r}")
+    if not lay.mla:
+        # These types are whole on every rank only on an MLA model; elsewhere their sharding differs.
+        raise ValueError("deepseek_state needs an MLA layout")
+    if prefill_pp > 1:
+        raise ValueError("deepseek_state under prefill PP is not modelled (no layer ids)")
+    if not spec.item_bytes or min(spec.item_bytes) < 1:
+        raise ValueError("deepseek_state item_bytes must be positive, one per tensor")
+    rings = [spec.ring] + ([] if spec.decode_ring is None else [spec.decode_ring])
+    if spec.state_type in ("swa", "swa_ring") and spec.window < 1:
+        raise ValueError(f"{spec.state_type} needs window >= 1")
+    if spec.state_type == "swa_ring" and min(rings) < spec.window:
+        raise ValueError("swa_ring rows per request must hold the window")
+    if spec.state_type == "c128_state" and (spec.ratio < 1 or any(r < spec.ratio or r % spec.ratio for r in rings)):
+        raise ValueError("c128_state needs a ring that is a positive multiple of ratio")
+    if spec.state_type == "dsa_tail" and (spec.ratio < 2 or min(rings) < spec.ratio):
+        raise ValueError("dsa_tail needs index_kpool (ratio) > 1 and tail rings of at least that many slots")

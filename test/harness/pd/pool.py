@@ -17,6 +17,7 @@ import torch
 from harness.pd import mamba
 from harness.pd import pattern as pat
 from harness.pd.config import HarnessConfig
+from harness.pd.ds_state import DeepSeekState
 from harness.pd.plan import Plan
 
 _FILL_SLOTS = 4096  # bound the temporary hash arrays while filling a large pool
@@ -66,6 +67,8 @@ class RankPool:
         per_stage = len(lay.state_item_bytes) // self.pp_size
         self.state_layer_ids = list(range(pp_rank * per_stage, (pp_rank + 1) * per_stage))
         self.state = [torch.zeros((st_slots, lay.state_item_bytes[i]), dtype=torch.uint8) for i in self.state_layer_ids]
+        # DeepSeek-V4 / V3.2 state components (ds_state.py), registered after the mamba state.
+        self.deepseek_state = DeepSeekState(cfg, plan, side)
         # Qwen3-Next-shaped hybrid: this rank's TP shard of every mamba layer's conv and temporal
         # state (replaces the layer-per-tensor rows above, which exist only without it).
         self.mamba_specs = []
@@ -151,6 +154,7 @@ class RankPool:
             rows = np.arange(view.shape[0])
             key = self.state_key(self.state_layer_ids[i], self.attn_rank, self.dp_rank)
             view[:] = pat.pattern(key, rows, np.array([0]), view.shape[1])[:, 0]
+        self.deepseek_state.fill(self.dp_rank)
 
     # -- SGLang registration -------------------------------------------------------------------
 
@@ -215,11 +219,11 @@ class RankPool:
             a.state_slice_outer_counts.append([])
             a.state_layer_ids.append(list(self.state_layer_ids))
             a.state_conv_shard_groups.append([])
+        self.deepseek_state.register(a)
         return a
 
     def state_indices(self, slot: int) -> List:
         """state_indices as the scheduler builds them: one entry per state component."""
-        if not self.state:
-            return []
         # _mamba_payload: a list holding the request's Mamba slot as a numpy array.
-        return [[np.array(slot, dtype=np.int32)]]
+        out = [[np.array(slot, dtype=np.int32)]] if self.state else []
+        return out + (self.deepseek_state.indices(slot) if self.deepseek_state else [])

@@ -89,6 +89,9 @@ class RankReport:
     # Ours: the manager's debug_snapshot() once every room of the rank finished (entries each
     # per-room table still holds; SGLang's request_status is empty once every room was cleared).
     tables: Optional[Dict[str, int]] = None
+    # Ours on softio: this rank's engine key, the decode engines it opened sessions to (prefill) and
+    # the prefill engines connected to it (decode), at the end of its rooms (engine_contacts.py).
+    engine_contacts: Optional[dict] = None
 
 
 @dataclass

@@ -17,6 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
+from harness.pd import ds_state
 from harness.pd import mamba
 from harness.pd import pattern as pat
 from harness.pd.plan import Plan, RoomPlan
@@ -111,6 +112,8 @@ def _check_rows(pool: RankPool, room: RoomPlan, out: _Collector) -> int:
         checked += view.shape[1]
         if not np.array_equal(view[room.decode_state], exp):
             out.bad(f"room#{room.index} state tensor {i} row {room.decode_state} differs")
+    if pool.deepseek_state:
+        checked += ds_state.check_room(pool, room, out.bad)
     return checked
 
 
@@ -168,6 +171,8 @@ def _check_untouched(pool: RankPool, plan: Plan, rooms: Sequence[RoomPlan], out:
             dirty = [r for r in free if view[r].any()]
             if dirty:
                 out.bad(f"{name} buffer {i}: unassigned rows {dirty[:5]} were written")
+    if pool.deepseek_state:
+        ds_state.check_untouched(pool, rooms, out.bad)
 
 
 def verify_decode(

@@ -196,6 +196,7 @@ def _run_rank(
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
     from harness.pd.decode import run_decode_rooms
+    from harness.pd.engine_contacts import engine_contacts
     from harness.pd.plan import build_plan, rooms_of_rank
     from harness.pd.pool import RankPool
     from harness.pd.prefill import run_prefill_rooms
@@ -269,6 +270,7 @@ def _run_rank(
     report.cpu_s = time.process_time() - cpu0
     if side == "prefill":
         report.engine_path = _engine_path(mgr)
+    report.engine_contacts = engine_contacts(mgr)
     done = [o.t_done for o in report.rooms if o.t_done is not None]
     report.t_last_done = max(done) if done else None
     if side == "decode" and cfg.verify:

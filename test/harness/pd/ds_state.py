@@ -1,0 +1,206 @@
+"""DeepSeek-V4 and V3.2 state components of one harness rank (KVLayout.deepseek_state).
+
+Each component is registered the way SGLang's `setup_state_kv_args` registers the pool's buffers
+(one tensor per layer, item lengths, no layer ids) and each request's indices are the ones
+prefill.py / decode.py compute for it (`_swa_payload`, `_dsa_pages_payload`, `_swa_ring_payload`,
+`_request_state_payload`, `_request_row_payload`, `_dsa_tail_payload`), from the room's token
+count, its pages, its request slot (the plan's state slot stands for req_pool_idx) and decode's
+cached prefix:
+
+- swa: SWA pages of the window's tokens [floor_page(max(prefix, seq - window)), seq), through a
+  per-side KV page -> SWA page map (SGLang's translate_swa_indices_for_transfer);
+- dsa: the KV pages after decode's cached prefix (the indexer shares the KV page ids);
+- swa_ring: one row per position of the last `window` tokens, slot * ring + pos % ring;
+- c128_state: the ring page holding the pending partial block, none at a block boundary;
+- request_row: the request's row;
+- dsa_tail: SGLang's 6-tuple [row, start, count, 0, count2, ring] for the seq % index_kpool live
+  tokens of the tail ring, or [] when none are live.
+
+Every tensor is cut into "units" (an item, or one ring slot for dsa_tail), and every request's
+units come out in position order on both sides, so prefill unit i of a room belongs on decode
+unit i of that room whatever the two sides' slots and ring sizes. Prefill fills every unit with
+the pattern keyed by (component, tensor, prefill DP rank) and the prefill unit; the state is whole
+on every TP rank of an MLA model, so all TP ranks of a DP rank hold the same bytes, as in SGLang.
+Decode checks each succeeded room unit for unit and that no unit outside its rooms was written.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+import numpy as np
+import torch
+
+from harness.pd import pattern as pat
+from harness.pd.config import DeepSeekStateSpec, HarnessConfig
+from harness.pd.plan import Plan, RoomPlan
+
+KIND_BASE = 32  # pattern kinds of these tensors: KIND_BASE + component (pattern.py uses 1..8)
+_FILL_UNITS = 8192
+
+
+def ring_of(spec: DeepSeekStateSpec, side: str) -> int:
+    if side == "decode" and spec.decode_ring is not None:
+        return spec.decode_ring
+    return spec.ring
+
+
+def swa_page_map(cfg: HarnessConfig, plan: Plan, side: str) -> np.ndarray:
+    """KV page -> SWA page of one side: a seeded permutation (page 0, the padding page, stays 0),
+    so SWA indices differ from the KV pages as they do in SGLang's SWA pools."""
+    pages = plan.prefill_pool_pages if side == "prefill" else plan.decode_pool_pages
+    rng = np.random.Generator(np.random.PCG64(cfg.seed + (11 if side == "prefill" else 13)))
+    return np.concatenate([[0], 1 + rng.permutation(pages - 1)]).astype(np.int64)
+
+
+class ComponentGeometry:
+    """Where one component's units of a room are on one side, and the indices SGLang sends."""
+
+    def __init__(self, spec: DeepSeekStateSpec, cfg: HarnessConfig, plan: Plan, side: str):
+        self.spec, self.side, self.ps = spec, side, cfg.layout.page_size
+        self.ring = ring_of(spec, side)
+        slots = plan.prefill_state_slots if side == "prefill" else plan.decode_state_slots
+        pool_pages = plan.prefill_pool_pages if side == "prefill" else plan.decode_pool_pages
+        kind = spec.state_type
+        self.swa_map = swa_page_map(cfg, plan, side) if kind == "swa" else None
+        self.units_per_item = self.ring if kind == "dsa_tail" else 1
+        if kind in ("swa", "dsa"):
+            self.num_units = pool_pages
+        elif kind in ("swa_ring", "dsa_tail"):
+            self.num_units = slots * self.ring
+        elif kind == "c128_state":
+            self.num_units = slots * (self.ring // spec.ratio)
+        else:  # request_row
+            self.num_units = slots
+
+    def _slot(self, room: RoomPlan) -> int:
+        return room.prefill_state if self.side == "prefill" else room.decode_state
+
+    def _pages(self, room: RoomPlan) -> np.ndarray:
+        return (room.prefill_pages if self.side == "prefill" else room.decode_pages).astype(np.int64)
+
+    def units(self, room: RoomPlan) -> np.ndarray:
+        """This side's units of the room, in position order (int64)."""
+        spec, seq, slot = self.spec, room.tokens, self._slot(room)
+        kind = spec.state_type
+        if kind == "swa":
+            start = max(room.prefix_pages * self.ps, seq - spec.window) // self.ps * self.ps
+            return self.swa_map[self._pages(room)[start // self.ps : -(-seq // self.ps)]]
+        if kind == "dsa":
+            return self._pages(room)[room.prefix_pages :]
+        if kind == "swa_ring":
+            positions = np.arange(max(0, seq - spec.window), seq, dtype=np.int64)
+            return slot * self.ring + positions % self.ring
+        if kind == "c128_state":
+            if seq % spec.ratio == 0:
+                return np.zeros(0, dtype=np.int64)
+            per_request = self.ring // spec.ratio
+            return np.array([slot * per_request + ((seq - 1) % self.ring) // spec.ratio], dtype=np.int64)
+        if kind == "request_row":
+            return np.array([slot], dtype=np.int64)
+        live = seq % spec.ratio  # dsa_tail: tokens since the last full index_kpool group
+        positions = np.arange(seq - live, seq, dtype=np.int64)
+        return slot * self.ring + positions % self.ring
+
+    def indices(self, room: RoomPlan):
+        """The state indices SGLang's scheduler sends for this component and room."""
+        kind = self.spec.state_type
+        if kind == "dsa_tail":
+            live = room.tokens % self.spec.ratio
+            if live == 0:
+                return []  # get_dsa_tail_state_indices: nothing live, nothing sent
+            start = (room.tokens - live) % self.ring
+            first = min(live, self.ring - start)
+            return [self._slot(room), start, first, 0, live - first, self.ring]
+        units = self.units(room)
+        return units.astype(np.int32)
+
+
+class DeepSeekState:
+    """The DeepSeek state tensors of one rank (empty when the layout has none)."""
+
+    def __init__(self, cfg: HarnessConfig, plan: Plan, side: str):
+        self.cfg, self.plan, self.side = cfg, plan, side
+        self.specs = cfg.layout.deepseek_state
+        self.geometry = [ComponentGeometry(s, cfg, plan, side) for s in self.specs]
+        self.tensors: List[List[torch.Tensor]] = [
+            [torch.zeros((g.num_units, b), dtype=torch.uint8) for b in s.item_bytes]
+            for s, g in zip(self.specs, self.geometry)
+        ]
+        # The scheduler hands state_indices a request slot; the harness finds the room by it.
+        self._room_by_slot: Dict[int, RoomPlan] = {
+            (r.prefill_state if side == "prefill" else r.decode_state): r for r in plan.rooms
+        }
+
+    def __bool__(self) -> bool:
+        return bool(self.specs)
+
+    @staticmethod
+    def key(cfg: HarnessConfig, component: int, tensor: int, prefill_dp: int) -> int:
+        return pat.buffer_key(cfg.seed, KIND_BASE + component, tensor, prefill_dp)
+
+    def fill(self, dp_rank: int) -> None:
+        for c, tensors in enumerate(self.tensors):
+            for t, tensor in enumerate(tensors):
+                view, key = tensor.numpy(), self.key(self.cfg, c, t, dp_rank)
+                for start in range(0, view.shape[0], _FILL_UNITS):
+                    rows = np.arange(start, min(start + _FILL_UNITS, view.shape[0]))
+                    view[rows] = pat.pattern(key, rows, np.array([0]), view.shape[1])[:, 0]
+
+    def register(self, kv_args) -> None:
+        """Append one state component per spec to kv_args, as append_state_component does."""
+        from sglang.srt.disaggregation.base.conn import StateType
+
+        for spec, geo, tensors in zip(self.specs, self.geometry, self.tensors):
+            kv_args.state_types.append(StateType(spec.state_type))
+            kv_args.state_data_ptrs.append([t.data_ptr() for t in tensors])
+            kv_args.state_data_lens.append([t.nbytes for t in tensors])
+            kv_args.state_item_lens.append([t[0].nbytes * geo.units_per_item for t in tensors])
+            kv_args.state_dim_per_tensor.append([])
+            kv_args.state_slice_outer_counts.append([])
+            kv_args.state_layer_ids.append([])
+            kv_args.state_conv_shard_groups.append([])
+
+    def indices(self, slot: int) -> list:
+        room = self._room_by_slot[int(slot)]
+        return [g.indices(room) for g in self.geometry]
+
+
+def check_room(pool, room: RoomPlan, bad) -> int:
+    """Decode: every unit of the room holds prefill's unit of the same position; bytes checked."""
+    state: DeepSeekState = pool.deepseek_state
+    checked = 0
+    for c, (spec, geo) in enumerate(zip(state.specs, state.geometry)):
+        src = ComponentGeometry(spec, pool.cfg, state.plan, "prefill")
+        p_units, d_units = src.units(room), geo.units(room)
+        if len(p_units) != len(d_units):
+            bad(f"room#{room.index} {spec.state_type}: harness plans {len(p_units)} prefill and {len(d_units)} decode units")
+            continue
+        for t, tensor in enumerate(state.tensors[c]):
+            view = tensor.numpy()
+            want = pat.pattern(state.key(pool.cfg, c, t, room.prefill_dp), p_units, np.array([0]), view.shape[1])[:, 0]
+            got = view[d_units]
+            checked += got.nbytes
+            wrong = np.flatnonzero(~(got == want).all(axis=1))
+            if len(wrong):
+                i = int(wrong[0])
+                what = "zeros (never written)" if not got[i].any() else "foreign bytes"
+                bad(
+                    f"room#{room.index} {spec.state_type} (state component {c}) tensor {t}: {len(wrong)} of "
+                    f"{len(d_units)} units differ; decode unit {d_units[i]} (prefill unit {p_units[i]}) holds {what}"
+                )
+    return checked
+
+
+def check_untouched(pool, rooms, bad) -> None:
+    """Decode: units no room of this rank uses are still zero."""
+    state: DeepSeekState = pool.deepseek_state
+    for c, (spec, geo) in enumerate(zip(state.specs, state.geometry)):
+        used = np.zeros(geo.num_units, dtype=bool)
+        for room in rooms:
+            used[geo.units(room)] = True
+        for t, tensor in enumerate(state.tensors[c]):
+            dirty = np.flatnonzero(tensor.numpy()[~used].any(axis=1))
+            if len(dirty):
+                unit = int(np.flatnonzero(~used)[dirty[0]])
+                bad(f"{spec.state_type} (state component {c}) tensor {t}: {len(dirty)} unassigned units written, e.g. {unit}")
