@@ -19,6 +19,7 @@ import pytest
 from integration_support import config
 
 from harness.pd.plan import build_plan
+from harness.pd.results import SUCCESS
 from harness.pd.run import KVLayout, RoomShape
 
 CASES = {
@@ -77,3 +78,42 @@ def test_deepseek_shaped_prefill_tp2_into_dp_attention_decode(run_clean):
     assert {r.decode_dp for r in plan.rooms} == {0, 1}
     assert sorted(len(r.rooms) for r in result.side("prefill")) == [16, 16]
     assert {(r.dp_rank, r.rank) for r in result.side("decode")} == {(0, 0), (1, 1)}
+
+
+def test_deepseek_shaped_prefill_tp4_into_dp_attention_decode(run_clean):
+    # The DeepSeek-V3/R1 deployment at small scale: MLA with an MTP layer, prefill TP 4 into a
+    # decode with DP attention (2 DP ranks of attention TP 1; 6 rank processes). Each decode DP
+    # rank fetches all four prefill ranks (SGLang's target_tp_ranks [0..3]): prefill rank 0 sends
+    # the replicated latent KV, draft KV and aux, ranks 1-3 are MLA dummies that conclude with
+    # Success on their own. Issue 11 item 9: a dummy writes nothing and opens no engine session
+    # to decode, seen from both ends: prefill's sessions, and decode's inbound connections (a
+    # write needs one).
+    # (get_transfer_metric is no evidence: SGLang's CommonKVSender estimates it from the indices
+    # it was given, so a dummy rank reports the bytes of the pages it never sends.)
+    layout = KVLayout(num_layers=2, mla=True, head_dim=72, page_size=16, draft_layers=1, state_item_bytes=())
+    cfg = config(
+        rooms=8,
+        prefill_tp=4,
+        decode_dp=2,
+        layout=layout,
+        shape=RoomShape(min_tokens=1, max_tokens=2 * layout.page_size + 5, chunks=2),
+        record_statuses=True,
+    )
+    result = run_clean(cfg)
+    summary = result.summary()
+    assert {r.decode_dp for r in build_plan(cfg).rooms} == {0, 1}
+    prefill = {r.rank: r for r in result.side("prefill")}
+    decode = {r.dp_rank: r for r in result.side("decode")}
+    assert sorted(prefill) == [0, 1, 2, 3] and sorted(decode) == [0, 1], summary
+    assert all(len(r.rooms) == cfg.rooms for r in prefill.values()), summary
+    decode_keys = sorted(r.engine_contacts["key"] for r in decode.values())
+    assert prefill[0].engine_contacts["sessions"] == decode_keys, summary
+    for rank in (1, 2, 3):
+        assert prefill[rank].engine_contacts["sessions"] == [], (rank, prefill[rank].engine_contacts)
+    for rep in decode.values():
+        assert rep.engine_contacts["inbound"] == [prefill[0].engine_contacts["key"]], rep.engine_contacts
+        for o in rep.rooms:
+            # Decode waits for one response (MLA): rank 0's Success, with aux. The dummies end
+            # their rooms on their own (every prefill rank polled Success: run_clean) and tell
+            # decode nothing.
+            assert rep.statuses[o.index] == [(0, SUCCESS, True)], rep.statuses[o.index]
