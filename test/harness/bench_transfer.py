@@ -124,7 +124,7 @@ def _engine_path(label: str, result) -> str:
     if seen:
         return ",".join(sorted(seen))
     # The built-in backend's engine is softio too (through the shim): same path rule as ours.
-    return "softio (intra-host)" if os.environ.get("SGLANG_MORI_SOFTIO_FORCE_TCP") == "0" else "softio-tcp"
+    return "softio-tcp" if os.environ.get("SGLANG_MORI_SOFTIO_FORCE_TCP") == "1" else "softio (intra-host)"
 
 
 def _ops_per_chunk(args, label: str) -> int:

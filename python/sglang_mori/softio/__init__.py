@@ -2,7 +2,7 @@
 
 It moves bytes between registered host memory of different processes over TCP, or, between
 engines on one host, by cross-memory attach (softio.intrahost, the counterpart of MORI's XGMI
-route; opt-in with SGLANG_MORI_SOFTIO_FORCE_TCP=0), with MORI-IO's semantics (one-sided writes and
+route; SGLANG_MORI_SOFTIO_FORCE_TCP=1 keeps TCP), with MORI-IO's semantics (one-sided writes and
 reads, lanes like QPs, lazy first contact, status lifecycle, wait_all, peer failures), so code
 written against `mori.io` runs unchanged on a CPU-only machine.
 Test helpers live in `softio.faults` (fault injection) and `softio.write_log` (target write log).

@@ -71,11 +71,9 @@ class FabricBackendConfig(BackendConfig):
         self.num_events = num_events
 
 
-# softio's own switch: 1 (the default) keeps every peer on TCP lanes, even on this host; 0 lets a
-# peer on this host use intra-host lanes (see intrahost.py). Default TCP for now: with intra-host
-# lanes, a peer killed mid-transfer sometimes leaves writes that never turn terminal (seen in
-# test_peer_death / test_reliability_peer_death, about one run in three), so the path stays opt-in
-# until that is found.
+# softio's own switch: 1 keeps every peer on TCP lanes, even on this host; 0 (the default) lets a
+# peer on this host use intra-host lanes (see intrahost.py), as MORI routes a pair on one node
+# over XGMI.
 FORCE_TCP_ENV = "SGLANG_MORI_SOFTIO_FORCE_TCP"
 
 # MORI's defaults for the per-QP limits and the control plane.
@@ -133,5 +131,5 @@ def resolve_lane_settings(config: RdmaBackendConfig) -> LaneSettings:
         max_sge=max(1, min(max_sge, DEFAULT_MAX_SGE)),
         sq_backoff_s=_env_int("MORI_IO_SQ_BACKOFF_TIMEOUT_US", DEFAULT_SQ_BACKOFF_US) / 1e6,
         cp_timeout_s=(cp_ms / 1000.0) if cp_ms > 0 else None,
-        force_tcp=_env_bool(FORCE_TCP_ENV, True),
+        force_tcp=_env_bool(FORCE_TCP_ENV, False),
     )

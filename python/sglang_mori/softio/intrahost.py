@@ -2,7 +2,7 @@
 
 Chosen per peer at first contact, as MORI picks XGMI for a pair on one node: when the peer's
 EngineDesc has this engine's node id (MORI_NODE_ID, else the kernel boot id) and both engines
-set SGLANG_MORI_SOFTIO_FORCE_TCP=0 (the default is 1, TCP: see config.py for why), the lanes to that peer are dialed as intra-host lanes. Each
+leave SGLANG_MORI_SOFTIO_FORCE_TCP unset (or 0), the lanes to that peer are dialed as intra-host lanes. Each
 lane's hello carries the initiator's pid and the address and value of a random token; the target
 reads the token back with process_vm_readv and writes it again with process_vm_writev. Only when
 both work (same uid and no ptrace restriction, the same pid namespace) does it accept; otherwise
