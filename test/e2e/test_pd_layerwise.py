@@ -4,9 +4,10 @@ A second PD deployment (prefill + decode + router, our plugin on softio) runs wi
 streaming on and every request eligible (SGLANG_MORI_LAYERWISE_MIN_TOKENS=1); its greedy outputs
 must be token-identical to the shared standalone server's, for single-chunk prompts (no chunked
 prefill at work), prompts of several chunks (--chunked-prefill-size 64), concurrent batches and a
-radix-cache prefix hit. The overlap scheduler cannot run on a CPU prefill (SGLang records a CUDA
-event for its early prefix send), so these runs use SGLang's normal loop; the launch order of the
-overlap scheduler is covered by the unit and in-process tests.
+radix-cache prefix hit. The prefill runs SGLang's overlap scheduler (chunk k+1 is launched before
+chunk k's result is processed): SGLang records a CUDA event for its early send of radix-cached
+pages, which the test-only plugin harness/cpu_hooks makes unnecessary on CPU, where the forward is
+synchronous (see its README); every other step of the overlap scheduler is SGLang's own.
 
 Proof of overlap: the test-only probe plugin (harness/layerwise_probe) records, on prefill, when each
 extend batch's forward started and ended, and dumps decode's softio write log; CLOCK_MONOTONIC is
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import time
 from pathlib import Path
 
@@ -39,15 +39,14 @@ PROBE = Path(__file__).resolve().parents[1] / "harness" / "layerwise_probe"
 def layerwise_pd(e2e_backend, server_options, tmp_path_factory):
     probe_dir = tmp_path_factory.mktemp("layerwise-probe")
     log_dir = tmp_path_factory.mktemp("layerwise-logs")
-    paths = [str(PROBE), str(launch.CPU_STUBS)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
     env = {
         "SGLANG_MORI_LAYERWISE": "on",
         "SGLANG_MORI_LAYERWISE_MIN_TOKENS": "1",
         "SGLANG_MORI_SOFTIO_RECORD_WRITES": "1",
         "SGLANG_MORI_PROBE_DIR": str(probe_dir),
-        "PYTHONPATH": os.pathsep.join(paths),
+        "PYTHONPATH": launch.plugin_pythonpath(PROBE, launch.CPU_HOOKS),
     }
-    opts = dataclasses.replace(server_options, extra_args=["--enable-metrics"])
+    opts = dataclasses.replace(server_options, extra_args=["--enable-metrics"], prefill_overlap=True)
     pd = PDDeployment(opts, e2e_backend, log_dir, env=env)
     try:
         pd.start()
@@ -73,6 +72,11 @@ def _compare(standalone, pd, prompts, concurrency=1):
                   for i, (o, r) in enumerate(zip(ours, refs)) if o.output_ids != r.output_ids]
     assert not mismatches, f"{len(mismatches)}/{len(prompts)} layer-wise outputs differ:\n" + "\n".join(mismatches)
     return ours
+
+
+def test_prefill_runs_the_overlap_scheduler(layerwise_pd):
+    info = client.get_json(f"{layerwise_pd.prefill_url}/get_server_info")
+    assert info["disable_overlap_schedule"] is False, {k: v for k, v in info.items() if "overlap" in k}
 
 
 def test_layerwise_outputs_match_standalone(standalone, layerwise_pd):

@@ -24,6 +24,17 @@ HOST = "127.0.0.1"
 # `mooncake_tcp` is Mooncake over TCP, the CPU-capable reference used to validate the harness.
 BACKENDS = ("mori", "mori_builtin", "mooncake_tcp")
 MORI_SHIM = Path(__file__).resolve().parent / "mori_shim"
+# Test-only SGLang plugin that lets the prefill overlap scheduler and TP > 1 (gloo) run on CPU
+# (cpu_hooks/README.md); a server loads it only with this directory on PYTHONPATH.
+CPU_HOOKS = Path(__file__).resolve().parent / "cpu_hooks"
+
+
+def plugin_pythonpath(*plugin_dirs: Path) -> str:
+    """PYTHONPATH for servers that load test-only plugins: the plugins, the CPU stubs, the caller's."""
+    paths = [str(d) for d in plugin_dirs] + [str(CPU_STUBS)]
+    if os.environ.get("PYTHONPATH"):
+        paths.append(os.environ["PYTHONPATH"])
+    return os.pathsep.join(paths)
 
 
 @dataclass
@@ -35,6 +46,8 @@ class ServerOptions:
     max_total_tokens: int = 8192
     extra_env: Dict[str, str] = field(default_factory=dict)
     extra_args: List[str] = field(default_factory=list)
+    # Run the prefill with SGLang's overlap scheduler; needs CPU_HOOKS on the servers' PYTHONPATH.
+    prefill_overlap: bool = False
 
 
 # Ports we hand out: above SGLang's own pick range for internal ports (22000-29999, see
@@ -146,10 +159,11 @@ def prefill_argv(opts: ServerOptions, port: int, bootstrap_port: int, backend: s
         "--disaggregation-mode", "prefill",
         "--disaggregation-transfer-backend", sglang_backend_flag(backend),
         "--disaggregation-bootstrap-port", str(bootstrap_port),
+    ] + ([] if opts.prefill_overlap else [
         # The overlap scheduler records a torch.cuda.Event on a radix-cache prefix hit (prefill.py,
-        # maybe_send_cached_prefix_chunk), which fails without CUDA.
+        # maybe_send_cached_prefix_chunk), which fails without CUDA; CPU_HOOKS makes it run on CPU.
         "--disable-overlap-schedule",
-    ]
+    ])
 
 
 def decode_argv(opts: ServerOptions, port: int, backend: str) -> List[str]:
