@@ -1,7 +1,8 @@
 """The harness's Qwen3-Next-shaped mamba state, without processes: each rank's tensors hold the
-TP shard SGLang's MambaPool holds, and the byte checker catches a wrong shard, a conv state cut
-without its q/k/v sub-blocks, a missing head and a stray write, so test_hybrid_mamba_tp.py
-cannot pass by looking away.
+TP shard SGLang's MambaPool holds (Qwen3-Next's GDN layout, Kimi-Linear's transposed conv, a
+replicated slot sibling), and the byte checker catches a wrong shard, a conv state cut without
+its q/k/v sub-blocks or on the wrong axis, a missing head or replica and a stray write, so
+test_hybrid_mamba_tp.py cannot pass by looking away.
 
 The reference here does not use the harness's position arithmetic: it takes the unsharded model
 (a TP 1 pool) and shards it with torch split/chunk, as SGLang's weights are sharded (each of q,
@@ -20,19 +21,27 @@ from harness.pd.results import SUCCESS, RankReport, RoomOutcome
 from harness.pd.verify import verify_decode
 
 SHAPE = HybridMambaShape(num_key_heads=2, num_value_heads=4, head_k_dim=4, head_v_dim=2, conv_kernel=4)
+# Kimi-Linear's conv [K-1, v | k | k] and a short-conv sibling whole on every rank.
+KIMI = HybridMambaShape(num_key_heads=2, num_value_heads=4, head_k_dim=2, head_v_dim=2, conv_kernel=3,
+                        kimi=True, replicated_conv=True)
 LAYOUT = KVLayout(num_layers=2, total_kv_heads=2, head_dim=8, page_size=4, mamba=SHAPE)
 TP_PAIRS = [(1, 2), (2, 1)]
+SHAPES = {"qwen3_next": SHAPE, "kimi_linear": KIMI}
 
 
-def _cfg(prefill_tp: int, decode_tp: int) -> HarnessConfig:
-    return HarnessConfig(rooms=6, layout=LAYOUT, prefill_tp=prefill_tp, decode_tp=decode_tp,
-                         shape=RoomShape(1, 20, chunks=2))
+def _cfg(prefill_tp: int, decode_tp: int, shape: HybridMambaShape = SHAPE) -> HarnessConfig:
+    return HarnessConfig(rooms=6, layout=KVLayout(num_layers=2, total_kv_heads=2, head_dim=8, page_size=4, mamba=shape),
+                         prefill_tp=prefill_tp, decode_tp=decode_tp, shape=RoomShape(1, 20, chunks=2))
 
 
 def _shard(full: torch.Tensor, spec, tp: int, rank: int) -> torch.Tensor:
-    """SGLang's TP shard of one unsharded state row [positions, ...]: every sub-block chunked."""
-    blocks = torch.split(full, list(spec.groups), dim=0)
-    return torch.cat([torch.chunk(b, tp, dim=0)[rank] for b in blocks], dim=0)
+    """SGLang's TP shard of one unsharded state row: every sub-block of the sliced axis (the
+    first per-slot axis, Kimi's conv the second) chunked on its own; replicated: whole."""
+    if spec.replicated:
+        return full.clone()
+    axis = 1 if spec.outer > 1 else 0
+    blocks = torch.split(full, list(spec.groups), dim=axis)
+    return torch.cat([torch.chunk(b, tp, dim=axis)[rank] for b in blocks], dim=axis)
 
 
 def _whole(cfg: HarnessConfig, plan) -> RankPool:
@@ -42,9 +51,9 @@ def _whole(cfg: HarnessConfig, plan) -> RankPool:
     return whole
 
 
-def _transferred(prefill_tp: int, decode_tp: int):
+def _transferred(prefill_tp: int, decode_tp: int, shape: HybridMambaShape = SHAPE):
     """Decode pools of every rank after a correct transfer, done by hand from the whole model."""
-    cfg = _cfg(prefill_tp, decode_tp)
+    cfg = _cfg(prefill_tp, decode_tp, shape)
     plan = build_plan(cfg)
     whole = _whole(cfg, plan)
     ps = cfg.layout.page_size
@@ -91,8 +100,23 @@ def test_registered_like_sglangs_mamba_pool():
     assert a.state_item_lens == [[12 * 3 * 2] * 6 + [2 * 2 * 4 * 4] * 6]
 
 
-def test_prefill_shards_are_sglangs_q_k_v_head_shards():
-    cfg = _cfg(2, 1)
+def test_kimi_linear_registered_like_sglangs_mamba_pool_and_its_sibling():
+    cfg = _cfg(1, 2, KIMI)
+    pool = RankPool(cfg, build_plan(cfg), "decode", 0)
+    from sglang.srt.disaggregation.base.conn import KVArgs
+
+    a = pool.kv_args(KVArgs)
+    assert a.state_layer_ids == [[0, 1, 2, 4, 5, 6] * 3]  # conv, temporal, then the sibling's
+    # conv [K-1 = 2, (8 + 4 + 4) / 2], temporal 4 heads / 2, short conv whole (dim 0).
+    assert a.state_dim_per_tensor == [[8] * 6 + [2] * 6 + [0] * 6]
+    assert a.state_slice_outer_counts == [[2] * 6 + [1] * 12]
+    assert a.state_conv_shard_groups == [[[8, 4, 4]] * 6 + [None] * 12]
+    assert pool.state[0].shape[1:] == (2, 8) and pool.state[12].shape[1:] == (8, 2)
+
+
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_prefill_shards_are_sglangs_q_k_v_head_shards(shape):
+    cfg = _cfg(2, 1, shape)
     plan = build_plan(cfg)
     whole = _whole(cfg, plan)
     for rank in range(2):
@@ -106,9 +130,10 @@ def test_prefill_shards_are_sglangs_q_k_v_head_shards():
         assert not torch.equal(conv.view(torch.uint8), torch.chunk(full, 2, dim=0)[rank].view(torch.uint8))
 
 
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
 @pytest.mark.parametrize("prefill_tp,decode_tp", TP_PAIRS, ids=["tp1to2", "tp2to1"])
-def test_checker_accepts_a_correct_transfer(prefill_tp, decode_tp):
-    _, plan, _, decode, outcomes = _transferred(prefill_tp, decode_tp)
+def test_checker_accepts_a_correct_transfer(prefill_tp, decode_tp, shape):
+    _, plan, _, decode, outcomes = _transferred(prefill_tp, decode_tp, shape)
     for dst in decode:
         report = _verify(plan, dst, outcomes)
         assert report.mismatch_count == 0, report.mismatches
@@ -136,6 +161,19 @@ def test_checker_catches_a_conv_state_cut_without_its_sub_blocks():
     assert report.mismatch_count == 1, report.mismatches
     assert "room#4 state tensor 1 (layer 1, conv)" in report.mismatches[0]
     assert "wrong shard or sub-block" in report.mismatches[0]
+
+
+def test_checker_catches_a_kimi_conv_cut_on_the_wrong_axis_and_a_missing_replica():
+    _, plan, whole, decode, outcomes = _transferred(1, 2, KIMI)
+    room, dst = plan.rooms[3], decode[1]
+    # Cut on the first per-slot axis as for GDN (rank 1's half of the K-1 rows), poured into
+    # the slot: wrong for Kimi's [K-1, dim].
+    full = whole.state[2][room.prefill_state]
+    dst.state[2][room.decode_state] = torch.chunk(full, 2, dim=0)[1].reshape(2, 8)
+    dst.state[13][room.decode_state] = 0  # the short-conv replica never reached this rank
+    text = "\n".join(_verify(plan, dst, outcomes).mismatches)
+    assert "room#3 state tensor 2 (layer 2, conv)" in text and "wrong shard or sub-block" in text
+    assert "room#3 state tensor 13 (layer 1, short conv)" in text and "zeros (never written)" in text
 
 
 def test_checker_catches_a_missing_head_and_a_stray_state_write():

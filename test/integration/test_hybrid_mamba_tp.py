@@ -27,17 +27,22 @@ from harness.pd.run import KVLayout, RoomShape
 # (linear, linear, linear, full) x 2.
 GDN = HybridMambaShape(num_key_heads=2, num_value_heads=4, head_k_dim=8, head_v_dim=8, conv_kernel=4)
 LAYOUT = KVLayout(num_layers=2, total_kv_heads=2, head_dim=32, page_size=16, mamba=GDN)
+# Kimi-Linear's conv [K-1, v | k | k] (sliced on its second axis) and a short-conv slot sibling
+# whole on every rank (slice dim 0), which one elected prefill rank writes.
+KIMI = HybridMambaShape(num_key_heads=2, num_value_heads=4, head_k_dim=8, head_v_dim=8, conv_kernel=4,
+                        kimi=True, replicated_conv=True)
 
 
-def _config(backend: str, prefill_tp: int, decode_tp: int):
+def _config(backend: str, prefill_tp: int, decode_tp: int, mamba: HybridMambaShape = GDN):
+    layout = KVLayout(num_layers=2, total_kv_heads=2, head_dim=32, page_size=16, mamba=mamba)
     return config(
         backend=backend,
         rooms=12,
         prefill_tp=prefill_tp,
         decode_tp=decode_tp,
-        layout=LAYOUT,
+        layout=layout,
         # Up to 5 pages in 3 sends; the state rides on the last one.
-        shape=RoomShape(min_tokens=1, max_tokens=5 * LAYOUT.page_size, chunks=3),
+        shape=RoomShape(min_tokens=1, max_tokens=5 * layout.page_size, chunks=3),
     )
 
 
@@ -48,6 +53,12 @@ def test_qwen3_next_shaped_hybrid_kv_and_mamba_state(run_clean, prefill_tp, deco
     assert sorted(r.rank for r in decode) == list(range(decode_tp))
     # Every decode rank checked its own shard: KV heads, plus 12 state tensors per room.
     assert all(r.checked_bytes > 0 and r.mismatch_count == 0 for r in decode), result.summary()
+
+
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(1, 2), (2, 1)], ids=["tp1to2", "tp2to1"])
+def test_kimi_linear_shaped_state_and_a_replicated_sibling(run_clean, prefill_tp, decode_tp):
+    result = run_clean(_config("mori", prefill_tp, decode_tp, KIMI))
+    assert sorted(r.rank for r in result.side("decode")) == list(range(decode_tp))
 
 
 def test_mooncake_reference_moves_the_same_shards(run_clean, require_netns):

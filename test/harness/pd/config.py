@@ -41,6 +41,12 @@ class HybridMambaShape:
     conv_kernel: int = 4
     conv_dtype: str = "bfloat16"
     temporal_dtype: str = "float32"
+    # Kimi-Linear's layout instead (KimiLinearStateShape): conv [K-1, v | k | k] per slot, sliced
+    # on its second axis (K-1 rows before the slice axis), temporal [HV/TP, head_v_dim, head_v_dim].
+    kimi: bool = False
+    # A per-layer short-conv state whole on every TP rank after the mamba tensors (ple_state_pool's
+    # ShortConvPool, a MambaPool slot sibling; slice dim 0): one elected prefill rank writes it.
+    replicated_conv: bool = False
 
 
 DEEPSEEK_STATE_TYPES = ("swa", "swa_ring", "c128_state", "request_row", "dsa", "dsa_tail")
@@ -306,6 +312,8 @@ class HarnessConfig:
             raise ValueError("layout.mamba and layout.state_item_bytes do not combine")
         if self.prefill_pp > 1 or self.layout.draft_layers:
             raise ValueError("the harness's hybrid mamba layout runs without PP and draft layers")
+        if m.kimi and m.head_k_dim != m.head_v_dim:
+            raise ValueError("Kimi-Linear's temporal state is [heads, head_dim, head_dim]: head_k_dim == head_v_dim")
         if m.num_key_heads % big_tp or m.num_value_heads % big_tp:
             raise ValueError(f"linear-attention heads ({m.num_key_heads} key, {m.num_value_heads} value) "
                              f"do not split over TP {big_tp}")

@@ -15,7 +15,7 @@ KIND_K, KIND_V, KIND_MLA, KIND_AUX, KIND_STATE = 1, 2, 3, 4, 5
 # An MTP/EAGLE draft model's KV buffers (indexed by draft layer).
 KIND_DRAFT_K, KIND_DRAFT_V, KIND_DRAFT_MLA = 6, 7, 8
 # Qwen3-Next-shaped linear-attention state (harness/pd/mamba.py), keyed by global position.
-KIND_CONV, KIND_TEMPORAL = 9, 10
+KIND_CONV, KIND_TEMPORAL, KIND_SHORT_CONV = 9, 10, 11
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)

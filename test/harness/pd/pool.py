@@ -145,7 +145,7 @@ class RankPool:
             rows = np.arange(view.shape[0])
             view[:] = pat.pattern(self.aux_key(i), rows, np.array([0]), view.shape[1])[:, 0]
         for spec, t in zip(self.mamba_specs, self.state):
-            view = mamba.rows_view(t)
+            view = mamba.rows_view(t, spec)
             rows = np.arange(view.shape[0])
             positions = spec.positions(self.tp_size, self.attn_rank)
             view[:] = spec.content(self.cfg.seed, self.dp_rank, rows, positions)
@@ -206,8 +206,8 @@ class RankPool:
             a.state_data_ptrs.append([t.data_ptr() for t in self.state])
             a.state_data_lens.append([t.nbytes for t in self.state])
             a.state_item_lens.append([t[0].nbytes for t in self.state])
-            a.state_dim_per_tensor.append([s.local_dim(self.tp_size) for s in self.mamba_specs])
-            a.state_slice_outer_counts.append([1] * len(self.mamba_specs))
+            a.state_dim_per_tensor.append([s.slice_dim(self.tp_size) for s in self.mamba_specs])
+            a.state_slice_outer_counts.append([s.outer for s in self.mamba_specs])
             a.state_layer_ids.append(list(self.state_layer_ids))
             a.state_conv_shard_groups.append([mamba.conv_shard_groups(s) for s in self.mamba_specs])
         elif self.state:

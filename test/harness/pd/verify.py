@@ -123,7 +123,7 @@ def _check_mamba(pool: RankPool, room: RoomPlan, out: _Collector) -> int:
     checked = 0
     slot = np.array([room.prefill_state])
     for i, (spec, t) in enumerate(zip(pool.mamba_specs, pool.state)):
-        actual = mamba.rows_view(t)[room.decode_state]
+        actual = mamba.rows_view(t, spec)[room.decode_state]
         positions = pool.mamba_positions(i)
         expected = spec.content(pool.cfg.seed, room.prefill_dp, slot, positions)[0]
         checked += actual.nbytes
@@ -132,7 +132,7 @@ def _check_mamba(pool: RankPool, room: RoomPlan, out: _Collector) -> int:
             first = int(np.flatnonzero(bad)[0])
             out.bad(
                 f"room#{room.index} state tensor {i} (layer {spec.layer}, "
-                f"{'conv' if spec.is_conv else 'temporal'}) row {room.decode_state}: {int(bad.sum())} "
+                f"{spec.name}) row {room.decode_state}: {int(bad.sum())} "
                 f"of {len(positions)} positions differ, first global position {positions[first]} "
                 f"holds {_whose_position(pool, spec, room, actual[first])}"
             )
@@ -144,7 +144,7 @@ def _whose_position(pool: RankPool, spec, room: RoomPlan, row: np.ndarray) -> st
     slot it holds (a shard cut in the wrong place), or zeros, or something else."""
     if not row.any():
         return "zeros (never written)"
-    every = np.arange(sum(spec.groups))
+    every = np.arange(spec.outer * spec.full)
     cand = spec.content(pool.cfg.seed, room.prefill_dp, np.array([room.prefill_state]), every)[0]
     hits = np.flatnonzero((cand == row).all(axis=1))
     if len(hits):
