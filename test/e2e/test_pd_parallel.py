@@ -1,17 +1,28 @@
-"""Tensor parallelism with real SGLang servers on CPU: a prefill at TP 2 into a decode at TP 1.
+"""A prefill at TP 2 running SGLang's overlap scheduler, into a decode at TP 1, real servers on CPU.
 
-The prefill runs `--tp 2` (two scheduler processes, torch.distributed over gloo); the decode runs TP 1.
-Each prefill rank holds one of the tiny model's 2 KV heads and our backend writes it into its slice
-of decode's 2-head pages (head slicing between real processes, one engine per prefill rank). Greedy
-outputs must be token-identical to a TP 1 standalone server on the same checkpoint; the tiny model's
-weights are a safetensors file (harness/tiny_model.py), loaded shard by shard by every TP size, so
-both sides compute with the same weights (`--load-format dummy` would fill each shard separately).
+Tensor parallelism: the prefill runs `--tp 2` (two scheduler processes, torch.distributed over gloo);
+the decode runs TP 1. Each prefill rank holds one of the tiny model's 2 KV heads and our backend
+writes it into its slice of decode's 2-head pages (head slicing between real processes, one engine
+per prefill rank). The tiny model's weights are a safetensors file (harness/tiny_model.py) that every
+TP size loads shard by shard, so both sides compute with the same weights (`--load-format dummy`
+would fill each shard separately and the outputs could not be compared).
 
-What SGLang needs to run TP 2 on CPU, besides the usual CPU recipe (harness/launch.py):
+Overlap scheduler: the prefill also runs it (the shared PD deployment does not), with chunk-wise
+sends (layer-wise off): SGLang launches chunk k+1's forward before it processes chunk k's result and
+calls send() for it, and a radix-cache prefix hit sends its cached pages early. Layer-wise streaming
+under the overlap scheduler is covered by test_pd_layerwise.py, whose deployment also runs it.
+
+Greedy outputs must be token-identical to a TP 1 standalone server on the same checkpoint.
+
+What SGLang needs on CPU for this, besides the usual CPU recipe (harness/launch.py):
 - `SGLANG_CPU_OMP_THREADS_BIND=0|1`: one core per rank (SGLang refuses more ranks than NUMA nodes
   without it; this host has one);
-- the test-only plugin harness/cpu_hooks: SGLang picks `use_pynccl=True` for `--device cpu` and
-  `PyNcclCommunicator` fails with "Expected a cuda device"; the hook passes `use_pynccl=False`.
+- the test-only plugin harness/cpu_hooks (see its README): SGLang picks `use_pynccl=True` for
+  `--device cpu` and `PyNcclCommunicator` fails with "Expected a cuda device", the hook passes
+  `use_pynccl=False`; and the overlap scheduler's early send of cached pages records a
+  `torch.cuda.Event` (`maybe_send_cached_prefix_chunk`, RuntimeError: expected stream to be a
+  torch.Stream or torch.cuda.Stream object), which the hook skips on CPU, where the forward is
+  synchronous and the event orders nothing.
 
 This module starts its own standalone and PD servers and runs before the shared ones (own_servers).
 """
@@ -19,6 +30,7 @@ This module starts its own standalone and PD servers and runs before the shared 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
@@ -29,7 +41,7 @@ from harness.prompts import varied_prompts
 
 pytestmark = [pytest.mark.e2e, pytest.mark.own_servers, pytest.mark.needs_backend("mori")]
 
-MAX_NEW_TOKENS = 8
+MAX_NEW_TOKENS = 16
 CHUNK = 64
 PREFILL_TP = 2
 
@@ -45,12 +57,13 @@ class PrefillTP2(PDDeployment):
 
 @pytest.fixture(scope="module")
 def tp_servers(e2e_backend, server_options, active_deployments, tmp_path_factory):
-    """(standalone TP 1, PD with prefill TP 2 -> decode TP 1); stopped after the module's last test."""
+    """(standalone TP 1, PD with prefill TP 2 + overlap -> decode TP 1); stopped after the last test."""
     log_dir = tmp_path_factory.mktemp("e2e-tp-logs")
     ports: set = set()
     standalone = Standalone(server_options, log_dir, ports, sleep_on_idle=True)
-    opts = dataclasses.replace(server_options, extra_args=["--enable-metrics"])
-    env = {**FAILURE_ENV, "PYTHONPATH": launch.plugin_pythonpath(launch.CPU_HOOKS)}
+    opts = dataclasses.replace(server_options, extra_args=["--enable-metrics"], prefill_overlap=True)
+    env = {**FAILURE_ENV, "SGLANG_MORI_LAYERWISE": "off",
+           "PYTHONPATH": launch.plugin_pythonpath(launch.CPU_HOOKS)}
     pd = PrefillTP2(opts, e2e_backend, log_dir, ports, env=env)
     active_deployments.extend([standalone, pd])
     try:
@@ -66,7 +79,7 @@ def tp_servers(e2e_backend, server_options, active_deployments, tmp_path_factory
         print(f"\ne2e TP server logs: {log_dir}")
 
 
-def _compare(standalone, pd, prompts, concurrency):
+def _compare(standalone, pd, prompts, concurrency=1):
     refs = client.generate_many(standalone.url, prompts, MAX_NEW_TOKENS, concurrency=concurrency)
     ours = client.generate_many(pd.router_url, prompts, MAX_NEW_TOKENS, concurrency=concurrency)
     assert all(r.ok for r in refs), [(r.status, r.error[:200]) for r in refs if not r.ok]
@@ -78,19 +91,36 @@ def _compare(standalone, pd, prompts, concurrency):
     return ours
 
 
-def test_prefill_runs_tp2_and_decode_tp1(tp_servers):
+def test_prefill_runs_tp2_with_the_overlap_scheduler(tp_servers):
     _, pd = tp_servers
-    assert client.get_json(f"{pd.prefill_url}/get_server_info")["tp_size"] == PREFILL_TP
+    prefill = client.get_json(f"{pd.prefill_url}/get_server_info")
+    assert (prefill["tp_size"], prefill["disable_overlap_schedule"]) == (PREFILL_TP, False)
     assert client.get_json(f"{pd.decode_url}/get_server_info")["tp_size"] == 1
 
 
-def test_prefill_tp2_outputs_match_standalone(tp_servers):
-    """Single-chunk and multi-chunk prompts, one at a time, then four at once."""
+def test_outputs_match_standalone(tp_servers):
+    """One request at a time: single-chunk prompts and prompts of up to 5+ chunks (under the overlap
+    scheduler chunk k+1's forward runs before chunk k is sent)."""
     standalone, pd = tp_servers
-    prompts = varied_prompts(24, seed=41)
-    short = [p for p in prompts if len(p.split()) <= 20][:2]
-    long = [p for p in prompts if len(p.split()) >= 120][:2]
-    ours = _compare(standalone, pd, short + long, concurrency=1)
+    ours = _compare(standalone, pd, varied_prompts(24, seed=17))
     tokens = [r.meta["prompt_tokens"] for r in ours]
-    assert min(tokens) <= CHUNK < 2 * CHUNK < max(tokens), tokens
-    _compare(standalone, pd, varied_prompts(4, seed=43), concurrency=4)
+    assert sum(t <= CHUNK for t in tokens) >= 4 and sum(t > 3 * CHUNK for t in tokens) >= 2, tokens
+    # chunk-wise: nothing went through the layer hook
+    assert client.metric_total(pd.prefill_url, "sglang_mori_layerwise_writes_total") == 0
+
+
+def test_concurrent_outputs_match_standalone(tp_servers):
+    """Eight at once: several requests' chunks in one batch, their sends interleaved with forwards."""
+    standalone, pd = tp_servers
+    _compare(standalone, pd, varied_prompts(8, seed=29), concurrency=8)
+
+
+def test_prefix_hit_matches_standalone(tp_servers):
+    """The second request hits the radix cache on prefill: its cached pages are sent early (the call
+    the CPU hook lets run without a CUDA event), the rest after its forwards."""
+    standalone, pd = tp_servers
+    (long_prompt,) = [p for p in varied_prompts(24, seed=19) if len(p) > 1000][:1]
+    _compare(standalone, pd, [long_prompt, long_prompt + " then the lane closes"])
+    # SGLang logs each prefill batch's radix hit; only the repeated long prompt can hit a whole chunk
+    hits = [int(n) for n in re.findall(r"#cached-token: (\d+)", pd.log_text("prefill"))]
+    assert max(hits) >= CHUNK, sorted(set(hits))
