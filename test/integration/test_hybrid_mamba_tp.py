@@ -43,6 +43,9 @@ def _config(backend: str, prefill_tp: int, decode_tp: int, mamba: HybridMambaSha
         layout=layout,
         # Up to 5 pages in 3 sends; the state rides on the last one.
         shape=RoomShape(min_tokens=1, max_tokens=5 * layout.page_size, chunks=3),
+        # Start-up only (SGLang imports in 3 processes): on a loaded 2-core CI box 120 s was seen
+        # to run out before any room opened. The transfer deadlines stay the suite's.
+        startup_timeout_s=240.0,
     )
 
 
