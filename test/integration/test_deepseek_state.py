@@ -21,23 +21,14 @@ import pytest
 from integration_support import config
 
 from harness.pd import ds_state
-from harness.pd.config import DeepSeekStateSpec, HarnessConfig
+from harness.pd.config import HarnessConfig
 from harness.pd.plan import build_plan
 from harness.pd.pool import RankPool
 from harness.pd.run import KVLayout, RoomShape
 
 PAGE = 4
-V4_STATE = (
-    DeepSeekStateSpec("swa", item_bytes=(32, 48), window=2 * PAGE + 3),
-    DeepSeekStateSpec("swa_ring", item_bytes=(24, 40), window=6, ring=8),
-    DeepSeekStateSpec("c128_state", item_bytes=(64, 64), ring=8, ratio=4),
-    DeepSeekStateSpec("request_row", item_bytes=(8,)),
-)
-# index_kpool 4: the tail holds seq % 4 live tokens; decode's ring has 2 extra slots.
-DSA_STATE = (
-    DeepSeekStateSpec("dsa", item_bytes=(40, 40)),
-    DeepSeekStateSpec("dsa_tail", item_bytes=(16, 16), ring=4, ratio=4, decode_ring=6),
-)
+V4_STATE = ds_state.deepseek_v4_state(PAGE)
+DSA_STATE = ds_state.DEEPSEEK_V32_DSA_STATE
 MODELS = {
     "deepseek_v4": KVLayout(num_layers=2, mla=True, head_dim=72, page_size=PAGE, deepseek_state=V4_STATE),
     "deepseek_v32_dsa": KVLayout(num_layers=2, mla=True, head_dim=72, page_size=PAGE, deepseek_state=DSA_STATE),

@@ -18,6 +18,7 @@ from __future__ import annotations
 import pytest
 from integration_support import config
 
+from harness.pd.ds_state import DEEPSEEK_V32_DSA_STATE
 from harness.pd.plan import build_plan
 from harness.pd.results import SUCCESS
 from harness.pd.run import KVLayout, RoomShape
@@ -80,9 +81,11 @@ def test_deepseek_shaped_prefill_tp2_into_dp_attention_decode(run_clean):
     assert {(r.dp_rank, r.rank) for r in result.side("decode")} == {(0, 0), (1, 1)}
 
 
-def test_deepseek_shaped_prefill_tp4_into_dp_attention_decode(run_clean):
+@pytest.mark.parametrize("state", [(), DEEPSEEK_V32_DSA_STATE], ids=["v3", "v32_dsa"])
+def test_deepseek_shaped_prefill_tp4_into_dp_attention_decode(run_clean, state):
     # The DeepSeek-V3/R1 deployment at small scale: MLA with an MTP layer, prefill TP 4 into a
-    # decode with DP attention (2 DP ranks of attention TP 1; 6 rank processes). Each decode DP
+    # decode with DP attention (2 DP ranks of attention TP 1; 6 rank processes), and the same
+    # with DeepSeek-V3.2's DSA index cache and tail (whole on every rank). Each decode DP
     # rank fetches all four prefill ranks (SGLang's target_tp_ranks [0..3]): prefill rank 0 sends
     # the replicated latent KV, draft KV and aux, ranks 1-3 are MLA dummies that conclude with
     # Success on their own. Issue 11 item 9: a dummy writes nothing and opens no engine session
@@ -90,7 +93,7 @@ def test_deepseek_shaped_prefill_tp4_into_dp_attention_decode(run_clean):
     # write needs one).
     # (get_transfer_metric is no evidence: SGLang's CommonKVSender estimates it from the indices
     # it was given, so a dummy rank reports the bytes of the pages it never sends.)
-    layout = KVLayout(num_layers=2, mla=True, head_dim=72, page_size=16, draft_layers=1, state_item_bytes=())
+    layout = KVLayout(num_layers=2, mla=True, head_dim=72, page_size=16, draft_layers=1, deepseek_state=state)
     cfg = config(
         rooms=8,
         prefill_tp=4,
@@ -98,6 +101,9 @@ def test_deepseek_shaped_prefill_tp4_into_dp_attention_decode(run_clean):
         layout=layout,
         shape=RoomShape(min_tokens=1, max_tokens=2 * layout.page_size + 5, chunks=2),
         record_statuses=True,
+        # Seven processes import SGLang and build their managers at once: on two shared cores
+        # that alone took more than the suite's default 120 s once.
+        startup_timeout_s=300.0,
     )
     result = run_clean(cfg)
     summary = result.summary()

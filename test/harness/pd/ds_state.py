@@ -204,3 +204,23 @@ def check_untouched(pool, rooms, bad) -> None:
             if len(dirty):
                 unit = int(np.flatnonzero(~used)[dirty[0]])
                 bad(f"{spec.state_type} (state component {c}) tensor {t}: {len(dirty)} unassigned units written, e.g. {unit}")
+
+
+def deepseek_v4_state(page_size: int):
+    """DeepSeek-V4's state components at small scale: a SWA window over pages with a partial
+    page, ring rows of a 6-token window, a c128-like ring (ratio 4, so rooms hit block
+    boundaries and send nothing) and the draft's request row."""
+    return (
+        DeepSeekStateSpec("swa", item_bytes=(32, 48), window=2 * page_size + 3),
+        DeepSeekStateSpec("swa_ring", item_bytes=(24, 40), window=6, ring=8),
+        DeepSeekStateSpec("c128_state", item_bytes=(64, 64), ring=8, ratio=4),
+        DeepSeekStateSpec("request_row", item_bytes=(8,)),
+    )
+
+
+# DeepSeek-V3.2's DSA index cache and tail at small scale: index_kpool 4 (the tail holds seq % 4
+# live tokens), and decode's tail ring has 2 extra slots (SGLang's tail_extra_slots).
+DEEPSEEK_V32_DSA_STATE = (
+    DeepSeekStateSpec("dsa", item_bytes=(40, 40)),
+    DeepSeekStateSpec("dsa_tail", item_bytes=(16, 16), ring=4, ratio=4, decode_ring=6),
+)
