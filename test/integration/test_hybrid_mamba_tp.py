@@ -6,7 +6,8 @@ full-attention K and V buffers with their global layer ids, and one MAMBA state 
 conv tensor ([q|k|v] sub-blocks, each head-sharded on its own) and a temporal tensor (sharded
 on its value heads) per linear-attention layer, with SGLang's slice metadata. Prefill TP 1 ->
 decode TP 2 scatters each prefill slot over both decode ranks; TP 2 -> 1 gathers both prefill
-ranks' shards into one decode slot. The decode's every KV head and every state position is
+ranks' shards into one decode slot. The same runs with Kimi-Linear's transposed conv state and
+a state tensor whole on every rank. The decode's every KV head and every state position is
 checked byte for byte against the prefill's bytes for that global head / position, and pages
 and state slots no room was given stay zero (the harness's self-check,
 test_harness_mamba_selfcheck.py, shows the checker catches a wrong shard or a conv state cut
@@ -26,7 +27,6 @@ from harness.pd.run import KVLayout, RoomShape
 # heads (key_dim 16, value_dim 32: conv axis [16 | 16 | 32]), conv kernel 4, 8 model layers
 # (linear, linear, linear, full) x 2.
 GDN = HybridMambaShape(num_key_heads=2, num_value_heads=4, head_k_dim=8, head_v_dim=8, conv_kernel=4)
-LAYOUT = KVLayout(num_layers=2, total_kv_heads=2, head_dim=32, page_size=16, mamba=GDN)
 # Kimi-Linear's conv [K-1, v | k | k] (sliced on its second axis) and a short-conv slot sibling
 # whole on every rank (slice dim 0), which one elected prefill rank writes.
 KIMI = HybridMambaShape(num_key_heads=2, num_value_heads=4, head_k_dim=8, head_v_dim=8, conv_kernel=4,

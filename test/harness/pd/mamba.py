@@ -40,7 +40,7 @@ from harness.pd.config import DTYPE_SIZES, HybridMambaShape
 class StateTensor:
     """One registered state tensor (one field of one mamba layer), sizes unsharded."""
 
-    kind: int  # pattern kind: pat.KIND_CONV or pat.KIND_TEMPORAL
+    kind: int  # pattern kind: pat.KIND_CONV, KIND_TEMPORAL or KIND_SHORT_CONV
     layer: int  # global model layer id (KVArgs.state_layer_ids)
     groups: Tuple[int, ...]  # full sizes of the sub-blocks along the sliced axis
     inner: Tuple[int, ...]  # shape of one position (the axes after the sliced one)
