@@ -22,7 +22,26 @@ What SGLang needs on CPU for this, besides the usual CPU recipe (harness/launch.
   `use_pynccl=False`; and the overlap scheduler's early send of cached pages records a
   `torch.cuda.Event` (`maybe_send_cached_prefix_chunk`, RuntimeError: expected stream to be a
   torch.Stream or torch.cuda.Stream object), which the hook skips on CPU, where the forward is
-  synchronous and the event orders nothing.
+  synchronous and the event orders nothing. Without that hook test_prefix_hit_matches_standalone
+  fails: the prefill scheduler dies at prefill.py:1497 `ev.record(self.forward_stream)` with that
+  RuntimeError and decode answers 500 "Decode handshake failed ... KVTransferError".
+
+DP attention (`--tp 2 --dp 2 --enable-dp-attention`) cannot run on CPU with this SGLang install, so
+no test here uses it (the integration tests in test/integration/test_dp_attention.py cover our
+backend under DP attention with SGLang's real classes). Tried on a standalone server of the tiny
+model with the hooks above: it starts, then both schedulers die in the first forward (the warm-up
+request). DP attention pads every rank's batch to a common size before the forward
+(`ForwardBatch.prepare_mlp_sync_batch`), and:
+1. `_pad_inputs_to_size` (model_executor/forward_batch_info.py:2016) asks the attention backend for
+   `get_cuda_graph_seq_len_fill_value()`; torch_native, the only attention backend that runs on CPU
+   without the CPU build of sgl-kernel, does not implement it: `NotImplementedError`
+   (layers/attention/base_attn_backend.py:288).
+2. With a test hook returning 1 there (what the GPU backends return), the next line fails:
+   `torch.tensor(global_num_tokens, pin_memory=True)` (forward_batch_info.py:1949) raises
+   `RuntimeError: Found no NVIDIA driver on your system`. SGLang pins memory there unless `_is_cpu`,
+   which is true only with `SGLANG_USE_CPU_ENGINE=1`; that switch routes the model through
+   sgl-kernel's CPU ops and fails at import with `No module named 'sgl_kernel'` (its CPU build is
+   not on PyPI). `_is_cpu` is a module constant, not a function a HookRegistry hook could replace.
 
 This module starts its own standalone and PD servers and runs before the shared ones (own_servers).
 """
