@@ -102,12 +102,19 @@ def test_layerwise_prefix_hit_matches_standalone(standalone, layerwise_pd):
     _compare(standalone, layerwise_pd, [long_prompt, long_prompt + " and one more river"])
 
 
-def _probe(pd):
+def _probe(pd, after: float, timeout_s: float = 10.0):
+    """Prefill's batch records and the times of decode's landed writes, from write-log snapshots
+    taken after `after` (the probe rewrites them every 100 ms with the time each was taken)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        snapshots = [json.loads(path.read_text()) for path in pd.probe_dir.glob("decode_writes_*.json")]
+        if snapshots and all(s["taken"] >= after for s in snapshots):
+            break
+        assert time.monotonic() < deadline, f"no write-log snapshot taken after {after} within {timeout_s} s"
+        time.sleep(0.05)  # poll interval, not synchronisation: the loop ends on the condition
     batches = [json.loads(line) for line in (pd.probe_dir / "prefill_batches.jsonl").read_text().splitlines()]
-    writes = []
-    for path in pd.probe_dir.glob("decode_writes_*.json"):
-        writes += json.loads(path.read_text())
-    return batches, sorted(w[3] for w in writes)  # WriteRecord(region, offset, size, time, initiator)
+    # WriteRecord(region, offset, size, time, initiator)
+    return batches, sorted(w[3] for s in snapshots for w in s["records"])
 
 
 def test_first_write_lands_before_the_forward_ends(layerwise_pd):
@@ -121,8 +128,7 @@ def test_first_write_lands_before_the_forward_ends(layerwise_pd):
         n = r.meta["prompt_tokens"]
         if n > CHUNK:
             continue
-        time.sleep(0.5)  # the probe rewrites decode's write log every 100 ms
-        batches, write_times = _probe(layerwise_pd)
+        batches, write_times = _probe(layerwise_pd, after=time.monotonic())
         # its only extend batch (a radix hit of a few leading tokens is sent before the forward)
         (batch,) = [b for b in batches if any(q["input_len"] == n and q["prefix_len"] + q["extend_len"] == n
                                               for q in b["reqs"])][-1:]

@@ -39,13 +39,14 @@ def after_manager_init(result, mgr, *args, **kwargs):
     def dump():
         while True:
             time.sleep(0.1)
+            taken = time.monotonic()  # every write that landed before this is in the snapshot
             try:
                 records = [list(r) for r in get_write_log(mgr.engine.engine)]
             except Exception:
                 return
             tmp = path + ".tmp"
             with open(tmp, "w") as f:
-                json.dump(records, f)
+                json.dump({"taken": taken, "records": records}, f)
             os.replace(tmp, path)
 
     threading.Thread(target=dump, name="probe-write-log", daemon=True).start()
