@@ -18,8 +18,11 @@ once up to --concurrency). Prints a markdown table with ratios to standalone, an
 configuration produced the standalone server's tokens.
 
     .venv/bin/python scripts/bench_pd_latency.py [--configs mori,mooncake_tcp,...] [--prompts 32]
-    .venv/bin/python scripts/bench_pd_latency.py --model real --prompt-tokens 1500 --prompts 6 \
-        --chunked-prefill-size 512 --max-new-tokens 8 --concurrency 3   # the layer-wise workload
+    # the layer-wise workload (docs/benchmarks.md): one prefill chunk per request, so chunk-wise
+    # moves all of a request's KV after its forward; a capped link makes that transfer visible
+    .venv/bin/python scripts/bench_pd_latency.py --model real --prompt-tokens 1000 --prompts 6 \
+        --chunked-prefill-size 2048 --max-new-tokens 8 --concurrency 2 --max-total-tokens 16384 \
+        --link-mbps 25 --configs mori_layerwise,mori,standalone
 """
 
 from __future__ import annotations
