@@ -26,6 +26,7 @@ import pytest
 
 from harness import client, launch
 from harness.deployment import PDDeployment
+from harness.outputs import assert_same_tokens
 from harness.prompts import varied_prompts
 
 pytestmark = [pytest.mark.e2e, pytest.mark.needs_backend("mori")]
@@ -65,12 +66,7 @@ def _compare(standalone, pd, prompts, concurrency=1):
     else:
         refs = client.generate_many(standalone.url, prompts, MAX_NEW_TOKENS, concurrency=concurrency)
         ours = client.generate_many(pd.router_url, prompts, MAX_NEW_TOKENS, concurrency=concurrency)
-    assert all(r.ok for r in refs), [(r.status, r.error[:200]) for r in refs if not r.ok]
-    failed = [(i, r.status, r.error[:300]) for i, r in enumerate(ours) if not r.ok]
-    assert not failed, f"layer-wise PD requests failed: {failed}"
-    mismatches = [f"prompt {i}: PD {o.output_ids} standalone {r.output_ids}"
-                  for i, (o, r) in enumerate(zip(ours, refs)) if o.output_ids != r.output_ids]
-    assert not mismatches, f"{len(mismatches)}/{len(prompts)} layer-wise outputs differ:\n" + "\n".join(mismatches)
+    assert_same_tokens(refs, ours, "layer-wise PD")
     return ours
 
 
