@@ -41,6 +41,8 @@ def add_arguments(p) -> None:
                         "default; this gives the others the same, as SGLang's /freeze_gc would)")
     p.add_argument("--no-verify", action="store_true", help="skip decode's byte check (faster)")
     p.add_argument("--timeout", type=float, default=600.0, help="deadline for one run, seconds")
+    p.add_argument("--thread-cpu", action="store_true",
+                   help="also print each side's CPU ms per request by thread role")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object (per backend)")
 
 
@@ -61,6 +63,7 @@ def _config(args, backend: str):
         shape=RoomShape(min_tokens=args.prompt_tokens, max_tokens=args.prompt_tokens, chunks=args.chunks),
         verify=not args.no_verify,
         freeze_gc_all=args.freeze_gc_all,
+        thread_cpu=args.thread_cpu,
         transfer_timeout_s=args.timeout,
         # Start-up (imports, managers) takes minutes on a loaded 2-core host: not part of the result.
         startup_timeout_s=300.0,
@@ -111,10 +114,31 @@ def run_one(args, label: str) -> dict:
         "cpu_s_per_request": sum(r.cpu_s or 0.0 for r in result.ranks) / max(args.requests, 1),
         "engine_path": _engine_path(label, result),
         "error": result.error,
+        "thread_cpu_ms_per_request": _thread_cpu(result, args.requests) if args.thread_cpu else None,
     }
     if ok < args.requests:
         row["error"] = (row["error"] or "") + f" | {args.requests - ok} requests failed: " + "; ".join(result.failures()[:3])
     return row
+
+
+def _thread_cpu(result, requests: int) -> dict:
+    """{"prefill"|"decode": {thread role: CPU ms per request}}, summed over each side's ranks."""
+    out: dict = {}
+    for r in result.ranks:
+        side = out.setdefault(r.side, {})
+        for role, seconds in (r.thread_cpu or {}).items():
+            side[role] = side.get(role, 0.0) + seconds * 1e3 / max(requests, 1)
+    return {side: dict(sorted(roles.items(), key=lambda kv: -kv[1])) for side, roles in out.items()}
+
+
+def format_thread_cpu(rows: list) -> str:
+    lines = []
+    for r in rows:
+        for side, roles in (r.get("thread_cpu_ms_per_request") or {}).items():
+            total = sum(roles.values())
+            lines.append(f"{r['backend']} {side}: {total:.2f} ms/req by thread")
+            lines.extend(f"    {ms:7.2f}  {role}" for role, ms in roles.items() if ms >= 0.01)
+    return "\n".join(lines)
 
 
 def _engine_path(label: str, result) -> str:
@@ -141,8 +165,8 @@ def as_json(rows: list) -> str:
     """One JSON object, backend -> its figures (for scripts)."""
     keys = {"requests": "requests", "ok": "ok", "requests_per_s": "req_s", "p50_ms": "p50_ms", "p99_ms": "p99_ms",
             "cpu_s_per_request": "cpu_s_per_request", "engine_path": "engine_path", "byte_exact": "byte_exact",
-            "error": "error"}
-    return json.dumps({r["backend"]: {out: r[key] for out, key in keys.items()} for r in rows})
+            "error": "error", "thread_cpu_ms_per_request": "thread_cpu_ms_per_request"}
+    return json.dumps({r["backend"]: {out: r.get(key) for out, key in keys.items()} for r in rows})
 
 
 def format_table(rows: list) -> str:
@@ -194,4 +218,6 @@ def run(args) -> int:
         print(as_json(rows))
     else:
         print(format_table(rows))
+        if args.thread_cpu:
+            print(format_thread_cpu(rows))
     return 0 if all(r["ok"] == r["requests"] and not r["error"] for r in rows) else 1

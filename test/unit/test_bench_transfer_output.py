@@ -16,10 +16,19 @@ def test_json_has_one_object_per_backend_with_the_documented_fields():
                                                                                  "mooncake-tcp")]))
     assert set(out) == {"ours", "mooncake-tcp"}
     assert out["ours"] == {"requests": 8, "ok": 8, "requests_per_s": 200.0, "p50_ms": 10.0, "p99_ms": 20.0,
-                           "cpu_s_per_request": 0.002, "engine_path": "intra-host", "byte_exact": True, "error": None}
+                           "cpu_s_per_request": 0.002, "engine_path": "intra-host", "byte_exact": True, "error": None,
+                           "thread_cpu_ms_per_request": None}
 
 
 def test_table_states_ratios_against_each_baseline():
     text = bench_transfer.format_table([row("ours", 200.0, 10.0, 0.002), row("sglang-mori-builtin", 100.0, 30.0, 0.004)])
     assert "ours / sglang-mori-builtin: 2.00x requests/s, 3.00x lower p50, 0.50x the CPU per request" in text
     assert "intra-host" in text
+
+
+def test_thread_cpu_table_lists_each_side_by_role_heaviest_first():
+    r = row("ours", 200.0, 10.0, 0.002)
+    r["thread_cpu_ms_per_request"] = {"decode": {"softio-target-N": 6.0, "MainThread": 0.5}}
+    text = bench_transfer.format_thread_cpu([r])
+    assert text.splitlines() == ["ours decode: 6.50 ms/req by thread", "       6.00  softio-target-N",
+                                 "       0.50  MainThread"]

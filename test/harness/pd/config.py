@@ -225,6 +225,8 @@ class HarnessConfig:
     # Benchmarks: gc.freeze() in every worker once its manager exists, whatever the backend (what
     # an operator calling SGLang's /freeze_gc gets), to compare backends without GC pauses.
     freeze_gc_all: bool = False
+    # Benchmarks: each rank reports its CPU by thread role from "go" to its last room (thread_cpu.py).
+    thread_cpu: bool = False
     # Deadlines (seconds): worker start-up (imports + manager construction), all rooms terminal,
     # the whole run including teardown.
     startup_timeout_s: float = 120.0

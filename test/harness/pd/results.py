@@ -81,6 +81,8 @@ class RankReport:
     # CPU seconds this process (every thread: the scheduler loop stand-in and the backend's) used
     # from "go" to its last room's end; benchmarks divide it by the requests.
     cpu_s: Optional[float] = None
+    # The same CPU by thread role (thread_cpu.role), when cfg.thread_cpu asks for it.
+    thread_cpu: Optional[Dict[str, float]] = None
     # Prefill (mori backends on softio): the path its writes took to decode ("intra-host", "tcp").
     engine_path: Optional[str] = None
     # Decode with cfg.record_statuses: plan index -> [(prefill_rank, KVPoll status, carried aux)]

@@ -27,6 +27,7 @@ from typing import Optional
 
 from harness.pd.config import HarnessConfig
 from harness.pd.results import RankReport
+from harness.pd.thread_cpu import ThreadCpu
 
 # How long a worker serves pings after its report before leaving on its own.
 LINGER_S = 600.0
@@ -235,6 +236,7 @@ def _run_rank(
     )
     t0 = _wait_go(conn, time.monotonic() + cfg.startup_timeout_s)
     cpu0 = time.process_time()
+    threads_cpu = ThreadCpu() if cfg.thread_cpu else None
     if control is not None:
         mgr = ManagerRef(holder)  # follows restart_engine
 
@@ -268,6 +270,8 @@ def _run_rank(
     if hasattr(mgr, "debug_snapshot"):  # ours: what its per-room tables still hold
         report.tables = mgr.debug_snapshot()
     report.cpu_s = time.process_time() - cpu0
+    if threads_cpu is not None:
+        report.thread_cpu = threads_cpu.since()
     if side == "prefill":
         report.engine_path = _engine_path(mgr)
     report.engine_contacts = engine_contacts(mgr)
