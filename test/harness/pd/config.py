@@ -161,6 +161,11 @@ class HarnessConfig:
     # Pipeline-parallel stages of the prefill (decode stays PP 1): stage s holds layers
     # [s*L/pp, (s+1)*L/pp) with prefill_start_layer, its own KV buffers; aux from the last stage.
     prefill_pp: int = 1
+    # Decode context parallel (decode --dcp-size): decode TP ranks r and r' with r % N == r' % N
+    # share a DCP rank; decode's page indices are virtual pages of page_size x N tokens, token
+    # position p lives on DCP rank p % N (harness/pd/dcp.py). MLA only, prefill DCP 1. A decode
+    # prefix (decode_prefix, in prefill pages) is rounded down to whole virtual pages (N pages).
+    decode_dcp: int = 1
     # Decode's metadata buffers when they differ from layout.aux (an optional buffer enabled on one
     # engine only, e.g. --disaggregation-enable-kv-checksum). SGLang pairs aux buffers by
     # position and moves the leading min(prefill, decode) of them.
@@ -264,6 +269,8 @@ class HarnessConfig:
             raise ValueError("with prefill_pp > 1 the state tensors (one per layer) must split over the stages")
         if self.prefill_pp > 1 and lay.draft_layers:
             raise ValueError("SGLang runs no draft model under PP; the harness does not either")
+        if self.decode_dcp > 1:
+            self._validate_dcp()
         if self.decode_instances > 1 and self.decode_dp > 1:
             raise ValueError("decode_instances and decode_dp do not combine in the harness")
         big, small = max(self.prefill_tp, self.decode_tp), min(self.prefill_tp, self.decode_tp)
@@ -324,6 +331,17 @@ class HarnessConfig:
         for dtype in (m.conv_dtype, m.temporal_dtype):
             if dtype not in DTYPE_SIZES:
                 raise ValueError(f"unsupported state dtype {dtype!r}")
+
+    def _validate_dcp(self) -> None:
+        lay = self.layout
+        if not lay.mla:
+            raise ValueError("decode_dcp needs an MLA layout (SGLang relays out MLA KV only)")
+        if self.decode_tp % self.decode_dcp:
+            raise ValueError(f"decode_dcp {self.decode_dcp} must divide decode_tp {self.decode_tp}")
+        if self.prefill_pp > 1 or self.decode_dp > 1 or self.prefill_dp > 1 or self.decode_instances > 1:
+            raise ValueError("the harness runs decode_dcp without PP, DP attention and extra decode instances")
+        if lay.state_item_bytes or lay.mamba is not None or lay.deepseek_state:
+            raise ValueError("the harness runs decode_dcp without state components")
 
     def replace(self, **changes) -> "HarnessConfig":
         return dataclasses.replace(self, **changes)

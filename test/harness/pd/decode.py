@@ -209,7 +209,7 @@ def run_decode_rooms(
             if poll == WAITING_FOR_INPUT:
                 st.outcome.t_ready = clock()
                 room = st.plan
-                pages = room.decode_pages[room.prefix_pages :]  # after decode's cached prefix
+                pages = room.decode_pages[room.decode_prefix_pages :]  # after decode's cached prefix
                 if room.index in bad_pages:  # a page past the end of the pool
                     pages = pages.copy()
                     pages[-1] = plan.decode_pool_pages + 7

@@ -39,10 +39,17 @@ class RoomPlan:
     # DP attention: the prefill DP rank and the decode DP rank that serve this room.
     prefill_dp: int = 0
     decode_dp: int = 0
+    # Decode context parallel size: decode_pages are virtual pages of decode_dcp prefill pages.
+    decode_dcp: int = 1
 
     @property
     def num_pages(self) -> int:
         return len(self.prefill_pages)
+
+    @property
+    def decode_prefix_pages(self) -> int:
+        """Leading entries of decode_pages that the cached prefix covers."""
+        return self.prefix_pages // self.decode_dcp
 
     def chunk_tokens(self, chunk: int, page_size: int) -> int:
         """Tokens covered by one send() (the last page may be partial)."""
@@ -109,8 +116,11 @@ def build_plan(cfg: HarnessConfig) -> Plan:
     tokens = rng.integers(shape.min_tokens, shape.max_tokens + 1, size=cfg.rooms)
     pages_per_room = [(int(t) + ps - 1) // ps for t in tokens]
     total = sum(pages_per_room)
+    # Under decode context parallel decode pages are virtual: ps x dcp tokens each.
+    dcp = cfg.decode_dcp
+    decode_pages_per_room = [-(-int(t) // (ps * dcp)) for t in tokens]
     prefill_pool = 1 + total + SPARE_PREFILL_PAGES
-    decode_pool = 1 + total + cfg.spare_decode_pages
+    decode_pool = 1 + sum(decode_pages_per_room) + cfg.spare_decode_pages
     prefill_seq = _runs_in_random_order(rng, prefill_pool)
     decode_seq = _runs_in_random_order(rng, decode_pool)
     slots = cfg.rooms + SPARE_SLOTS
@@ -128,16 +138,18 @@ def build_plan(cfg: HarnessConfig) -> Plan:
     prefix = dict(cfg.decode_prefix)
     # A separate stream, so plans without DP are unchanged by it.
     dp_rng = np.random.Generator(np.random.PCG64(cfg.seed + 1))
-    rooms, pos = [], 0
+    rooms, pos, dpos = [], 0, 0
     for i, n in enumerate(pages_per_room):
-        cached = min(prefix.get(i, 0), n - 1)
+        # At least the last page is sent; under DCP the prefix is whole virtual pages.
+        cached = min(prefix.get(i, 0), n - 1) // dcp * dcp
+        dn = decode_pages_per_room[i]
         rooms.append(
             RoomPlan(
                 index=i,
                 room=room_ids[i],
                 tokens=int(tokens[i]),
                 prefill_pages=prefill_seq[pos : pos + n].copy(),
-                decode_pages=decode_seq[pos : pos + n].copy(),
+                decode_pages=decode_seq[dpos : dpos + dn].copy(),
                 chunks=_chunks(n, shape.chunks, cached),
                 prefill_aux=int(p_aux[i]),
                 decode_aux=int(d_aux[i]),
@@ -146,9 +158,11 @@ def build_plan(cfg: HarnessConfig) -> Plan:
                 prefix_pages=cached,
                 prefill_dp=prefill_dp_of(cfg, i, room_ids[i], dp_rng),
                 decode_dp=i % cfg.decode_dp,
+                decode_dcp=dcp,
             )
         )
         pos += n
+        dpos += dn
     return Plan(
         rooms=rooms,
         prefill_pool_pages=prefill_pool,

@@ -56,7 +56,17 @@ class RankPool:
         if side == "decode" and cfg.decode_draft_layers is not None:
             self.draft_layers = cfg.decode_draft_layers
         self._entries = self._entry_keys(groups)
-        self.kv = [torch.zeros(shape, dtype=dtype) for _ in self._entries]
+        # Decode context parallel (decode side only): SGLang's attn_dcp_rank = tp_rank % dcp_size.
+        # A target page holds page_size tokens of this DCP rank, a draft page a whole virtual
+        # page (page_size x dcp_size tokens), as SGLang sizes the draft pool under DCP.
+        self.dcp_size = cfg.decode_dcp if side == "decode" else 1
+        self.dcp_rank = tp_rank % self.dcp_size
+        self.entry_page_tokens = [
+            lay.page_size * (self.dcp_size if self.is_draft_entry(e) else 1) for e in range(len(self._entries))
+        ]
+        self.kv = [
+            torch.zeros((pages * tokens, *shape[1:]), dtype=dtype) for tokens in self.entry_page_tokens
+        ]
         self.num_draft_entries = groups * self.draft_layers
         aux_slots = plan.prefill_aux_slots if side == "prefill" else plan.decode_aux_slots
         specs = lay.aux if side == "prefill" or cfg.decode_aux is None else cfg.decode_aux
@@ -90,6 +100,9 @@ class RankPool:
         main = [(pat.KIND_K, l) for l in layers] + [(pat.KIND_V, l) for l in layers]
         draft = [(pat.KIND_DRAFT_K, d) for d in drafts] + [(pat.KIND_DRAFT_V, d) for d in drafts]
         return main + draft
+
+    def is_draft_entry(self, entry: int) -> bool:
+        return self._entries[entry][0] in (pat.KIND_DRAFT_K, pat.KIND_DRAFT_V, pat.KIND_DRAFT_MLA)
 
     def sent_by_prefill(self, entry: int) -> bool:
         """Whether the prefill has this KV entry to send (a draft layer the prefill does not run
@@ -177,7 +190,7 @@ class RankPool:
         a.prefill_end_layer = self.start_layer + self.num_layers
         a.kv_data_ptrs = [t.data_ptr() for t in self.kv]
         a.kv_data_lens = [t.nbytes for t in self.kv]
-        a.kv_item_lens = [t[0].nbytes * ps for t in self.kv]
+        a.kv_item_lens = [t[0].nbytes * tokens for t, tokens in zip(self.kv, self.entry_page_tokens)]
         a.num_draft_entries = self.num_draft_entries
         # build_kv_layer_ids: [] for plain pools; HybridLinearKVPool reports its full-attention
         # layers' global ids (K then V for MHA).

@@ -86,6 +86,10 @@ def parallel_args(cfg: HarnessConfig, server_mode: str) -> list:
         args += ["--dp-size", str(dp), "--enable-dp-attention"]
     if pp > 1:
         args += ["--pp-size", str(pp)]
+    if server_mode == "decode" and cfg.decode_dcp > 1:
+        # runtime_context then gives each rank attn_dcp_rank = tp_rank % dcp_size, which
+        # CommonKVManager reads into dcp_size / dcp_rank (common/conn.py).
+        args += ["--dcp-size", str(cfg.decode_dcp)]
     if server_mode == "prefill" and dp > 1 and cfg.prefill_dp_routing == "query":
         # Not follow_bootstrap_room: each sender registers its room's DP rank with the bootstrap
         # server, and decode asks for it (/register_dp_rank, /query_dp_ranks).

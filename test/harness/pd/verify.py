@@ -17,6 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
+from harness.pd import dcp
 from harness.pd import ds_state
 from harness.pd import mamba
 from harness.pd import pattern as pat
@@ -44,6 +45,8 @@ def _token_slots(room: RoomPlan, ps: int, pages: np.ndarray, upto: int) -> np.nd
 
 
 def _check_kv(pool: RankPool, room: RoomPlan, out: _Collector) -> int:
+    if pool.dcp_size > 1:
+        return dcp.check_kv(pool, room, out.bad)
     ps = pool.cfg.layout.page_size
     full = room.num_pages * ps
     p_slots = _token_slots(room, ps, room.prefill_pages, full)
@@ -153,12 +156,11 @@ def _whose_position(pool: RankPool, spec, room: RoomPlan, row: np.ndarray) -> st
 
 
 def _check_untouched(pool: RankPool, plan: Plan, rooms: Sequence[RoomPlan], out: _Collector) -> None:
-    ps = pool.cfg.layout.page_size
     used_pages = np.zeros(plan.decode_pool_pages, dtype=bool)
     for room in rooms:
-        used_pages[room.decode_pages[room.prefix_pages :]] = True  # cached prefix pages stay zero
-    free_slots = np.flatnonzero(np.repeat(~used_pages, ps))
+        used_pages[room.decode_pages[room.decode_prefix_pages :]] = True  # cached prefix pages stay zero
     for entry, t in enumerate(pool.kv):
+        free_slots = np.flatnonzero(np.repeat(~used_pages, pool.entry_page_tokens[entry]))
         dirty = np.flatnonzero(pool.byte_view(t)[free_slots].any(axis=(1, 2)))
         if len(dirty):
             out.bad(f"kv entry {entry}: {len(dirty)} slots of unassigned pages were written, e.g. slot {free_slots[dirty[0]]}")
@@ -198,9 +200,10 @@ def snapshot_room(pool: RankPool, room: RoomPlan) -> list:
     """A digest per buffer of everything decode holds for a room (its KV pages, aux and state
     rows): enough to see any change later, without keeping a copy of the pages (a long run
     releases thousands of failed rooms, and the soak measures the process's RSS)."""
-    ps = pool.cfg.layout.page_size
-    slots = (room.decode_pages.astype(np.int64)[:, None] * ps + np.arange(ps)).ravel()
-    parts = [pool.byte_view(t)[slots] for t in pool.kv]
+    pages = room.decode_pages.astype(np.int64)[:, None]
+    parts = [
+        pool.byte_view(t)[(pages * n + np.arange(n)).ravel()] for t, n in zip(pool.kv, pool.entry_page_tokens)
+    ]
     parts += [pool.byte_view(t)[room.decode_aux] for t in pool.aux]
     parts += [pool.byte_view(t)[room.decode_state] for t in pool.state]
     return [hashlib.blake2b(np.ascontiguousarray(p).tobytes(), digest_size=16).digest() for p in parts]
