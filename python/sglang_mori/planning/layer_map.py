@@ -101,19 +101,53 @@ def _slice_by_layer(prefill: KVLayout, decode: KVLayout) -> Pairs:
     return tuple(pairs)
 
 
+# State types SGLang registers as one tensor per model layer of the PP stage, in layer order, in
+# this many equal groups (DSATokenToKVPool's index buffers; its compress tail lists every
+# layer's key buffers, then every layer's score buffers) and without layer ids. A PP stage's
+# tensors then sit at its start layer in each group of a peer holding more layers, as SGLang's
+# Mooncake places them (get_mla_kv_ptrs_with_pp, slice_dsa_tail_dst_ptrs_for_pp). Other
+# id-less types are not laid out per model layer (a SWA pool holds only its SWA layers, whose
+# global ids KVArgs does not carry), so a count mismatch stays refused for them.
+PER_LAYER_GROUPS = {"dsa": 1, "dsa_tail": 2}
+
+
 def map_state_tensors(
     state_type: str,
     src_ids: Sequence[int],
     dst_ids: Sequence[int],
     n_src: int,
     n_dst: int,
+    layer_offset: int = 0,
 ) -> Pairs:
-    """(prefill tensor, decode tensor) pairs of one state component."""
+    """(prefill tensor, decode tensor) pairs of one state component. `layer_offset`: the
+    prefill stage's first layer in the decode's model (prefill start_layer - decode start_layer)."""
     if n_src == n_dst and not (src_ids and dst_ids and tuple(src_ids) != tuple(dst_ids)):
         return tuple((i, i) for i in range(n_src))
     if src_ids and dst_ids:
         return pair_by_layer_id(src_ids, dst_ids, f"state {state_type!r}")
+    groups = PER_LAYER_GROUPS.get(state_type)
+    if groups and not src_ids and not dst_ids:
+        return _per_layer_stage(state_type, groups, n_src, n_dst, layer_offset)
     raise UnsupportedLayoutError(
         f"state {state_type!r}: prefill has {n_src} tensors and decode {n_dst}; pairing them "
         "needs layer ids from both sides, and at least one side reports none"
+    )
+
+
+def _per_layer_stage(state_type: str, groups: int, n_src: int, n_dst: int, offset: int) -> Pairs:
+    if n_src % groups or n_dst % groups:
+        raise mismatch(
+            f"state {state_type!r} tensors", n_src, n_dst,
+            f"one tensor per layer in {groups} equal groups on each side",
+        )
+    src_layers, dst_layers = n_src // groups, n_dst // groups
+    if offset < 0 or offset + src_layers > dst_layers:
+        raise mismatch(
+            f"state {state_type!r} layers",
+            f"[{offset}, {offset + src_layers})",
+            f"{dst_layers} layers",
+            "the decode side must hold every layer of the prefill stage",
+        )
+    return tuple(
+        (g * src_layers + i, g * dst_layers + offset + i) for g in range(groups) for i in range(src_layers)
     )

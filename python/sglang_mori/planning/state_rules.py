@@ -122,7 +122,8 @@ def state_plan_spec(component: int, prefill: KVLayout, decode: KVLayout) -> Stat
         )
     kind, tp_rule = rule
     pairs = map_state_tensors(
-        state_type, src.layer_ids, dst.layer_ids, len(src.item_lens), len(dst.item_lens)
+        state_type, src.layer_ids, dst.layer_ids, len(src.item_lens), len(dst.item_lens),
+        prefill.start_layer - decode.start_layer,
     )
     tp_differs = prefill.tp_size != decode.tp_size
     if tp_differs and tp_rule == EQUAL:

@@ -50,13 +50,29 @@ class HybridMambaShape:
 
 
 DEEPSEEK_STATE_TYPES = ("swa", "swa_ring", "c128_state", "request_row", "dsa", "dsa_tail")
+# Other item-indexed state types SGLang's pools register (disaggregation/utils.py
+# setup_state_kv_args): QSA (QSATokenToKVPool), MiniMax sparse (MiniMaxSparseKVPool), MXFP8 KV
+# block scales (MHATokenToKVPoolMXFP8, its SWA sub-pool's). They ride in the same spec.
+ITEM_STATE_TYPES = DEEPSEEK_STATE_TYPES + (
+    "qsa_pending", "qsa_compressed", "minimax_index_k", "minimax_dense_kv", "block_scale", "block_scale_swa",
+)
+# Whole on every TP rank only in an MLA model (elsewhere their sharding differs).
+MLA_ONLY_STATE_TYPES = DEEPSEEK_STATE_TYPES
+# TP shards no backend reslices: the harness runs them with equal TP sizes only.
+EQUAL_TP_STATE_TYPES = ("minimax_index_k", "minimax_dense_kv", "block_scale", "block_scale_swa")
+# Registered one tensor per model layer of the PP stage, in this many groups (DSATokenToKVPool:
+# index buffers; compress tail: keys of every layer, then scores): the only id-less types a
+# prefill PP stage sends (the planner's layer_map.PER_LAYER_GROUPS).
+PP_STATE_GROUPS = {"dsa": 1, "dsa_tail": 2}
 
 
 @dataclass(frozen=True)
 class DeepSeekStateSpec:
-    """One DeepSeek-V4 / V3.2 state component (an entry of KVArgs.state_types) of an MLA model,
-    whole on every TP rank; one tensor per entry of `item_bytes` (one per layer), registered after
-    any mamba state. See ds_state.py for how each type's items are addressed.
+    """One item-indexed state component (an entry of KVArgs.state_types): DeepSeek-V4 / V3.2 state
+    of an MLA model (whole on every TP rank), QSA, MiniMax sparse state or MXFP8 block scales
+    (ITEM_STATE_TYPES); one tensor per entry of `item_bytes` (one per layer), registered after
+    any mamba state. See ds_state.py for how each type's items are addressed. Under prefill PP,
+    dsa has one tensor per model layer and dsa_tail two (PP_STATE_GROUPS).
 
     `item_bytes` is the bytes of one item: a SWA page (swa), a DSA index page (dsa), a ring row
     (swa_ring), a c128 ring page (c128_state), a request row (request_row), or one slot of the
@@ -285,7 +301,7 @@ class HarnessConfig:
             # keeps state to the equal-TP case where each rank's state goes to the same rank.
             raise ValueError("state buffers need prefill_tp == decode_tp")
         for spec in lay.deepseek_state:
-            _validate_deepseek_state(spec, lay, self.prefill_pp)
+            _validate_deepseek_state(spec, self)
         if any(not 0 <= i < self.rooms or n < 0 for i, n in self.decode_prefix):
             raise ValueError("decode_prefix must name rooms of the plan with a page count >= 0")
         if self.decode_instances < 1:
@@ -347,18 +363,24 @@ class HarnessConfig:
         return dataclasses.replace(self, **changes)
 
 
-def _validate_deepseek_state(spec: DeepSeekStateSpec, lay: KVLayout, prefill_pp: int) -> None:
-    if spec.state_type not in DEEPSEEK_STATE_TYPES:
-        raise ValueError(f"deepseek_state type must be one of {DEEPSEEK_STATE_TYPES}, got {spec.state_type!r}")
-    if not lay.mla:
-        # These types are whole on every rank only on an MLA model; elsewhere their sharding differs.
-        raise ValueError("deepseek_state needs an MLA layout")
-    if prefill_pp > 1:
-        raise ValueError("deepseek_state under prefill PP is not modelled (no layer ids)")
+def _validate_deepseek_state(spec: DeepSeekStateSpec, cfg: "HarnessConfig") -> None:
+    lay = cfg.layout
+    if spec.state_type not in ITEM_STATE_TYPES:
+        raise ValueError(f"deepseek_state type must be one of {ITEM_STATE_TYPES}, got {spec.state_type!r}")
+    if spec.state_type in MLA_ONLY_STATE_TYPES and not lay.mla:
+        raise ValueError(f"deepseek_state {spec.state_type!r} needs an MLA layout")
+    if spec.state_type in EQUAL_TP_STATE_TYPES and cfg.prefill_tp != cfg.decode_tp:
+        raise ValueError(f"deepseek_state {spec.state_type!r} needs prefill_tp == decode_tp")
+    if cfg.prefill_pp > 1:
+        groups = PP_STATE_GROUPS.get(spec.state_type)
+        if groups is None:
+            raise ValueError(f"deepseek_state {spec.state_type!r} under prefill PP is not modelled (no layer ids)")
+        if len(spec.item_bytes) != groups * lay.num_layers:
+            raise ValueError(f"under prefill PP {spec.state_type!r} has {groups} tensor(s) per layer")
     if not spec.item_bytes or min(spec.item_bytes) < 1:
         raise ValueError("deepseek_state item_bytes must be positive, one per tensor")
     rings = [spec.ring] + ([] if spec.decode_ring is None else [spec.decode_ring])
-    if spec.state_type in ("swa", "swa_ring") and spec.window < 1:
+    if spec.state_type in ("swa", "swa_ring", "block_scale_swa") and spec.window < 1:
         raise ValueError(f"{spec.state_type} needs window >= 1")
     if spec.state_type == "swa_ring" and min(rings) < spec.window:
         raise ValueError("swa_ring rows per request must hold the window")

@@ -1,4 +1,5 @@
-"""DeepSeek-V4 and V3.2 state components of one harness rank (KVLayout.deepseek_state).
+"""Item-indexed state components of one harness rank (KVLayout.deepseek_state): DeepSeek-V4 and
+V3.2 state, QSA, MiniMax sparse state and MXFP8 KV block scales.
 
 Each component is registered the way SGLang's `setup_state_kv_args` registers the pool's buffers
 (one tensor per layer, item lengths, no layer ids) and each request's indices are the ones
@@ -14,13 +15,21 @@ cached prefix:
 - c128_state: the ring page holding the pending partial block, none at a block boundary;
 - request_row: the request's row;
 - dsa_tail: SGLang's 6-tuple [row, start, count, 0, count2, ring] for the seq % index_kpool live
-  tokens of the tail ring, or [] when none are live.
+  tokens of the tail ring, or [] when none are live;
+- qsa_pending: the request row (get_qsa_pending_state_indices);
+- qsa_compressed, minimax_dense_kv, block_scale: every KV page of the request, the cached prefix
+  included (`_full_kv_pages_payload`);
+- minimax_index_k: the KV pages after decode's cached prefix (minimax_index_transfer_pages);
+- block_scale_swa: the SWA pages of the window, as swa (`_swa_payload`).
 
 Every tensor is cut into "units" (an item, or one ring slot for dsa_tail), and every request's
 units come out in position order on both sides, so prefill unit i of a room belongs on decode
 unit i of that room whatever the two sides' slots and ring sizes. Prefill fills every unit with
-the pattern keyed by (component, tensor, prefill DP rank) and the prefill unit; the state is whole
-on every TP rank of an MLA model, so all TP ranks of a DP rank hold the same bytes, as in SGLang.
+the pattern keyed by (component, global tensor, prefill DP rank) and the prefill unit; the state
+is whole on every TP rank of an MLA model, so all TP ranks of a DP rank hold the same bytes, as
+in SGLang. Types kept as TP shards (MiniMax, block scales; equal TP only) key the pattern by the
+attention-TP rank too, so a shard landing on another rank shows. Under prefill PP a stage holds
+only its layers' tensors of dsa / dsa_tail (config.PP_STATE_GROUPS), keyed by their global index.
 Decode checks each succeeded room unit for unit and that no unit outside its rooms was written.
 """
 
@@ -32,11 +41,36 @@ import numpy as np
 import torch
 
 from harness.pd import pattern as pat
-from harness.pd.config import DeepSeekStateSpec, HarnessConfig
+from harness.pd.config import EQUAL_TP_STATE_TYPES, PP_STATE_GROUPS, DeepSeekStateSpec, HarnessConfig
 from harness.pd.plan import Plan, RoomPlan
 
 KIND_BASE = 32  # pattern kinds of these tensors: KIND_BASE + component (pattern.py uses 1..8)
 _FILL_UNITS = 8192
+
+# How each type's indices address its items (see the module docstring).
+SWA_PAGES, SUFFIX_PAGES, ALL_PAGES, RING_ROWS, C128_PAGE, ROW, TAIL = (
+    "swa_pages", "suffix_pages", "all_pages", "ring_rows", "c128_page", "row", "tail",
+)
+ADDRESSING = {
+    "swa": SWA_PAGES, "block_scale_swa": SWA_PAGES,
+    "dsa": SUFFIX_PAGES, "minimax_index_k": SUFFIX_PAGES,
+    "qsa_compressed": ALL_PAGES, "minimax_dense_kv": ALL_PAGES, "block_scale": ALL_PAGES,
+    "swa_ring": RING_ROWS, "c128_state": C128_PAGE, "request_row": ROW, "qsa_pending": ROW,
+    "dsa_tail": TAIL,
+}
+# SGLang registers these with layer ids (QSATokenToKVPool's get_qsa_*_state_layer_ids).
+LAYER_ID_TYPES = ("qsa_pending", "qsa_compressed")
+
+
+def stage_tensors(spec: DeepSeekStateSpec, cfg: HarnessConfig, side: str, pp_rank: int) -> List[int]:
+    """Global indices of the component's tensors this rank holds: all of them, or on a prefill
+    PP stage its layers' tensors in each per-layer group."""
+    pp = cfg.prefill_pp if side == "prefill" else 1
+    if pp == 1:
+        return list(range(len(spec.item_bytes)))
+    layers, groups = cfg.layout.num_layers, PP_STATE_GROUPS[spec.state_type]
+    per = layers // pp
+    return [g * layers + l for g in range(groups) for l in range(pp_rank * per, (pp_rank + 1) * per)]
 
 
 def ring_of(spec: DeepSeekStateSpec, side: str) -> int:
@@ -61,16 +95,16 @@ class ComponentGeometry:
         self.ring = ring_of(spec, side)
         slots = plan.prefill_state_slots if side == "prefill" else plan.decode_state_slots
         pool_pages = plan.prefill_pool_pages if side == "prefill" else plan.decode_pool_pages
-        kind = spec.state_type
-        self.swa_map = swa_page_map(cfg, plan, side) if kind == "swa" else None
-        self.units_per_item = self.ring if kind == "dsa_tail" else 1
-        if kind in ("swa", "dsa"):
+        form = self.form = ADDRESSING[spec.state_type]
+        self.swa_map = swa_page_map(cfg, plan, side) if form == SWA_PAGES else None
+        self.units_per_item = self.ring if form == TAIL else 1
+        if form in (SWA_PAGES, SUFFIX_PAGES, ALL_PAGES):
             self.num_units = pool_pages
-        elif kind in ("swa_ring", "dsa_tail"):
+        elif form in (RING_ROWS, TAIL):
             self.num_units = slots * self.ring
-        elif kind == "c128_state":
+        elif form == C128_PAGE:
             self.num_units = slots * (self.ring // spec.ratio)
-        else:  # request_row
+        else:  # ROW
             self.num_units = slots
 
     def _slot(self, room: RoomPlan) -> int:
@@ -82,21 +116,23 @@ class ComponentGeometry:
     def units(self, room: RoomPlan) -> np.ndarray:
         """This side's units of the room, in position order (int64)."""
         spec, seq, slot = self.spec, room.tokens, self._slot(room)
-        kind = spec.state_type
-        if kind == "swa":
+        form = self.form
+        if form == SWA_PAGES:
             start = max(room.prefix_pages * self.ps, seq - spec.window) // self.ps * self.ps
             return self.swa_map[self._pages(room)[start // self.ps : -(-seq // self.ps)]]
-        if kind == "dsa":
+        if form == SUFFIX_PAGES:
             return self._pages(room)[room.prefix_pages :]
-        if kind == "swa_ring":
+        if form == ALL_PAGES:
+            return self._pages(room)
+        if form == RING_ROWS:
             positions = np.arange(max(0, seq - spec.window), seq, dtype=np.int64)
             return slot * self.ring + positions % self.ring
-        if kind == "c128_state":
+        if form == C128_PAGE:
             if seq % spec.ratio == 0:
                 return np.zeros(0, dtype=np.int64)
             per_request = self.ring // spec.ratio
             return np.array([slot * per_request + ((seq - 1) % self.ring) // spec.ratio], dtype=np.int64)
-        if kind == "request_row":
+        if form == ROW:
             return np.array([slot], dtype=np.int64)
         live = seq % spec.ratio  # dsa_tail: tokens since the last full index_kpool group
         positions = np.arange(seq - live, seq, dtype=np.int64)
@@ -104,8 +140,7 @@ class ComponentGeometry:
 
     def indices(self, room: RoomPlan):
         """The state indices SGLang's scheduler sends for this component and room."""
-        kind = self.spec.state_type
-        if kind == "dsa_tail":
+        if self.form == TAIL:
             live = room.tokens % self.spec.ratio
             if live == 0:
                 return []  # get_dsa_tail_state_indices: nothing live, nothing sent
@@ -119,13 +154,15 @@ class ComponentGeometry:
 class DeepSeekState:
     """The DeepSeek state tensors of one rank (empty when the layout has none)."""
 
-    def __init__(self, cfg: HarnessConfig, plan: Plan, side: str):
+    def __init__(self, cfg: HarnessConfig, plan: Plan, side: str, pp_rank: int = 0):
         self.cfg, self.plan, self.side = cfg, plan, side
         self.specs = cfg.layout.deepseek_state
         self.geometry = [ComponentGeometry(s, cfg, plan, side) for s in self.specs]
+        # Per component: the global index of each tensor this rank holds, and the tensors.
+        self.tensor_ids = [stage_tensors(s, cfg, side, pp_rank) for s in self.specs]
         self.tensors: List[List[torch.Tensor]] = [
-            [torch.zeros((g.num_units, b), dtype=torch.uint8) for b in s.item_bytes]
-            for s, g in zip(self.specs, self.geometry)
+            [torch.zeros((g.num_units, s.item_bytes[i]), dtype=torch.uint8) for i in ids]
+            for s, g, ids in zip(self.specs, self.geometry, self.tensor_ids)
         ]
         # The scheduler hands state_indices a request slot; the harness finds the room by it.
         self._room_by_slot: Dict[int, RoomPlan] = {
@@ -136,13 +173,15 @@ class DeepSeekState:
         return bool(self.specs)
 
     @staticmethod
-    def key(cfg: HarnessConfig, component: int, tensor: int, prefill_dp: int) -> int:
-        return pat.buffer_key(cfg.seed, KIND_BASE + component, tensor, prefill_dp)
+    def key(cfg: HarnessConfig, component: int, tensor: int, prefill_dp: int, tp_rank: int = 0) -> int:
+        """Pattern key of global tensor `tensor`; `tp_rank` matters for TP-sharded types only."""
+        sharded = cfg.layout.deepseek_state[component].state_type in EQUAL_TP_STATE_TYPES
+        return pat.buffer_key(cfg.seed, KIND_BASE + component, tensor, prefill_dp * 16 + (tp_rank if sharded else 0))
 
-    def fill(self, dp_rank: int) -> None:
+    def fill(self, dp_rank: int, tp_rank: int = 0) -> None:
         for c, tensors in enumerate(self.tensors):
-            for t, tensor in enumerate(tensors):
-                view, key = tensor.numpy(), self.key(self.cfg, c, t, dp_rank)
+            for t, tensor in zip(self.tensor_ids[c], tensors):
+                view, key = tensor.numpy(), self.key(self.cfg, c, t, dp_rank, tp_rank)
                 for start in range(0, view.shape[0], _FILL_UNITS):
                     rows = np.arange(start, min(start + _FILL_UNITS, view.shape[0]))
                     view[rows] = pat.pattern(key, rows, np.array([0]), view.shape[1])[:, 0]
@@ -151,14 +190,14 @@ class DeepSeekState:
         """Append one state component per spec to kv_args, as append_state_component does."""
         from sglang.srt.disaggregation.base.conn import StateType
 
-        for spec, geo, tensors in zip(self.specs, self.geometry, self.tensors):
+        for spec, geo, tensors, ids in zip(self.specs, self.geometry, self.tensors, self.tensor_ids):
             kv_args.state_types.append(StateType(spec.state_type))
             kv_args.state_data_ptrs.append([t.data_ptr() for t in tensors])
             kv_args.state_data_lens.append([t.nbytes for t in tensors])
             kv_args.state_item_lens.append([t[0].nbytes * geo.units_per_item for t in tensors])
             kv_args.state_dim_per_tensor.append([])
             kv_args.state_slice_outer_counts.append([])
-            kv_args.state_layer_ids.append([])
+            kv_args.state_layer_ids.append(list(ids) if spec.state_type in LAYER_ID_TYPES else [])
             kv_args.state_conv_shard_groups.append([])
 
     def indices(self, slot: int) -> list:
@@ -176,9 +215,11 @@ def check_room(pool, room: RoomPlan, bad) -> int:
         if len(p_units) != len(d_units):
             bad(f"room#{room.index} {spec.state_type}: harness plans {len(p_units)} prefill and {len(d_units)} decode units")
             continue
-        for t, tensor in enumerate(state.tensors[c]):
+        for t, tensor in zip(state.tensor_ids[c], state.tensors[c]):
             view = tensor.numpy()
-            want = pat.pattern(state.key(pool.cfg, c, t, room.prefill_dp), p_units, np.array([0]), view.shape[1])[:, 0]
+            # Equal TP for the sharded types: decode rank r holds prefill rank r's shard.
+            key = state.key(pool.cfg, c, t, room.prefill_dp, pool.attn_rank)
+            want = pat.pattern(key, p_units, np.array([0]), view.shape[1])[:, 0]
             got = view[d_units]
             checked += got.nbytes
             wrong = np.flatnonzero(~(got == want).all(axis=1))
@@ -199,7 +240,7 @@ def check_untouched(pool, rooms, bad) -> None:
         used = np.zeros(geo.num_units, dtype=bool)
         for room in rooms:
             used[geo.units(room)] = True
-        for t, tensor in enumerate(state.tensors[c]):
+        for t, tensor in zip(state.tensor_ids[c], state.tensors[c]):
             dirty = np.flatnonzero(tensor.numpy()[~used].any(axis=1))
             if len(dirty):
                 unit = int(np.flatnonzero(~used)[dirty[0]])

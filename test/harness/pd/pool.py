@@ -77,8 +77,9 @@ class RankPool:
         per_stage = len(lay.state_item_bytes) // self.pp_size
         self.state_layer_ids = list(range(pp_rank * per_stage, (pp_rank + 1) * per_stage))
         self.state = [torch.zeros((st_slots, lay.state_item_bytes[i]), dtype=torch.uint8) for i in self.state_layer_ids]
-        # DeepSeek-V4 / V3.2 state components (ds_state.py), registered after the mamba state.
-        self.deepseek_state = DeepSeekState(cfg, plan, side)
+        # Item-indexed state components (ds_state.py: DeepSeek-V4 / V3.2, QSA, MiniMax, MXFP8
+        # block scales), registered after the mamba state.
+        self.deepseek_state = DeepSeekState(cfg, plan, side, pp_rank)
         # Qwen3-Next-shaped hybrid: this rank's TP shard of every mamba layer's conv and temporal
         # state (replaces the layer-per-tensor rows above, which exist only without it).
         self.mamba_specs = []
@@ -167,7 +168,7 @@ class RankPool:
             rows = np.arange(view.shape[0])
             key = self.state_key(self.state_layer_ids[i], self.attn_rank, self.dp_rank)
             view[:] = pat.pattern(key, rows, np.array([0]), view.shape[1])[:, 0]
-        self.deepseek_state.fill(self.dp_rank)
+        self.deepseek_state.fill(self.dp_rank, self.attn_rank)
 
     # -- SGLang registration -------------------------------------------------------------------
 
