@@ -58,6 +58,9 @@ class Register(_Message, tag="register", kw_only=True):
     # Decode context parallel (--dcp-size): tokens are striped over the DCP ranks.
     dcp_size: int = 1
     dcp_rank: int = 0
+    # Decode's SGLang enable_all_cp_ranks_for_transfer: with a prefill CP > 1 it waits for a
+    # Success from every CP rank (else from CP rank 0 only); prefill refuses a mismatch.
+    cp_all_ranks: bool = False
     # planning.KVLayout encoded with msgspec; kept opaque here so the protocol does not depend on
     # the planner's internals.
     layout: bytes

@@ -82,13 +82,16 @@ class MoriKVManager(compat.CompatKVManager):
         planner_class = KVPlanner
         if cfg.layerwise != "off":
             from sglang_mori.backend.prefill.layerwise.planner import LayerwisePlanner as planner_class
+        cp = self.cp = self.context_parallel()
+        planner = (planner_class(self.layout, self.buffers, kv_shard=(cp.kv_shard_rank, cp.kv_shard_size))
+                   if cp.sharded else planner_class(self.layout, self.buffers))
         parts = PrefillParts(
-            config=cfg, engine=self.engine, local=self.buffers, planner=planner_class(self.layout, self.buffers),
+            config=cfg, engine=self.engine, local=self.buffers, planner=planner,
             peers=PeerRegistry(cfg.peer_fail_fast_s, InflightBudget(cfg.max_inflight_per_peer)),
             messenger=self.messenger, metrics=self.metrics, sglang=self.sglang, read_aux=self._read_aux,
             control_socket=self.server_socket,
             dcp=(int(getattr(self, "dcp_size", 1) or 1), int(getattr(self, "dcp_rank", 0) or 0)),
-            owns_aux=self._owns_aux(),
+            owns_aux=self._owns_aux(cp), cp=cp,
         )
         service = PrefillService(parts, self.reject_message)
         if cfg.layerwise != "off":
@@ -106,7 +109,8 @@ class MoriKVManager(compat.CompatKVManager):
         parts = DecodeParts(
             config=self.mori_config, engine=self.engine, local=self.buffers, layout=self.layout,
             identity=DecodeIdentity(self.local_ip, self.rank_port, self.attn_tp_size, self.attn_tp_rank,
-                                    int(getattr(self, "dcp_size", 1) or 1), int(getattr(self, "dcp_rank", 0) or 0)),
+                                    int(getattr(self, "dcp_size", 1) or 1), int(getattr(self, "dcp_rank", 0) or 0),
+                                    cp_all_ranks=bool(getattr(self, "enable_all_cp_ranks_for_transfer", False))),
             aux=AuxSlots(list(args.aux_data_ptrs), list(args.aux_item_lens), list(args.aux_data_lens)),
             messenger=self.messenger, metrics=self.metrics, sglang=self.sglang, control_socket=self.server_socket,
         )
@@ -126,7 +130,7 @@ class MoriKVManager(compat.CompatKVManager):
         logger.info("sglang-mori %s tp%d: engine=%s (%s) host=%s port=%s zmq_port=%s nic=%s qp=%d workers=%d "
                     "shards=%d timeout_ms=%d", self.role, self.attn_tp_rank, cfg.engine, io.__name__,
                     engine.desc.host, engine.desc.port, self.rank_port, settings.describe_nic(),
-                    cfg.qp_per_transfer, cfg.num_workers, cfg.transfer_shards, cfg.transfer_timeout_ms)
+                    cfg.qp_per_transfer, cfg.num_workers, transfer_shard_count(cfg), cfg.transfer_timeout_ms)
         return engine
 
     def _register_buffers(self) -> LocalBuffers:
@@ -142,14 +146,22 @@ class MoriKVManager(compat.CompatKVManager):
                    for ptrs, lens in zip(args.state_data_ptrs or [], args.state_data_lens or [])],
         )
 
-    def _owns_aux(self) -> bool:
-        """Aux is computed by the last pipeline stage; context-parallel ranks replicate it."""
+    def context_parallel(self):
+        """This prefill rank's place in context parallelism and KV sharding."""
+        from sglang.srt.runtime_context import get_parallel
+
+        from sglang_mori.backend.prefill.context_parallel import PrefillCP
+
+        return PrefillCP.from_manager(self, get_parallel())
+
+    def _owns_aux(self, cp) -> bool:
+        """Aux is computed by the last pipeline stage, alike on its CP and shard ranks."""
         last_stage = (self.pp_rank or 0) == (self.pp_size or 1) - 1
-        return last_stage and (self.attn_cp_size <= 1 or self.attn_cp_rank == 0)
+        return last_stage and cp.owns_aux
 
     def prepare_send_state_indices(self, state_indices):
-        """Replicated state goes from one context-parallel rank only (SGLang's rule for it)."""
-        if state_indices is not None and compat.skip_cp_replicated_state(self):
+        """State every CP rank holds alike goes from CP rank 0 only (SGLang's rule for it)."""
+        if state_indices is not None and self.cp.skips_replicated_state:
             return None
         return state_indices
 

@@ -10,6 +10,7 @@ import msgspec
 
 from sglang_mori.engine.transfer_engine import WritePair
 from sglang_mori.planning import InvalidLayoutError, KVLayout, PlanError, TransferPlanner, UnsupportedLayoutError
+from sglang_mori.planning.kv_shard import SHARDED_STATE_TYPE, owned_pages
 from sglang_mori.planning.transfer_plan import TransferPlan
 
 logger = logging.getLogger(__name__)
@@ -46,9 +47,12 @@ class KVPlanner:
     # Whether chunks into a decode with context parallelism (token relayout) are planned here.
     supports_dcp_relayout = True
 
-    def __init__(self, layout: KVLayout, local: LocalBuffers):
+    def __init__(self, layout: KVLayout, local: LocalBuffers, kv_shard: tuple = (0, 1)):
         self.layout = layout
         self.local = local
+        # (kv_shard_rank, kv_shard_size) of a KV-sharded prefill: state striped like the KV pages
+        # (DSA) is narrowed to this rank's pages here; SGLang narrows the KV pages itself.
+        self.kv_shard = (int(kv_shard[0]), int(kv_shard[1]))
         self._planners: dict[str, TransferPlanner] = {}
 
     def accept_peer(self, key: str, layout_blob: bytes, kv, aux, state, dcp=None) -> KVLayout:
@@ -126,6 +130,10 @@ class KVPlanner:
             for comp, (src, dst_state) in enumerate(zip(chunk.state_indices, target.state_indices)):
                 if src is None or dst_state is None:
                     continue
+                if self.kv_shard[1] > 1 and self.layout.states[comp].state_type == SHARDED_STATE_TYPE:
+                    src, dst_state = owned_pages(src, dst_state, *self.kv_shard)
+                    if src.size == 0:
+                        continue
                 plan = planner.plan_state(comp, src, dst_state)
                 if plan.dropped:
                     # Decode gave fewer state slots than prefill has items: those never move.

@@ -26,7 +26,6 @@ _REQUIRED_METHODS = {
         "_encode_kv_status_message",
         "_send_abort_ack",
         "_start_heartbeat_checker_thread",
-        "_should_skip_cp_replicated_state_transfer",
     ),
     CommonKVReceiver: ("_send_abort_notification", "_clear", "_connect_to_bootstrap_server"),
     CommonKVSender: (),
@@ -114,11 +113,6 @@ class CompatKVReceiver(CommonKVReceiver):
 
 def prefill_unique_rank(mgr) -> int:
     return mgr._prefill_unique_rank()
-
-
-def skip_cp_replicated_state(mgr) -> bool:
-    """Whether this prefill rank omits context-parallel-replicated state (another rank sends it)."""
-    return bool(mgr._should_skip_cp_replicated_state_transfer())
 
 
 def zmq_context(mgr):

@@ -42,6 +42,8 @@ class DecodeIdentity:
     attn_tp_rank: int
     dcp_size: int = 1
     dcp_rank: int = 0
+    # SGLang's enable_all_cp_ranks_for_transfer on this decode (see protocol.Register).
+    cp_all_ranks: bool = False
 
 
 @dataclass
@@ -97,7 +99,7 @@ class DecodeService:
             state_descs=[[d.pack() if d is not None else None for d in comp] for comp in p.local.state],
             decode_ip=p.identity.ip, decode_port=p.identity.port,
             attn_tp_size=p.identity.attn_tp_size, attn_tp_rank=p.identity.attn_tp_rank,
-            dcp_size=p.identity.dcp_size, dcp_rank=p.identity.dcp_rank,
+            dcp_size=p.identity.dcp_size, dcp_rank=p.identity.dcp_rank, cp_all_ranks=p.identity.cp_all_ranks,
             layout=encode_layout(p.layout),
         )
 

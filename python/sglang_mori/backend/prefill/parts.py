@@ -9,6 +9,7 @@ from typing import Callable, Optional
 from sglang_mori.backend.messenger import Messenger
 from sglang_mori.backend.peers import PeerRegistry
 from sglang_mori.backend.plans import KVPlanner, LocalBuffers
+from sglang_mori.backend.prefill.context_parallel import PrefillCP
 from sglang_mori.backend.prefill.rooms import PrefillRoomRegistry
 from sglang_mori.config import MoriConfig
 
@@ -31,6 +32,9 @@ class PrefillParts:
     # is the request's: only the last pipeline stage computes it, and context-parallel ranks hold
     # the same copy. The others send Success without aux, so a stale buffer never lands.
     owns_aux: bool = True
+    # This rank's place in prefill context parallelism / KV sharding: decode peers that expect
+    # Successes from other CP ranks than the ones that send are refused at registration.
+    cp: PrefillCP = field(default_factory=PrefillCP)
     rooms: PrefillRoomRegistry = field(default_factory=PrefillRoomRegistry)
     clock: Callable[[], float] = time.monotonic
 
