@@ -144,9 +144,12 @@ KNOBS: Tuple[Knob, ...] = (
     Knob("SGLANG_MORI_NUM_WORKERS", "num_workers", "int", 4,
          "MORI-IO engine worker threads (RdmaBackendConfig.num_worker_threads).",
          int_at_least(1), ">= 1"),
-    Knob("SGLANG_MORI_TRANSFER_SHARDS", "transfer_shards", "int", 8,
+    Knob("SGLANG_MORI_TRANSFER_SHARDS", "transfer_shards", "int", 0,
          "Our transfer worker threads on the prefill side; a room always maps to one shard. Also "
-         "bounds how many chunks are submitted concurrently.", int_between(1, 256), "1..256"),
+         "bounds how many chunks are submitted concurrently. 0 (auto): half the CPUs this process "
+         "may run on, 1..8 (more threads than cores only trade GIL and lock handoffs; measured in "
+         "docs/benchmarks.md).", lambda text: _parse_int(text, 1, 256, also=(0,)),
+         "0 (auto) or 1..256"),
     Knob("SGLANG_MORI_TRANSFER_TIMEOUT_MS", "transfer_timeout_ms", "int", 30000,
          "Deadline for one chunk transfer (submit, retries and completion). Always on: a transfer "
          "past it fails its request.", positive_deadline_ms, "> 0 (cannot be disabled)"),
@@ -203,7 +206,7 @@ class MoriConfig:
     qp_per_transfer: int = 4
     post_batch_size: int = -1
     num_workers: int = 4
-    transfer_shards: int = 8
+    transfer_shards: int = 0  # 0: auto_transfer_shards()
     transfer_timeout_ms: int = 30000
     wait_poll_ms: int = 50
     max_inflight_per_peer: int = 64
@@ -235,6 +238,26 @@ class MoriConfig:
     def describe(self) -> str:
         """One line for the start-up log."""
         return " ".join(f"{k.name}={getattr(self, k.field)!r}" for k in KNOBS)
+
+
+def auto_transfer_shards(cpus: Optional[int] = None) -> int:
+    """Shard threads when SGLANG_MORI_TRANSFER_SHARDS is 0: half the usable CPUs, 1..8.
+
+    Submitting is Python under the GIL, so threads beyond the cores add handoffs, not
+    parallelism: on a 2-core host 8 shards cost 1.5x the CPU per request of 1 and tripled p99
+    (docs/benchmarks.md, "Session 6"). Hosts with many cores keep 8, which bounds how long one
+    slow peer can hold up the rooms that share its shard.
+    """
+    if cpus is None:
+        try:
+            cpus = len(os.sched_getaffinity(0))  # the CPUs this process may use, not the host's
+        except (AttributeError, OSError):  # pragma: no cover - not Linux
+            cpus = os.cpu_count() or 1
+    return max(1, min(8, cpus // 2))
+
+
+def transfer_shard_count(cfg: "MoriConfig") -> int:
+    return cfg.transfer_shards or auto_transfer_shards()
 
 
 # --- MORI-IO's own variables that silently win over what we pass --------------------------

@@ -18,7 +18,7 @@ def test_defaults():
     cfg = MoriConfig.from_env({})
     assert cfg == MoriConfig()
     assert (cfg.engine, cfg.qp_per_transfer, cfg.post_batch_size, cfg.num_workers) == ("mori", 4, -1, 4)
-    assert (cfg.transfer_shards, cfg.transfer_timeout_ms, cfg.wait_poll_ms) == (8, 30000, 50)
+    assert (cfg.transfer_shards, cfg.transfer_timeout_ms, cfg.wait_poll_ms) == (0, 30000, 50)
     assert (cfg.max_inflight_per_peer, cfg.max_queued_chunks, cfg.submit_retry_max) == (64, 4096, 5)
     assert (cfg.peer_fail_fast_s, cfg.host, cfg.enable_notification, cfg.xgmi) == (5.0, "", False, False)
 
@@ -68,8 +68,8 @@ def test_bool_spellings(text, value):
         ("SGLANG_MORI_POST_BATCH_SIZE", "0", "expected -1, or an integer >= 1"),
         ("SGLANG_MORI_POST_BATCH_SIZE", "-2", "expected -1, or an integer >= 1"),
         ("SGLANG_MORI_NUM_WORKERS", "-1", "expected an integer >= 1"),
-        ("SGLANG_MORI_TRANSFER_SHARDS", "0", "expected an integer in 1..256"),
-        ("SGLANG_MORI_TRANSFER_SHARDS", "257", "expected an integer in 1..256"),
+        ("SGLANG_MORI_TRANSFER_SHARDS", "-1", "expected 0, or an integer in 1..256"),
+        ("SGLANG_MORI_TRANSFER_SHARDS", "257", "expected 0, or an integer in 1..256"),
         ("SGLANG_MORI_TRANSFER_TIMEOUT_MS", "0", "deadline cannot be disabled"),
         ("SGLANG_MORI_TRANSFER_TIMEOUT_MS", "-5", "expected an integer > 0"),
         ("SGLANG_MORI_TRANSFER_TIMEOUT_MS", "1s", "expected an integer > 0"),
@@ -175,3 +175,15 @@ def test_configuration_doc_lists_every_knob():
     text = doc.read_text()
     missing = [k.name for k in KNOBS if k.name not in text]
     assert not missing, f"docs/configuration.md does not mention {missing}"
+
+
+@pytest.mark.parametrize("cpus, shards", [(1, 1), (2, 1), (4, 2), (8, 4), (16, 8), (192, 8)])
+def test_auto_transfer_shards_is_half_the_cpus_within_1_to_8(cpus, shards):
+    assert config.auto_transfer_shards(cpus) == shards
+
+
+def test_transfer_shards_zero_means_auto_and_a_number_is_kept():
+    assert config.transfer_shard_count(MoriConfig()) == config.auto_transfer_shards()
+    assert config.transfer_shard_count(MoriConfig.from_env({"SGLANG_MORI_TRANSFER_SHARDS": "3"})) == 3
+    with pytest.raises(ConfigError, match="SGLANG_MORI_TRANSFER_SHARDS='-1'"):
+        MoriConfig.from_env({"SGLANG_MORI_TRANSFER_SHARDS": "-1"})

@@ -24,7 +24,7 @@ from sglang_mori.backend.messenger import Messenger
 from sglang_mori.backend.peers import InflightBudget, PeerRegistry
 from sglang_mori.backend.plans import KVPlanner, LocalBuffers, local_layout
 from sglang_mori.backend.sglang_adapter import SGLangAdapter
-from sglang_mori.config import MoriConfig, mori_env_overrides
+from sglang_mori.config import MoriConfig, mori_env_overrides, transfer_shard_count
 from sglang_mori.engine import EngineSettings, TransferEngine, load_io_module
 from sglang_mori.metrics import create_transfer_metrics
 

@@ -18,6 +18,7 @@ from typing import List, Optional
 import numpy as np
 
 from sglang_mori import protocol
+from sglang_mori.config import transfer_shard_count
 from sglang_mori.backend import room_status
 from sglang_mori.backend.prefill.failures import (
     BACKPRESSURE,
@@ -55,7 +56,7 @@ class ChunkSubmitter:
         self.p = parts
         self.failures = failures
         cfg = parts.config
-        self.queues = [queue.Queue(maxsize=cfg.max_queued_chunks) for _ in range(cfg.transfer_shards)]
+        self.queues = [queue.Queue(maxsize=cfg.max_queued_chunks) for _ in range(transfer_shard_count(cfg))]
         # Count and publish the queue depth as one step: shards and the scheduler update it at once.
         self._depth_lock = threading.Lock()
         self.stopped = threading.Event()
