@@ -5,6 +5,7 @@ waits for, and which pages a shard rank stores."""
 from __future__ import annotations
 
 import itertools
+import re
 from types import SimpleNamespace
 from unittest import mock
 
@@ -173,3 +174,46 @@ def test_manager_builds_its_cp_place_from_sglang_and_applies_it():
     assert MoriKVManager._owns_aux(rank0, rank0.cp) is True
     rank0.pp_rank = 0  # not the last stage: no aux
     assert MoriKVManager._owns_aux(rank0, rank0.cp) is False
+
+
+# docs/compatibility.md's CP rows: the verdict each states is the one PrefillCP gives.
+_CP2 = dict(cp_size=2)
+DOC_ROWS = {
+    "Prefill CP (`--enable-prefill-cp`), CP rank 0 sends (SGLang's default)": [
+        (PrefillCP(**_CP2), dict(decode_all_cp_ranks=False))],
+    "Prefill CP, every CP rank sends (`SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER=1` on both servers, or a "
+    "hybrid-MLA pool)": [(PrefillCP(**_CP2, cp_rank=r, all_ranks_send=True), dict(decode_all_cp_ranks=True))
+                         for r in (0, 1)],
+    "Prefill CP, `SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER` set on one server only": [
+        (PrefillCP(**_CP2, all_ranks_send=True), dict(decode_all_cp_ranks=False))],
+    "KV sharding (`--enable-kv-cache-sharding`), DSA index state": [
+        (PrefillCP(**_CP2, cp_rank=1, all_ranks_send=True, kv_shard_size=2, kv_shard_rank=1),
+         dict(state_types=["dsa"]))],
+    "KV sharding with state other than DSA": [
+        (PrefillCP(**_CP2, all_ranks_send=True, kv_shard_size=2), dict(state_types=["dsa", "swa"]))],
+    "Prefill CP with CP-TP group sharing (Qwen4Exp prefill CP)": [
+        (PrefillCP(**_CP2, tp_group_sharing=True), dict())],
+    "DSA cache layer split (`--enable-dsa-cache-layer-split`)": [
+        (PrefillCP(**_CP2, all_ranks_send=True, dsa_layer_split=True), dict(decode_all_cp_ranks=True))],
+    "Layer-wise mode (`SGLANG_MORI_LAYERWISE`) with every CP rank sending, or KV sharding": [
+        (PrefillCP(**_CP2, all_ranks_send=True), dict(decode_all_cp_ranks=True, layerwise=True))],
+}
+
+
+@pytest.mark.parametrize("name", sorted(DOC_ROWS))
+def test_compatibility_doc_rows_state_prefill_cps_verdict(name):
+    from test_docs_compatibility import rows
+
+    table = rows()
+    assert name in table, f"docs/compatibility.md lost the row {name!r}"
+    ours = table[name]["Ours"]
+    for cp, overrides in DOC_ROWS[name]:
+        args = dict(decode_all_cp_ranks=False, decode_tp_size=2, layerwise=False, state_types=[])
+        args.update(overrides)
+        if ours.startswith("served"):
+            cp.check_decode(**args)
+        else:
+            quoted = re.search(r"`([^`]+)`", ours).group(1)
+            with pytest.raises(UnsupportedLayoutError) as refusal:
+                cp.check_decode(**args)
+            assert quoted in str(refusal.value), (quoted, str(refusal.value))
