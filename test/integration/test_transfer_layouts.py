@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 from integration_support import config
 
+from harness.pd.config import DeepSeekStateSpec
 from harness.pd.run import AuxBufferSpec, KVLayout, RoomShape
 
 
@@ -74,13 +75,32 @@ def test_aux_buffer_count_differs_between_engines(run_clean, decode_aux):
     run_clean(cfg)
 
 
+# Item-indexed state of QSA, MiniMax sparse and MXFP8 KV pools, registered as setup_state_kv_args
+# registers them and indexed as prefill.py / decode.py index them (harness/pd/ds_state.py): the
+# QSA pending ring by request row, QSA compressed / MiniMax dense KV / block scales by every KV
+# page of the request (the cached prefix included), the MiniMax index by the pages after decode's
+# prefix, the SWA sub-pool's block scales by the window's SWA pages. Tensor sizes differ so a
+# tensor landing on another shows.
+ITEM_STATE = (
+    DeepSeekStateSpec("qsa_pending", item_bytes=(24, 40)),
+    DeepSeekStateSpec("qsa_compressed", item_bytes=(32, 48)),
+    DeepSeekStateSpec("minimax_index_k", item_bytes=(16, 24)),
+    DeepSeekStateSpec("minimax_dense_kv", item_bytes=(64,)),
+    DeepSeekStateSpec("block_scale", item_bytes=(8, 12, 8, 12)),
+    DeepSeekStateSpec("block_scale_swa", item_bytes=(8, 12), window=37),
+)
+
+
 def test_decode_prefix_cache_hits(run_clean):
     # Decode already holds the first pages of some rooms (its radix cache): it publishes only the
     # rest with decode_prefix_len, prefill must learn that length (pop_decode_prefix_len) and send
-    # only the remaining pages, and the cached pages on decode must not be written.
+    # only the remaining pages, and the cached pages on decode must not be written. The same run
+    # carries the QSA, MiniMax and MXFP8 block-scale state above, end to end at equal TP, each
+    # type's items addressed with and without decode's prefix as SGLang addresses them.
     cfg = config(
         rooms=64,
-        layout=KVLayout(num_layers=2, total_kv_heads=4, head_dim=16, page_size=16, state_item_bytes=(32,)),
+        layout=KVLayout(num_layers=2, total_kv_heads=4, head_dim=16, page_size=16, state_item_bytes=(32,),
+                        deepseek_state=ITEM_STATE),
         shape=RoomShape(min_tokens=17, max_tokens=160, chunks=2),
         decode_prefix=tuple((i, 1 + i % 4) for i in range(0, 64, 3)),
     )
