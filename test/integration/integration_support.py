@@ -23,7 +23,7 @@ def assert_clean(result: HarnessResult, cfg: HarnessConfig) -> None:
     still answering at the end."""
     summary = result.summary()
     assert result.error is None, summary
-    assert len(result.side("prefill")) == cfg.prefill_tp * cfg.prefill_dp * cfg.prefill_pp, summary
+    assert len(result.side("prefill")) == cfg.prefill_tp * cfg.prefill_cp * cfg.prefill_dp * cfg.prefill_pp, summary
     assert len(result.side("decode")) == cfg.decode_tp * cfg.decode_dp * cfg.decode_instances, summary
     assert result.all_succeeded(cfg.rooms), summary
     plan = build_plan(cfg)

@@ -177,6 +177,10 @@ class HarnessConfig:
     # Pipeline-parallel stages of the prefill (decode stays PP 1): stage s holds layers
     # [s*L/pp, (s+1)*L/pp) with prefill_start_layer, its own KV buffers; aux from the last stage.
     prefill_pp: int = 1
+    # Prefill context parallel (--enable-prefill-cp --attn-cp-size N): N CP ranks per (DP, attention
+    # TP) rank, each holding the request's whole KV and state alike. Which of them send is SGLang's
+    # choice: CP rank 0 only, or every rank with SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER=1.
+    prefill_cp: int = 1
     # Decode context parallel (decode --dcp-size): decode TP ranks r and r' with r % N == r' % N
     # share a DCP rank; decode's page indices are virtual pages of page_size x N tokens, token
     # position p lives on DCP rank p % N (harness/pd/dcp.py). MLA only, prefill DCP 1. A decode
@@ -273,8 +277,10 @@ class HarnessConfig:
                 raise ValueError(f"unsupported aux dtype {spec.dtype!r}")
         if self.prefill_tp < 1 or self.decode_tp < 1:
             raise ValueError("TP sizes must be >= 1")
-        if min(self.prefill_dp, self.decode_dp, self.prefill_pp) < 1:
-            raise ValueError("DP and PP sizes must be >= 1")
+        if min(self.prefill_dp, self.decode_dp, self.prefill_pp, self.prefill_cp) < 1:
+            raise ValueError("DP, PP and CP sizes must be >= 1")
+        if self.prefill_cp > 1 and (self.prefill_pp > 1 or self.decode_dcp > 1):
+            raise ValueError("the harness runs prefill CP with prefill PP 1 and decode DCP 1")
         if lay.draft_layers < 0:
             raise ValueError("draft_layers must be >= 0")
         if self.prefill_dp_routing not in ("follow_bootstrap_room", "explicit", "query"):

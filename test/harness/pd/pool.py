@@ -41,7 +41,9 @@ class RankPool:
         self.tp_size = cfg.prefill_tp if side == "prefill" else cfg.decode_tp  # attention TP
         self.dp_size = cfg.prefill_dp if side == "prefill" else cfg.decode_dp
         self.pp_size = cfg.prefill_pp if side == "prefill" else 1
-        self.dp_rank, self.attn_rank = divmod(tp_rank, self.tp_size)
+        # SGLang orders the TP group as (DP, CP, attention TP); CP ranks hold the same KV.
+        cp = cfg.prefill_cp if side == "prefill" else 1
+        self.dp_rank, self.attn_rank = tp_rank // (self.tp_size * cp), tp_rank % self.tp_size
         self.heads = lay.heads_per_rank(self.tp_size)
         self.head_offset = 0 if lay.mla else self.attn_rank * self.heads
         # This stage's model layers [start_layer, start_layer + num_layers); draft layers last.

@@ -293,7 +293,7 @@ def _prefill_workers(ctx, cfg: HarnessConfig, model_dir: str, port: int) -> List
     """One worker per prefill (DP, TP, PP) rank. The PP stages of one TP rank get pipes to each
     other for their PP group's broadcast (sglang_setup.PipePPGroup): stage 0 one per later stage."""
     workers = []
-    for r in range(cfg.prefill_tp * cfg.prefill_dp):
+    for r in range(cfg.prefill_tp * cfg.prefill_cp * cfg.prefill_dp):
         pairs = [ctx.Pipe() for _ in range(cfg.prefill_pp - 1)]
         for p in range(cfg.prefill_pp):
             links = [a for a, _ in pairs] if p == 0 else [pairs[p - 1][1]]

@@ -81,7 +81,10 @@ def parallel_args(cfg: HarnessConfig, server_mode: str) -> list:
     attn_tp = cfg.prefill_tp if server_mode == "prefill" else cfg.decode_tp
     dp = cfg.prefill_dp if server_mode == "prefill" else cfg.decode_dp
     pp = cfg.prefill_pp if server_mode == "prefill" else 1
-    args = ["--tp-size", str(attn_tp * dp)]
+    cp = cfg.prefill_cp if server_mode == "prefill" else 1
+    args = ["--tp-size", str(attn_tp * cp * dp)]
+    if cp > 1:
+        args += ["--enable-prefill-cp", "--attn-cp-size", str(cp), "--cp-strategy", "zigzag"]
     if dp > 1:
         args += ["--dp-size", str(dp), "--enable-dp-attention"]
     if pp > 1:
@@ -137,11 +140,13 @@ def setup_process(
 
     dp_size = cfg.prefill_dp if mode == "prefill" else cfg.decode_dp
     attn_tp = cfg.prefill_tp if mode == "prefill" else cfg.decode_tp
+    cp = cfg.prefill_cp if mode == "prefill" else 1
     # As run_scheduler_process: the WORLD rank from TP and PP ranks; the DP controller's rank
-    # (with DP attention, the attention-DP rank) or None without one.
+    # (with DP attention, the attention-DP rank) or None without one. SGLang orders the TP group
+    # as (DP, CP, attention TP).
     ranks = SpawnRanks(
         world_rank=spawn_world_rank(server_args, tp_rank=tp_rank, pp_rank=pp_rank),
-        dp_rank=tp_rank // attn_tp if dp_size > 1 else None,
+        dp_rank=tp_rank // (attn_tp * cp) if dp_size > 1 else None,
         gpu_id=0,
     )
     publish(server_args, role="scheduler", ranks=ranks)
