@@ -53,11 +53,9 @@ def _copy(cfg, decode_rank: int, page_for_page: bool = False):
         sent = room.decode_pages[room.decode_prefix_pages :]
         for chunk, (first, end) in enumerate(room.chunks):
             pages = room.prefill_pages[first:end]
-            if page_for_page:
-                for entry, (s, d) in enumerate(zip(src.kv, dst.kv)):
-                    n = min(len(pages), len(sent) - (first - room.prefix_pages))
-                    for k in range(max(0, n)):
-                        a, b = pages[k], sent[first - room.prefix_pages + k]
+            if page_for_page:  # a backend unaware of DCP: the chunk's page i -> decode page i
+                for s, d in zip(src.kv, dst.kv):
+                    for a, b in zip(pages, sent[first - room.prefix_pages :]):
                         d[b * PAGE : (b + 1) * PAGE] = s[a * PAGE : (a + 1) * PAGE]
                 continue
             moved = planner.plan_kv_dcp(
