@@ -72,7 +72,7 @@ def test_accepted_decodes_wait_for_exactly_the_cp_ranks_that_send(cp_size):
         refused = []
         for r in targets:
             try:
-                ranks[r].check_decode(decode_all_cp_ranks=decode_all, decode_tp_size=1, layerwise=False,
+                ranks[r].check_decode(decode_all_cp_ranks=decode_all, decode_tp_size=1,
                                       state_types=[])
             except UnsupportedLayoutError as exc:
                 refused.append(str(exc))
@@ -84,7 +84,7 @@ def test_accepted_decodes_wait_for_exactly_the_cp_ranks_that_send(cp_size):
 
 def test_refusals_name_both_sides():
     def refusal(cp, **kw):
-        args = dict(decode_all_cp_ranks=False, decode_tp_size=2, layerwise=False, state_types=[])
+        args = dict(decode_all_cp_ranks=False, decode_tp_size=2, state_types=[])
         args.update(kw)
         with pytest.raises(UnsupportedLayoutError) as info:
             cp.check_decode(**args)
@@ -94,11 +94,6 @@ def test_refusals_name_both_sides():
            "attn_tp_size=2" in refusal(PrefillCP(cp_size=2, cp_rank=1, tp_group_sharing=True))
     assert "prefill attn_cp_size=2 cp_rank=0 with --enable-dsa-cache-layer-split, decode attn_tp_size=2" in \
         refusal(PrefillCP(cp_size=2, dsa_layer_split=True, all_ranks_send=True), decode_all_cp_ranks=True)
-    message = refusal(PrefillCP(cp_size=2, cp_rank=1, all_ranks_send=True), decode_all_cp_ranks=True, layerwise=True)
-    assert "SGLANG_MORI_LAYERWISE=off" in message and "attn_cp_size=2 cp_rank=1" in message
-    # Layer-wise mode is served when only CP rank 0 sends (it sends every page).
-    PrefillCP(cp_size=2, cp_rank=0).check_decode(decode_all_cp_ranks=False, decode_tp_size=1, layerwise=True,
-                                                  state_types=["mamba"])
 
 
 def test_aux_has_one_owner_per_decode_rank():
@@ -195,8 +190,6 @@ DOC_ROWS = {
         (PrefillCP(**_CP2, tp_group_sharing=True), dict())],
     "DSA cache layer split (`--enable-dsa-cache-layer-split`)": [
         (PrefillCP(**_CP2, all_ranks_send=True, dsa_layer_split=True), dict(decode_all_cp_ranks=True))],
-    "Layer-wise mode (`SGLANG_MORI_LAYERWISE`) with every CP rank sending, or KV sharding": [
-        (PrefillCP(**_CP2, all_ranks_send=True), dict(decode_all_cp_ranks=True, layerwise=True))],
 }
 
 
@@ -208,7 +201,7 @@ def test_compatibility_doc_rows_state_prefill_cps_verdict(name):
     assert name in table, f"docs/compatibility.md lost the row {name!r}"
     ours = table[name]["Ours"]
     for cp, overrides in DOC_ROWS[name]:
-        args = dict(decode_all_cp_ranks=False, decode_tp_size=2, layerwise=False, state_types=[])
+        args = dict(decode_all_cp_ranks=False, decode_tp_size=2, state_types=[])
         args.update(overrides)
         if ours.startswith("served"):
             cp.check_decode(**args)

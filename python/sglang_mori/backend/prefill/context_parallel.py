@@ -80,7 +80,7 @@ class PrefillCP:
         `_resolve_rank_mapping`, from the decode's own flag and this prefill's."""
         return bool(decode_all_cp_ranks) or self.dsa_layer_split or self.sharded
 
-    def check_decode(self, *, decode_all_cp_ranks: bool, decode_tp_size: int, layerwise: bool,
+    def check_decode(self, *, decode_all_cp_ranks: bool, decode_tp_size: int,
                      state_types: Sequence[str]) -> None:
         """Raise UnsupportedLayoutError, naming both sides' values, for a decode this rank
         cannot serve byte-exact with every byte sent once."""
@@ -107,11 +107,6 @@ class PrefillCP:
                     f"(all_cp_ranks_transfer={bool(decode_all_cp_ranks)}); set {ALL_CP_RANKS_ENV} "
                     "alike on both servers"
                 )
-        if layerwise and (self.sharded or (self.decode_sees_cp and self.all_ranks_send)):
-            raise UnsupportedLayoutError(
-                f"{me} kv_shard_size={self.kv_shard_size} sends a share of each chunk's pages, which "
-                "layer-wise mode does not stream; run the prefill with SGLANG_MORI_LAYERWISE=off"
-            )
         if self.sharded:
             other = [t for t in state_types if t != SHARDED_STATE_TYPE]
             if other:

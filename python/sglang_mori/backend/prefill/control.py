@@ -76,7 +76,6 @@ class PrefillControl:
                           attn_tp_rank=msg.attn_tp_rank, kv_descs=kv, aux_descs=aux, state_descs=state, layout=None)
         try:
             p.cp.check_decode(decode_all_cp_ranks=msg.cp_all_ranks, decode_tp_size=msg.attn_tp_size,
-                              layerwise=p.config.layerwise != "off",
                               state_types=[s.state_type for s in p.planner.layout.states])
             peer.layout = p.planner.accept_peer(key, msg.layout, kv, aux, state, dcp=(msg.dcp_size, msg.dcp_rank))
             # A different aux buffer count is served (leading buffers move), with SGLang's warning.
