@@ -8,8 +8,10 @@ they check) and waits for a Success from each (`required_prefill_response_num = 
 from CP rank 0 only and aux rides on rank 0's Success only. Decode's every page, state slot and aux
 row is checked byte for byte.
 
-One run only (about 30 s): that each byte is written once, SGLang's default (CP rank 1 a dummy
-that decode never asks), and the refusal of the flag on one side only are proven in-process,
+SGLang's default (no flag): CP rank 0 sends every page, the state and aux, and CP rank 1 is a dummy
+that decode never asks; its rooms end on their own and it opens no engine session.
+
+That each byte is written once and the refusal of the flag on one side only are proven in-process,
 through SGLang's own page selection (test/inprocess/test_prefill_context_parallel.py).
 """
 
@@ -45,3 +47,23 @@ def test_every_cp_rank_sends_its_share_into_a_decode_without_cp(run_clean):
         # SGLang's per-sender id is the CP rank here (attn_tp_rank * pp * cp + pp_rank * cp + cp_rank).
         assert sorted(rank for rank, status, _ in seen if status == SUCCESS) == senders, f"room#{index}: {seen}"
         assert [rank for rank, status, aux in seen if aux] == [0], f"room#{index}: aux once, from CP rank 0: {seen}"
+
+
+def test_by_default_cp_rank_0_sends_everything_and_rank_1_stays_silent(run_clean):
+    layout = KVLayout(num_layers=2, total_kv_heads=2, head_dim=16, page_size=4, aux=AUX, state_item_bytes=(48, 40))
+    cfg = config(
+        rooms=12,
+        prefill_cp=2,
+        layout=layout,
+        shape=RoomShape(min_tokens=1, max_tokens=6 * layout.page_size + 3, chunks=2),
+        record_statuses=True,
+    )
+    result = run_clean(cfg)  # every prefill rank polled Success, decode byte-exact
+    prefill = {r.rank: r for r in result.side("prefill")}
+    assert sorted((rank, len(r.rooms)) for rank, r in prefill.items()) == [(0, 12), (1, 12)], result.summary()
+    (decode,) = result.side("decode")
+    assert prefill[0].engine_contacts["sessions"] == [decode.engine_contacts["key"]], prefill[0].engine_contacts
+    assert prefill[1].engine_contacts["sessions"] == [], prefill[1].engine_contacts
+    assert decode.engine_contacts["inbound"] == [prefill[0].engine_contacts["key"]], decode.engine_contacts
+    for index in range(cfg.rooms):
+        assert decode.statuses.get(index) == [(0, SUCCESS, True)], f"room#{index}: {decode.statuses.get(index)}"
