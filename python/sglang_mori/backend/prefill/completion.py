@@ -70,10 +70,13 @@ class Completion:
             p.rooms.forget_if_done(r)
             if finished is Phase.POISONED and publishes:
                 p.sglang.poison(r.room)
+        # The room is finished and never visited again: return every budget it still holds.
+        # POISONED: writes given up on. DRAINED: a write that turned quiescent after the release
+        # pass above and before try_finish saw every write quiescent (else its slot leaks).
+        for w in r.writes:
+            if not w.handle.released:
+                self._release(w.handle, now)
         if finished is Phase.POISONED:
-            for w in r.writes:
-                if not w.handle.released:  # given up on: return its budget
-                    self._release(w.handle, now)
             if r.unfinished():
                 logger.error("sglang-mori: room %s: %d writes never became terminal; its decode pages stay held",
                              r.room, len(r.unfinished()))

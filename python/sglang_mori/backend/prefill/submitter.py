@@ -198,6 +198,10 @@ class ChunkSubmitter:
                 p.metrics.transfer_started(peer.engine_key)
                 writes.append(TrackedWrite(exc.handle, deadline))
                 return f"submitting KV writes to {peer.engine_key} failed: {exc}", SUBMIT_ERROR
+            except BaseException:
+                # No handle tracks this slot: give it back before the shard fails the room.
+                p.peers.budget.release(peer.engine_key)
+                raise
             # Count the start before the handle is visible: the completion thread may finish it at once.
             p.metrics.transfer_started(peer.engine_key)
             for _ in range(handle.retries):
