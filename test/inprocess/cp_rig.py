@@ -14,7 +14,6 @@ write log counts how often every byte of its buffers was written.
 
 from __future__ import annotations
 
-import time
 from types import SimpleNamespace
 from unittest import mock
 from typing import List, Optional, Sequence
@@ -36,6 +35,7 @@ from sglang_mori.softio.write_log import enable_write_log, get_write_log
 
 from fake_sglang import FakeSGLang
 from rig import AUX_BYTES, AUX_SLOTS, BUFFERS, PAGE_BYTES, PAGES, WAIT_S, CapturingMessenger
+from waiting import wait_until
 
 STATE_ITEM = 64
 STATE_ITEMS = 32
@@ -217,13 +217,7 @@ class ContextParallelRig:
 
     # --- what arrived -----------------------------------------------------------------------
     def wait(self, predicate, what: str, timeout_s: float = WAIT_S):
-        end = time.monotonic() + timeout_s
-        while time.monotonic() < end:
-            value = predicate()
-            if value:
-                return value
-            time.sleep(0.005)
-        raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        return wait_until(predicate, what, timeout_s)
 
     def wait_concluded(self, room: int) -> None:
         """Every prefill rank's room is terminal in SGLang's table."""

@@ -20,7 +20,6 @@ of every layer then V of every layer; MLA [page_size, latent_bytes], one buffer 
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import List, Optional
@@ -47,6 +46,7 @@ from sglang_mori.softio.write_log import enable_write_log, get_write_log
 
 from fake_sglang import FakeSGLang
 from rig import CapturingMessenger
+from waiting import wait_until
 
 AUX_BYTES = 16
 AUX_SLOTS = 4
@@ -459,13 +459,7 @@ class LayerwiseRig:
 
     # --- waiting ----------------------------------------------------------------------------
     def wait(self, predicate, what: str, timeout_s: float = WAIT_S):
-        end = time.monotonic() + timeout_s
-        while time.monotonic() < end:
-            value = predicate()
-            if value:
-                return value
-            time.sleep(0.002)
-        raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        return wait_until(predicate, what, timeout_s, interval_s=0.002)
 
     def wait_quiet(self, p: PrefillRank, room: int, batch) -> None:
         """The worker finished `batch` and every write of the room so far is terminal."""

@@ -29,6 +29,7 @@ from sglang_mori.engine import TransferEngine
 from sglang_mori.metrics import NullTransferMetrics
 
 from fake_sglang import FakeSGLang
+from waiting import wait_until
 
 PAGE_BYTES = 256
 PAGES = 64
@@ -176,13 +177,7 @@ class PrefillRig:
 
     # --- waiting ----------------------------------------------------------------------------
     def wait(self, predicate, what: str, timeout_s: float = WAIT_S):
-        end = time.monotonic() + timeout_s
-        while time.monotonic() < end:
-            value = predicate()
-            if value:
-                return value
-            time.sleep(0.005)
-        raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        return wait_until(predicate, what, timeout_s)
 
     def wait_status(self, room: int, status: int):
         return self.wait(lambda: self.sglang.status(room) == status, f"room {room} status {status}")

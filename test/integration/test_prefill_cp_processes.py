@@ -26,16 +26,17 @@ AUX = (AuxBufferSpec("int32", 16), AuxBufferSpec("float32", 16))
 ALL_CP_RANKS = {"SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER": "1"}
 
 
+LAYOUT = KVLayout(num_layers=2, total_kv_heads=2, head_dim=16, page_size=4, aux=AUX, state_item_bytes=(48, 40))
+
+
+def cp2_config(**overrides):
+    """12 chunked rooms from a prefill CP 2 into a decode without CP, with state and aux."""
+    return config(rooms=12, prefill_cp=2, layout=LAYOUT, record_statuses=True,
+                  shape=RoomShape(min_tokens=1, max_tokens=6 * LAYOUT.page_size + 3, chunks=2), **overrides)
+
+
 def test_every_cp_rank_sends_its_share_into_a_decode_without_cp(run_clean):
-    layout = KVLayout(num_layers=2, total_kv_heads=2, head_dim=16, page_size=4, aux=AUX, state_item_bytes=(48, 40))
-    cfg = config(
-        rooms=12,
-        prefill_cp=2,
-        layout=layout,
-        shape=RoomShape(min_tokens=1, max_tokens=6 * layout.page_size + 3, chunks=2),
-        env=ALL_CP_RANKS,
-        record_statuses=True,
-    )
+    cfg = cp2_config(env=ALL_CP_RANKS)
     result = run_clean(cfg)
     assert sorted((r.rank, len(r.rooms)) for r in result.side("prefill")) == [(0, 12), (1, 12)], result.summary()
     for rep in result.side("prefill"):
@@ -50,14 +51,7 @@ def test_every_cp_rank_sends_its_share_into_a_decode_without_cp(run_clean):
 
 
 def test_by_default_cp_rank_0_sends_everything_and_rank_1_stays_silent(run_clean):
-    layout = KVLayout(num_layers=2, total_kv_heads=2, head_dim=16, page_size=4, aux=AUX, state_item_bytes=(48, 40))
-    cfg = config(
-        rooms=12,
-        prefill_cp=2,
-        layout=layout,
-        shape=RoomShape(min_tokens=1, max_tokens=6 * layout.page_size + 3, chunks=2),
-        record_statuses=True,
-    )
+    cfg = cp2_config()
     result = run_clean(cfg)  # every prefill rank polled Success, decode byte-exact
     prefill = {r.rank: r for r in result.side("prefill")}
     assert sorted((rank, len(r.rooms)) for rank, r in prefill.items()) == [(0, 12), (1, 12)], result.summary()
