@@ -10,12 +10,16 @@ from __future__ import annotations
 import os
 import threading
 
+from . import cuda_runtime
 from .config import RdmaBackendConfig, resolve_lane_settings
+from .descriptors import IPC_HANDLE_SIZE
+from .device_path import DeviceSession
 from .memory import _LocalRegionError
 from .peers import PeerBook
 from .session import SoftSession
 from .target import TargetServer
 
+_NO_HANDLE = bytes(IPC_HANDLE_SIZE)
 SOCKET_BUFFER_ENV = "SGLANG_MORI_SOFTIO_SOCKET_BUFFER"
 DEFAULT_SOCKET_BUFFER = 4 * 1024 * 1024
 
@@ -57,6 +61,11 @@ class SoftRdmaBackend:
         except _LocalRegionError as exc:
             raise RuntimeError(str(exc)) from None
         peer = self.peers.peer(remote_desc._engine_key)
+        remote_on_device = remote_desc._ipc_handle != _NO_HANDLE
+        if local.device is not None or remote_on_device:
+            sess = self._device_session(peer, local, remote_desc, remote_on_device)
+            with self._sessions_lock:
+                return self._sessions.setdefault(key, sess)
         peer.ensure_lanes()
         size = peer.region_size(remote_desc._id)
         if size != remote_desc._size:
@@ -67,6 +76,24 @@ class SoftRdmaBackend:
         sess = SoftSession(self, peer, local, remote_desc._id, size)
         with self._sessions_lock:
             return self._sessions.setdefault(key, sess)
+
+    def _device_session(self, peer, local, remote_desc, remote_on_device: bool) -> DeviceSession:
+        """A pair of device regions: the remote registration is checked over the control plane
+        (as for host memory), then the peer's IPC handle is opened once in this process."""
+        if local.device is None or not remote_on_device:
+            side = "local" if local.device is None else "remote"
+            raise RuntimeError(
+                f"softio: a transfer between host and device memory is not supported (the {side} region of "
+                f"engine {remote_desc._engine_key if side == 'remote' else self.core.key} is host memory)")
+        size = peer.region_size(remote_desc._id)
+        if size != remote_desc._size:
+            raise RuntimeError(
+                f"RdmaBackend::CreateSession: remote MR size mismatch for engine "
+                f"{remote_desc._engine_key} memId={remote_desc._id} "
+                f"expected={remote_desc._size} got={size}")
+        runtime = cuda_runtime.load()
+        base = runtime.open(remote_desc._ipc_handle, local.device)
+        return DeviceSession(self.core.device_engine(local.device), local, base + remote_desc._ipc_offset, size)
 
     def forget_memory(self, mem_id: int) -> None:
         """Drop cached sessions that use a deregistered local region (as MORI does)."""

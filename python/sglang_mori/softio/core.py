@@ -13,6 +13,7 @@ import itertools
 import logging
 import os
 import socket
+import threading
 
 from .backend import SoftRdmaBackend
 from .config import IOEngineConfig, RdmaBackendConfig
@@ -72,6 +73,8 @@ class EngineCore:
         self.faults = FaultPlan()
         self._uids = itertools.count()
         self.backends: dict = {}
+        self._device_engines: dict = {}
+        self._device_lock = threading.Lock()
         apply_env_faults(self)
         logger.info("softio: created engine %s (host %s)", key, host)
 
@@ -110,6 +113,17 @@ class EngineCore:
         if backend is not None and backend.can_handle(remote):
             return backend
         return None
+
+    def device_engine(self, device: int):
+        """The copy stream and completion thread of this engine on `device` (device_path.py)."""
+        with self._device_lock:
+            engine = self._device_engines.get(device)
+            if engine is None:
+                from . import cuda_runtime
+                from .device_path import DeviceEngine
+
+                engine = self._device_engines[device] = DeviceEngine(cuda_runtime.load(), device, self.key)
+            return engine
 
     # ---- peers and memory ----------------------------------------------------------------------
     def register_remote_engine(self, desc: EngineDesc) -> None:
@@ -208,3 +222,5 @@ class EngineCore:
         backends, self.backends = list(self.backends.values()), {}
         for backend in backends:
             backend.shutdown("engine destroyed")
+        for engine in list(self._device_engines.values()):
+            engine.close()

@@ -2,8 +2,10 @@
 
 Every region is viewed through one memoryview built once at registration, so the data path can
 slice it (no copy) and hand the slice straight to sendmsg/recv_into. GPU-typed registrations are
-accepted because SGLang registers its KV pools as GPU memory; on this CPU-only engine the pointer
-must still be host memory.
+accepted because SGLang registers its KV pools as GPU memory, and on a CPU-only host the pointer is
+host memory. Where a CUDA runtime is loaded and a GPU-typed pointer really is device memory, the
+region is a device region: exported with an IPC handle in its descriptor and written only through
+softio's device path (device_path.py); host frames into it are refused.
 """
 
 from __future__ import annotations
@@ -11,18 +13,20 @@ from __future__ import annotations
 import ctypes
 import threading
 
+from . import cuda_runtime
 from .descriptors import MemoryDesc
 from .enums import MemoryLocationType
 
 
 class Region:
-    __slots__ = ("id", "ptr", "size", "view", "loc")
+    __slots__ = ("id", "ptr", "size", "view", "loc", "device")
 
-    def __init__(self, mem_id: int, ptr: int, size: int, loc: MemoryLocationType):
+    def __init__(self, mem_id: int, ptr: int, size: int, loc: MemoryLocationType, device: int | None = None):
         self.id = mem_id
         self.ptr = ptr
         self.size = size
         self.loc = loc
+        self.device = device  # CUDA device of a device region; None for host memory
         buffer = (ctypes.c_ubyte * size).from_address(ptr)
         self.view = memoryview(buffer).cast("B")
 
@@ -46,11 +50,20 @@ class LocalMemory:
         if ptr == 0:
             raise RuntimeError("register_memory: null pointer")
         loc = MemoryLocationType(mem_loc)
+        device, handle, offset = None, None, 0
+        if loc is MemoryLocationType.GPU:
+            runtime = cuda_runtime.load()
+            device = runtime.device_of(ptr) if runtime is not None else None
+            if device is not None:
+                handle, offset = runtime.export(ptr, device)
         with self._lock:
             mem_id = self._next_id
             self._next_id = (self._next_id + 1) & 0xFFFFFFFF
-            self._regions[mem_id] = Region(mem_id, ptr, size, loc)
-        return MemoryDesc._make(self._engine_key, mem_id, device_id, ptr, size, loc)
+            self._regions[mem_id] = Region(mem_id, ptr, size, loc, device)
+        desc = MemoryDesc._make(self._engine_key, mem_id, device_id, ptr, size, loc)
+        if handle is not None:
+            desc._ipc_handle, desc._ipc_offset = handle, offset
+        return desc
 
     def deregister(self, desc: MemoryDesc) -> None:
         with self._lock:

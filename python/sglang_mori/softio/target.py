@@ -208,6 +208,9 @@ def _region(memory, region_id: int, offset: int, size: int, verb: str):
     region = memory.get(region_id)
     if region is None:
         raise ProtocolError(f"{verb} unregistered region {region_id}")
+    if region.device is not None:
+        # Device memory is written by the device path only; a host lane would touch it from the CPU.
+        raise ProtocolError(f"{verb} device region {region_id} over a host lane")
     end = offset + size
     if end > region.size:
         raise ProtocolError(f"{verb} [{offset}, {end}) outside region {region_id} "

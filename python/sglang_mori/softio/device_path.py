@@ -1,0 +1,160 @@
+"""softio's device-memory path: writes between GPU registrations of engines on one host.
+
+The stand-in for MORI-IO's XGMI route. A region registered as `MemoryLocationType.GPU` whose
+pointer really is device memory is exported with a CUDA IPC handle at registration (carried in
+the MemoryDesc's `ipc_handle` / `ipc_offset` fields, as MORI's XGMI backend carries its HIP IPC
+handle); the initiator opens the peer's handle once and every `batch_write` becomes device copies
+enqueued on the engine's own stream in ONE foreign call (cudaMemcpyBatchAsync; range by range
+where the runtime lacks it), followed by one event. A completion thread waits on the events
+(cudaEventSynchronize, without the GIL) and completes the statuses. No Python runs per byte or
+per range, and none busy-waits.
+
+Like MORI-IO, the copies are not ordered against the stream that produced the source: a copy
+reads the source whenever the engine's stream reaches it. Whoever posts a write must first wait
+until the producer's work is done (the layer-wise worker waits on the layer's event) — a missing
+wait is a real bug here, as on MORI.
+
+Pacing (SGLANG_MORI_SOFTIO_LINK_GBPS, GB/s; unset or 0: the copy engines' own speed) models one
+NIC: a write's status completes no earlier than the link, serving writes in order at that rate,
+would have carried its bytes. The copies themselves still run at once.
+
+Not modelled on this path: softio's lane faults (stall, partial post, SQ full), the target's
+write log and inbound notifications (MORI's XGMI has none either). A peer whose engine went away
+keeps its memory mapped until this process closes the handle, as with MORI's IPC mappings.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+
+import numpy as np
+
+from .enums import StatusCode
+from .memory import Region
+
+logger = logging.getLogger("sglang_mori.softio")
+
+LINK_GBPS_ENV = "SGLANG_MORI_SOFTIO_LINK_GBPS"
+_SUCCESS = StatusCode.SUCCESS
+_ERR_GPU_OP = StatusCode.ERR_GPU_OP
+_EVENT_POOL = 64
+
+
+def link_bytes_per_s() -> float:
+    raw = os.environ.get(LINK_GBPS_ENV, "").strip()
+    if not raw:
+        return 0.0
+    value = float(raw)
+    if value < 0:
+        raise ValueError(f"{LINK_GBPS_ENV} must be >= 0 (GB/s), got {raw!r}")
+    return value * 1e9
+
+
+class DeviceEngine:
+    """One engine's copy stream, event pool, paced link and completion thread."""
+
+    def __init__(self, runtime, device: int, engine_key: str):
+        self.rt = runtime
+        self.device = device
+        self.stream = runtime.stream(device)
+        self.rate = link_bytes_per_s()
+        self._link_free = 0.0
+        self._free_events = [runtime.event(device) for _ in range(_EVENT_POOL)]
+        self._events_lock = threading.Lock()
+        self._submit_lock = threading.Lock()  # copies and their event are enqueued as one step
+        self._pending: "queue.Queue" = queue.Queue()
+        self.batches = 0
+        self.ranges = 0
+        self.bytes = 0
+        self._thread = threading.Thread(target=self._complete_loop, name=f"softio-gpu-{engine_key}", daemon=True)
+        self._thread.start()
+
+    def _event(self) -> int:
+        with self._events_lock:
+            if self._free_events:
+                return self._free_events.pop()
+        return self.rt.event(self.device)
+
+    def submit(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, status) -> None:
+        nbytes = int(sizes.sum())
+        event = self._event()
+        try:
+            with self._submit_lock:
+                self.rt.copy(dsts, srcs, sizes, self.stream, self.device)
+                self.rt.record(event, self.stream)
+                now = time.monotonic()
+                paced = 0.0
+                if self.rate > 0:
+                    self._link_free = max(self._link_free, now) + nbytes / self.rate
+                    paced = self._link_free
+                self.batches += 1
+                self.ranges += len(sizes)
+                self.bytes += nbytes
+        except Exception as exc:  # noqa: BLE001 - a CUDA error fails this write, not the caller
+            with self._events_lock:
+                self._free_events.append(event)
+            status.Update(_ERR_GPU_OP, f"softio device copy failed: {exc}")
+            return
+        self._pending.put((event, status, paced))
+
+    def _complete_loop(self) -> None:
+        self.rt.use_device(self.device)
+        while True:
+            item = self._pending.get()
+            if item is None:
+                return
+            event, status, paced = item
+            try:
+                self.rt.synchronize(event)
+            except Exception as exc:  # noqa: BLE001
+                status.Update(_ERR_GPU_OP, f"softio device copy failed: {exc}")
+            else:
+                delay = paced - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+                status.Update(_SUCCESS, "")
+            with self._events_lock:
+                self._free_events.append(event)
+
+    def close(self) -> None:
+        self._pending.put(None)
+
+
+class DeviceSession:
+    """A (local device region, remote device region) pair; `transfer` enqueues copies."""
+
+    def __init__(self, engine: DeviceEngine, local: Region, remote_base: int, remote_size: int):
+        self.engine = engine
+        self.local = local
+        self.remote_base = remote_base
+        self.remote_size = remote_size
+
+    def transfer(self, local_offsets, remote_offsets, sizes, status, uid: int, is_read: bool) -> None:
+        status._start()
+        lo = np.asarray(local_offsets, dtype=np.int64)
+        ro = np.asarray(remote_offsets, dtype=np.int64)
+        sz = np.asarray(sizes, dtype=np.int64)
+        if not (len(lo) == len(ro) == len(sz)):
+            status.Update(StatusCode.ERR_INVALID_ARGS, "offset and size lists differ in length")
+            return
+        if len(sz) == 0:
+            status.Update(_SUCCESS, "")
+            return
+        if (sz < 0).any() or (lo < 0).any() or (ro < 0).any() \
+                or (lo + sz > self.local.size).any() or (ro + sz > self.remote_size).any():
+            status.Update(StatusCode.ERR_INVALID_ARGS, "a range lies outside its registered region")
+            return
+        keep = sz > 0
+        if not keep.all():
+            lo, ro, sz = lo[keep], ro[keep], sz[keep]
+            if len(sz) == 0:
+                status.Update(_SUCCESS, "")
+                return
+        local = (lo + self.local.ptr).astype(np.uint64)
+        remote = (ro + self.remote_base).astype(np.uint64)
+        dsts, srcs = (local, remote) if is_read else (remote, local)
+        self.engine.submit(dsts, srcs, sz.astype(np.uint64), status)

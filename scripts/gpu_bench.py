@@ -1,0 +1,258 @@
+#!/usr/bin/env python3
+"""The GPU rig benchmark: what the backend costs a forward pass, on one CUDA GPU.
+
+Prefill and decode run as separate processes on the GPU with this project's real services,
+layer-wise session, worker and hooks (test/gpu: stand-ins only for SGLang's scheduler objects),
+KV pools in device memory with real shapes, and KV moved by softio's device path (CUDA IPC,
+copies on the engine's stream; the stand-in for MORI-IO's XGMI route), paced like one NIC.
+
+Parts (--parts, comma-separated):
+  cost          forward time with layer-wise off and on, at each token count and batch size;
+                also the transfer tail (forward end -> last byte landed) of both modes
+  interference  the forward's slowdown (prefill) and the decode step's (decode) while chunk-wise
+                transfers run in the background at fixed request rates; CPU per thread role
+Every figure is a median over --iters runs, measured in this run: ratios, not absolutes, are the
+result. The command docs/benchmarks.md reports:
+
+    SGLANG_MORI_SOFTIO_LINK_GBPS=48 python3 scripts/gpu_bench.py --json $OUT/gpu_bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "test" / "gpu"), str(ROOT / "test" / "inprocess"), str(ROOT / "python")]
+
+
+def median(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def cost_point(rig, tokens: int, count: int, iters: int, side: bool, seed: int) -> dict:
+    import numpy as np
+    from pd_rig import Requests
+    from thread_roles import ThreadCpu
+
+    reqs = Requests(rig.page_size, tokens, count, 0, np.random.default_rng(seed))
+    out = {}
+    for mode in ("off", "on"):
+        for i in range(2):  # warm-up: plans, sessions, allocator, kernels
+            rig.prefill_batch(reqs, layerwise=mode == "on", side_stream=side, seed=seed + i)
+            rig.release(rig.last_rooms)
+    fwd = {"off": [], "on": []}
+    tail = {"off": [], "on": []}
+    cpu = {"off": {}, "on": {}}
+    failures = []
+    for i in range(iters):
+        for mode in ("off", "on") if i % 2 == 0 else ("on", "off"):
+            meter = ThreadCpu()
+            r = rig.prefill_batch(reqs, layerwise=mode == "on", side_stream=side, seed=seed + 10 + i)
+            for role, s in meter.since().items():
+                cpu[mode][role] = cpu[mode].get(role, 0.0) + s
+            rig.release(rig.last_rooms)
+            fwd[mode].append(r.forward_ms)
+            tail[mode].append(r.tail_ms)
+            failures += r.failures
+    out = {
+        "tokens": tokens, "requests": count, "side_stream": side,
+        "forward_ms": {m: median(v) for m, v in fwd.items()},
+        "tail_ms": {m: median(v) for m, v in tail.items()},
+        "forward_spread_ms": {m: [min(v), max(v)] for m, v in fwd.items()},
+        "cpu_ms_per_step": {m: {k: round(v * 1e3 / iters, 2) for k, v in sorted(c.items(), key=lambda kv: -kv[1])[:8]}
+                            for m, c in cpu.items()},
+        "failures": failures,
+    }
+    out["overhead_pct"] = 100.0 * (out["forward_ms"]["on"] / out["forward_ms"]["off"] - 1.0)
+    tail_off = out["tail_ms"]["off"]
+    out["tail_removed_pct"] = 100.0 * (1.0 - out["tail_ms"]["on"] / tail_off) if tail_off > 0 else float("nan")
+    return out
+
+
+def run_cost(args, results: list) -> None:
+    from pd_rig import GpuPD
+    from shapes import pages_for
+
+    for spec in args.shapes.split(","):
+        shape_key, page = spec.split(":")
+        page = int(page)
+        tokens = [int(t) for t in args.tokens.split(",")]
+        counts = [int(c) for c in args.requests.split(",")]
+        pages = max(pages_for(t, page) * c for t in tokens for c in counts)
+        with GpuPD(shape_key, page, pages, group_size=args.group) as rig:
+            for t in tokens:
+                for c in counts:
+                    for side in ([False, True] if args.side_stream and t in (512, 4096) and c == 1 else [False]):
+                        t0 = time.time()
+                        point = cost_point(rig, t, c, args.iters, side, seed=t + c)
+                        point.update(shape=rig.shape.name, page_size=page, group=args.group,
+                                     fallbacks=rig.prefill.metrics_snapshot()["fallbacks"])
+                        results.append(point)
+                        print(f"cost {rig.shape.name} p{page} {t:>6} tok x{c} {'side' if side else 'dflt'}: "
+                              f"fwd off {point['forward_ms']['off']:8.2f} on {point['forward_ms']['on']:8.2f} ms "
+                              f"({point['overhead_pct']:+6.1f}%)  tail off {point['tail_ms']['off']:7.2f} "
+                              f"on {point['tail_ms']['on']:7.2f} ms  [{time.time() - t0:.0f}s]", flush=True)
+
+
+def send_due(rig, bg, rate: float, start: float, sent: int, live: list) -> int:
+    """Open and send the background requests due by now at `rate`; release the concluded ones.
+    Returns the new count sent."""
+    due = int((time.perf_counter() - start) * rate) - sent
+    if due > 0:
+        rooms = rig.next_rooms(due)
+        frames = rig.ask("open", [(room, bg.dst[k % bg.count]) for k, room in enumerate(rooms)])
+        for k, room in enumerate(rooms):
+            rig.prefill.open(room, frames[k], bg.row(k % bg.count))
+            rig.prefill.send_all(room, bg.src[k % bg.count])
+        live += rooms
+        sent += due
+    done = [r for r in live if r in rig.prefill.sglang.concluded_at]
+    if done:
+        for r in done:
+            rig.prefill.release(r)
+        rig.ask("clear", done)
+        gone = set(done)
+        live[:] = [r for r in live if r not in gone]
+    return sent
+
+
+def drain(rig, live: list) -> None:
+    if live:
+        rig.prefill.sglang.wait_concluded(live, 60)
+        for r in live:
+            rig.prefill.release(r)
+        rig.ask("clear", live)
+        live.clear()
+
+
+def forwards_free_load(rig, bg, rate: float, seconds: float):
+    """The background load alone for `seconds` (the prefill runs no forward)."""
+    live, sent = [], 0
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        sent = send_due(rig, bg, rate, start, sent, live)
+        time.sleep(0.002)
+    drain(rig, live)
+    return None, sent
+
+
+def run_interference(args, results: list) -> None:
+    import numpy as np
+    from pd_rig import GpuPD, Requests
+    from thread_roles import ThreadCpu
+
+    fwd_tokens = args.fwd_tokens
+    for spec in args.loads.split(","):
+        rate, bg_tokens = (int(x) for x in spec.split("x"))
+        page = 64
+        fwd = Requests(page, fwd_tokens, 1, 0, np.random.default_rng(1))
+        bg = Requests(page, bg_tokens, 16, fwd.pages, np.random.default_rng(2))
+        pages = fwd.pages + bg.pages
+        with GpuPD("mla", page, pages) as rig:
+            import rig_device
+            import torch
+
+            model, pool = rig.model, rig.prefill.pool
+            slots = torch.as_tensor(fwd.row(0), device=rig_device.DEVICE)
+            x = model.inputs(fwd_tokens, 0)
+
+            def forwards(seconds: float, load: bool):
+                """Forwards back to back; with `load`, background requests sent between them."""
+                times, sent, live = [], 0, []
+                start = time.perf_counter()
+                while time.perf_counter() - start < seconds:
+                    if load:
+                        sent = send_due(rig, bg, rate, start, sent, live)
+                    t0 = time.perf_counter()
+                    model.forward(x, pool, slots, hooked=False)
+                    rig_device.synchronize()
+                    times.append((time.perf_counter() - t0) * 1e3)
+                drain(rig, live)
+                return times, sent
+
+            forwards(1.0, False)  # warm-up
+            base, _ = forwards(args.seconds, False)
+            meter = ThreadCpu()
+            rig.ask("cpu_reset")
+            loaded, sent = forwards(args.seconds, True)
+            prefill_cpu = meter.since()
+            decode_cpu = rig.ask("cpu")
+            # decode: its step loop alone, then while the prefill sends at the same rate (no prefill
+            # forward meanwhile); the decode process receives the KV and its status thread works
+            steps_alone = rig.ask("steps", args.decode_steps, timeout=120)
+            rig.ask("steps_start", args.decode_steps)
+            window = median(steps_alone) * args.decode_steps / 1e3
+            _, sent_d = forwards_free_load(rig, bg, rate, window)
+            steps_loaded = rig.ask("steps_result", 120, timeout=150)
+            point = {
+                "shape": rig.shape.name, "rate_per_s": rate, "bg_tokens": bg_tokens, "fwd_tokens": fwd_tokens,
+                "forward_ms": {"alone": median(base), "loaded": median(loaded)},
+                "requests_sent": sent, "seconds": args.seconds,
+                "prefill_cpu_ms_per_request": {k: round(v * 1e3 / max(sent, 1), 3) for k, v in
+                                               sorted(prefill_cpu.items(), key=lambda kv: -kv[1])[:10]},
+                "decode_cpu_ms_per_request": {k: round(v * 1e3 / max(sent, 1), 3) for k, v in
+                                              sorted(decode_cpu.items(), key=lambda kv: -kv[1])[:8]},
+                "decode_step_ms": {"alone": median(steps_alone), "loaded": median(steps_loaded)},
+                "decode_requests_sent": sent_d,
+            }
+            point["decode_slowdown_pct"] = 100.0 * (point["decode_step_ms"]["loaded"] /
+                                                    point["decode_step_ms"]["alone"] - 1.0)
+            point["slowdown_pct"] = 100.0 * (point["forward_ms"]["loaded"] / point["forward_ms"]["alone"] - 1.0)
+            results.append(point)
+            print(f"interference {rate}/s x {bg_tokens} tok (fwd {fwd_tokens} tok): fwd alone "
+                  f"{point['forward_ms']['alone']:.2f} loaded {point['forward_ms']['loaded']:.2f} ms "
+                  f"({point['slowdown_pct']:+.1f}%), {sent} requests; decode step {point['decode_step_ms']['alone']:.2f} -> "
+                  f"{point['decode_step_ms']['loaded']:.2f} ms ({point['decode_slowdown_pct']:+.1f}%); prefill CPU/request "
+                  f"{point['prefill_cpu_ms_per_request']}", flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--parts", default="cost,interference")
+    ap.add_argument("--shapes", default="mla:64,mla:1,gqa:16", help="shape:page_size,...")
+    ap.add_argument("--tokens", default="64,512,4096,16384")
+    ap.add_argument("--requests", default="1,8")
+    ap.add_argument("--iters", type=int, default=8)
+    ap.add_argument("--group", type=int, default=1, help="layers per layer-wise group")
+    ap.add_argument("--side-stream", action="store_true", help="also run 512/4096 x1 on a side stream")
+    ap.add_argument("--loads", default="50x1024,200x128", help="background chunk-wise loads: rate x tokens")
+    ap.add_argument("--fwd-tokens", type=int, default=512)
+    ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--decode-steps", type=int, default=300)
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+
+    import torch
+    from pd_rig import child_env
+    from sglang_mori.softio import cuda_runtime
+
+    child_env()
+    rt = cuda_runtime.load()
+    import rig_device
+
+    meta = {"device": torch.cuda.get_device_name(0) if rig_device.ON_GPU else "cpu (rig check only)", "torch": torch.__version__,
+            "cuda_runtime": rt.version if rt else None,
+            "link_gbps": os.environ.get("SGLANG_MORI_SOFTIO_LINK_GBPS", ""), "args": vars(args), "results": []}
+    print(f"device: {meta['device']} torch {meta['torch']} runtime {meta['cuda_runtime']} "
+          f"link {meta['link_gbps'] or 'unpaced'} GB/s", flush=True)
+    parts = args.parts.split(",")
+    try:
+        if "cost" in parts:
+            run_cost(args, meta["results"])
+        if "interference" in parts:
+            run_interference(args, meta["results"])
+    finally:
+        meta["memcpy_batch_api"] = bool(rt and rt.batch_calls)
+        if args.json:
+            Path(args.json).write_text(json.dumps(meta, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

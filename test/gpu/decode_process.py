@@ -1,0 +1,147 @@
+"""The decode side of the GPU rig, in its own process (as in a deployment: its threads do not share
+the prefill's GIL): a KV pool on the GPU, this project's DecodeService with its status thread on a
+real ZMQ PULL socket, and SGLang's per-room tables stood in by FakeSGLang.
+
+The parent drives it over a multiprocessing pipe with small commands (`serve`): open rooms (new
+receivers and their RoomMetadata for the prefill), digests of pages (byte checks), a decode step
+loop timed while the prefill transfers (interference on decode), per-thread CPU.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+
+def serve(conn, shape_key: str, page_size: int, pages: int, config_kwargs: dict, paths: list) -> None:
+    import sys
+
+    sys.path[:0] = [p for p in paths if p not in sys.path]
+    import zmq
+
+    from sglang_mori import protocol
+    from sglang_mori.backend.decode.service import AuxSlots, DecodeIdentity, DecodeParts, DecodeService
+    from sglang_mori.backend.messenger import Messenger
+    from sglang_mori.config import MoriConfig
+    from sglang_mori.metrics import NullTransferMetrics
+
+    from device_pool import AUX_BYTES, DevicePool
+    from fake_sglang import FakeSGLang
+    from shapes import SHAPES
+    from thread_roles import ThreadCpu
+    import rig_device
+
+    rig_device.set_device()
+    shape = SHAPES[shape_key]
+    pool = DevicePool("decode", shape, page_size, pages)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PULL)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    sglang = FakeSGLang()
+    rejections: list = []
+    service = DecodeService(DecodeParts(
+        config=MoriConfig(**config_kwargs), engine=pool.engine, local=pool.buffers, layout=pool.layout,
+        identity=DecodeIdentity("127.0.0.1", port, 1, 0),
+        aux=AuxSlots(list(pool.args.aux_data_ptrs), [AUX_BYTES], [pool.aux.nbytes]),
+        messenger=Messenger(ctx), metrics=NullTransferMetrics(), sglang=sglang, control_socket=sock,
+    ), lambda err, origin: rejections.append(str(err)))
+    service.start()
+    conn.send(protocol.encode(service.registration()))
+    cpu = ThreadCpu()
+    step = _DecodeStep(shape.layers)
+    try:
+        while True:
+            cmd, arg = conn.recv()
+            if cmd == "stop":
+                break
+            if cmd == "open":
+                out = []
+                for room, dst_pages in arg:
+                    sglang.open(room)
+                    service.new_receiver(room)
+                    out.append(protocol.encode(service.metadata(
+                        bootstrap_room=room, required_dst_info_num=1, kv_indices=np.asarray(dst_pages),
+                        aux_index=room % 64, state_indices=None, decode_prefix_len=None, is_dummy=False)))
+                conn.send(out)
+            elif cmd == "statuses":
+                conn.send({room: sglang.status(room) for room in arg})
+            elif cmd == "clear":
+                for room in arg:
+                    service.forget(room, service.p.rooms.attempt_of(room) or 0)
+                    sglang.clear(room)
+                conn.send(None)
+            elif cmd == "digests":
+                rig_device.synchronize()
+                conn.send([pool.digest([p]) for p in arg])
+            elif cmd == "digest":
+                rig_device.synchronize()
+                conn.send(pool.digest(arg))
+            elif cmd == "steps":
+                conn.send(step.run(int(arg)))
+            elif cmd == "steps_start":  # a step loop beside the command loop (transfers arrive meanwhile)
+                step.start(int(arg))
+                conn.send(None)
+            elif cmd == "steps_result":
+                conn.send(step.result(float(arg or 120)))
+            elif cmd == "cpu_reset":
+                cpu = ThreadCpu()
+                conn.send(None)
+            elif cmd == "cpu":
+                conn.send(cpu.since())
+            elif cmd == "rejections":
+                conn.send(list(rejections))
+            else:
+                conn.send(RuntimeError(f"unknown command {cmd!r}"))
+    finally:
+        service.stop()
+        pool.close()
+        sock.close(0)
+        ctx.term()
+
+
+class _DecodeStep:
+    """A stand-in decode step: per layer three small GEMMs (batch 32), launch-bound like a real
+    decode step of a small batch."""
+
+    def __init__(self, layers: int, hidden: int = 0, batch: int = 32):
+        import torch
+
+        from rig_device import DEVICE, ON_GPU, synchronize
+
+        hidden = hidden or (2048 if ON_GPU else 64)
+
+        self.sync = synchronize
+        self.layers = layers
+        self.x = torch.randn(batch, hidden, device=DEVICE, dtype=torch.bfloat16)
+        self.w = [torch.randn(hidden, hidden, device=DEVICE, dtype=torch.bfloat16) * 0.02 for _ in range(3)]
+
+    def once(self) -> None:
+        x = self.x
+        for _ in range(self.layers):
+            for w in self.w:
+                x = x @ w
+
+    def start(self, steps: int) -> None:
+        import threading
+
+        self._out = []
+        self._thread = threading.Thread(target=lambda: self._out.extend(self.run(steps)), name="decode-steps")
+        self._thread.start()
+
+    def result(self, timeout_s: float) -> list:
+        self._thread.join(timeout_s)
+        return list(self._out)
+
+    def run(self, steps: int) -> list:
+        """Wall time of each step (ms), each ended by a device synchronize."""
+        for _ in range(3):
+            self.once()
+        self.sync()
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            self.once()
+            self.sync()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return times
