@@ -94,6 +94,7 @@ def run_cost(args, results: list) -> None:
                         point.update(shape=rig.shape.name, page_size=page, group=args.group,
                                      fallbacks=rig.prefill.metrics_snapshot()["fallbacks"])
                         results.append(point)
+                        args.save()
                         print(f"cost {rig.shape.name} p{page} {t:>6} tok x{c} {'side' if side else 'dflt'}: "
                               f"fwd off {point['forward_ms']['off']:8.2f} on {point['forward_ms']['on']:8.2f} ms "
                               f"({point['overhead_pct']:+6.1f}%)  tail off {point['tail_ms']['off']:7.2f} "
@@ -205,6 +206,7 @@ def run_interference(args, results: list) -> None:
                                                     point["decode_step_ms"]["alone"] - 1.0)
             point["slowdown_pct"] = 100.0 * (point["forward_ms"]["loaded"] / point["forward_ms"]["alone"] - 1.0)
             results.append(point)
+            args.save()
             print(f"interference {rate}/s x {bg_tokens} tok (fwd {fwd_tokens} tok): fwd alone "
                   f"{point['forward_ms']['alone']:.2f} loaded {point['forward_ms']['loaded']:.2f} ms "
                   f"({point['slowdown_pct']:+.1f}%), {sent} requests; decode step {point['decode_step_ms']['alone']:.2f} -> "
@@ -238,9 +240,15 @@ def main() -> int:
 
     meta = {"device": torch.cuda.get_device_name(0) if rig_device.ON_GPU else "cpu (rig check only)", "torch": torch.__version__,
             "cuda_runtime": rt.version if rt else None,
-            "link_gbps": os.environ.get("SGLANG_MORI_SOFTIO_LINK_GBPS", ""), "args": vars(args), "results": []}
+            "link_gbps": os.environ.get("SGLANG_MORI_SOFTIO_LINK_GBPS", ""), "args": dict(vars(args)), "results": []}
     print(f"device: {meta['device']} torch {meta['torch']} runtime {meta['cuda_runtime']} "
           f"link {meta['link_gbps'] or 'unpaced'} GB/s", flush=True)
+    def save():
+        meta["memcpy_batch_api"] = bool(rt and rt.batch_calls)
+        if args.json:
+            Path(args.json).write_text(json.dumps(meta, indent=1))
+
+    args.save = save  # after every point: a run cut short keeps what it measured
     parts = args.parts.split(",")
     try:
         if "cost" in parts:
@@ -248,9 +256,7 @@ def main() -> int:
         if "interference" in parts:
             run_interference(args, meta["results"])
     finally:
-        meta["memcpy_batch_api"] = bool(rt and rt.batch_calls)
-        if args.json:
-            Path(args.json).write_text(json.dumps(meta, indent=1))
+        save()
     return 0
 
 
