@@ -229,6 +229,9 @@ def main() -> int:
     ap.add_argument("--decode-steps", type=int, default=300)
     ap.add_argument("--json", default="")
     args = ap.parse_args()
+    import faulthandler
+
+    faulthandler.enable()
 
     import torch
     from pd_rig import child_env

@@ -15,8 +15,10 @@ import numpy as np
 
 
 def serve(conn, shape_key: str, page_size: int, pages: int, config_kwargs: dict, paths: list) -> None:
+    import faulthandler
     import sys
 
+    faulthandler.enable()  # a native crash in the child must leave its stack in the log
     sys.path[:0] = [p for p in paths if p not in sys.path]
     import zmq
 

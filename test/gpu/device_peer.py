@@ -10,8 +10,10 @@ WAIT_S = 60.0
 
 
 def _serve(conn, size: int, fill: int, paths: list) -> None:
+    import faulthandler
     import sys
 
+    faulthandler.enable()
     sys.path[:0] = paths
     import torch
 

@@ -40,7 +40,8 @@ class CudaError(RuntimeError):
 
 class _PointerAttributes(ctypes.Structure):
     _fields_ = [("type", ctypes.c_int), ("device", ctypes.c_int),
-                ("devicePointer", ctypes.c_void_p), ("hostPointer", ctypes.c_void_p)]
+                ("devicePointer", ctypes.c_void_p), ("hostPointer", ctypes.c_void_p),
+                ("reserved", ctypes.c_long * 16)]  # room for fields a newer runtime may add
 
 
 class _MemLocation(ctypes.Structure):
