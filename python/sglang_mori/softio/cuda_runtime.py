@@ -44,6 +44,10 @@ class _PointerAttributes(ctypes.Structure):
                 ("reserved", ctypes.c_long * 16)]  # room for fields a newer runtime may add
 
 
+class _IpcMemHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * IPC_HANDLE_BYTES)]  # cudaIpcMemHandle_t, passed by value
+
+
 class _MemLocation(ctypes.Structure):
     _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
 
@@ -139,8 +143,8 @@ class CudaRuntime:
             return base  # our own allocation (engines of one process), or already open
         self.use_device(device)
         out = ctypes.c_void_p()
-        buf = ctypes.create_string_buffer(handle, IPC_HANDLE_BYTES)
-        self._check(self.lib.cudaIpcOpenMemHandle(ctypes.byref(out), buf, ctypes.c_uint(_IPC_LAZY_ENABLE_PEER_ACCESS)),
+        value = _IpcMemHandle.from_buffer_copy(handle)
+        self._check(self.lib.cudaIpcOpenMemHandle(ctypes.byref(out), value, ctypes.c_uint(_IPC_LAZY_ENABLE_PEER_ACCESS)),
                     "cudaIpcOpenMemHandle")
         with self._lock:
             return self._opened.setdefault(handle, out.value)
