@@ -93,7 +93,7 @@ class SoftRdmaBackend:
                 f"expected={remote_desc._size} got={size}")
         runtime = cuda_runtime.load()
         base = runtime.open(remote_desc._ipc_handle, local.device)
-        return DeviceSession(self.core.device_engine(local.device), local, base + remote_desc._ipc_offset, size)
+        return DeviceSession(self, self.core.device_engine(local.device), local, base + remote_desc._ipc_offset, size)
 
     def forget_memory(self, mem_id: int) -> None:
         """Drop cached sessions that use a deregistered local region (as MORI does)."""

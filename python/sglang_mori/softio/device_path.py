@@ -127,7 +127,8 @@ class DeviceEngine:
 class DeviceSession:
     """A (local device region, remote device region) pair; `transfer` enqueues copies."""
 
-    def __init__(self, engine: DeviceEngine, local: Region, remote_base: int, remote_size: int):
+    def __init__(self, backend, engine: DeviceEngine, local: Region, remote_base: int, remote_size: int):
+        self.backend = backend  # IOEngineSession.allocate_transfer_uid reaches the engine through it
         self.engine = engine
         self.local = local
         self.remote_base = remote_base
