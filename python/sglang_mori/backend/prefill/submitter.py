@@ -120,7 +120,10 @@ class ChunkSubmitter:
             if problem is not None:
                 self.failures.conclude_locked(r, *problem, fx)
                 return
-            p.rooms.begin_submit(r, fx)
+            if not p.rooms.begin_submit(r, fx):
+                # Not this chunk's life: its sender was cleared and a queued attempt's new life
+                # (nobody claimed it yet) took the room id. Its writes never go anywhere.
+                return
             targets = r.live_targets()
         self.post_tracked(chunk, r, targets)
 
