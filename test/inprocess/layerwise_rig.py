@@ -437,9 +437,8 @@ class LayerwiseRig:
 
     @staticmethod
     def _streamed_until(p: PrefillRank, room: int) -> int:
-        with p.session.lock:
-            record = p.session.records.get(room)
-            return record.streamed_until if record is not None else 0
+        record = p.session.records.get(room)
+        return record.streamed_until if record is not None else 0
 
     def _send(self, p: PrefillRank, req: Request, state, extend_end: int, last: bool, aux_index: int) -> None:
         """SGLang's _send_kv_chunk + CommonKVSender.send, for one prefill rank."""
@@ -516,8 +515,8 @@ class LayerwiseRig:
     def streamed_pages(self, p: PrefillRank, req: Request) -> set:
         """Request pages prefill rank `p` streamed with every KV buffer (its session's coverage)."""
         every = frozenset(range(self.g.num_buffers))
-        with p.session.lock:
-            segments = list(p.session.records[req.room].coverage.segments) if req.room in p.session.records else []
+        record = p.session.records.get(req.room)
+        segments = list(record.coverage.segments) if record is not None else []
         return {req.first_page + i for s in segments if s.buffers == every for i in range(s.page_lo, s.page_hi)}
 
     def kv_writes_into(self, d: DecodeRank, req: Request, pages, since: int = 0) -> list:

@@ -2,7 +2,6 @@
 
 import threading
 import time
-import types
 
 import pytest
 
@@ -20,7 +19,7 @@ FAIL_FAST_S = 5.0
 
 
 class Clock:
-    """Stands in for the `time` module inside backend/peers.py."""
+    """The registry's injected clock."""
 
     def __init__(self, now=1000.0):
         self.now = now
@@ -30,10 +29,8 @@ class Clock:
 
 
 @pytest.fixture
-def clock(monkeypatch):
-    c = Clock()
-    monkeypatch.setattr(peers, "time", types.SimpleNamespace(monotonic=c.monotonic))
-    return c
+def clock():
+    return Clock()
 
 
 def peer(key, port=17000, ip="127.0.0.1", **kw):
@@ -70,7 +67,7 @@ def test_restart_same_endpoint_new_key_replaces_old():
 
 
 def test_restart_replaces_a_failed_peer_with_a_usable_one(clock):
-    reg = PeerRegistry(FAIL_FAST_S)
+    reg = PeerRegistry(FAIL_FAST_S, clock=clock.monotonic)
     reg.add(peer("old", 17000))
     reg.mark_failed("old", "peer unreachable")
     assert up_count(reg) == 0
@@ -110,7 +107,7 @@ def test_rejected_peer():
 
 
 def test_rejection_outlives_the_fail_fast_window(clock):
-    reg = PeerRegistry(FAIL_FAST_S)
+    reg = PeerRegistry(FAIL_FAST_S, clock=clock.monotonic)
     reg.add(peer("r", rejected="bad layout"))
     reg.mark_failed("r", "boom")
     clock.now += FAIL_FAST_S * 10
@@ -129,7 +126,7 @@ def test_mark_failed_returns_news():
 
 
 def test_recently_failed_peer_is_unusable(clock):
-    reg = PeerRegistry(FAIL_FAST_S)
+    reg = PeerRegistry(FAIL_FAST_S, clock=clock.monotonic)
     reg.add(peer("a"))
     reg.mark_failed("a", "RDMA error on QP 3")
     assert reg.get("a").failed_at == clock.now
@@ -138,7 +135,7 @@ def test_recently_failed_peer_is_unusable(clock):
 
 
 def test_fail_fast_window_expires(clock):
-    reg = PeerRegistry(FAIL_FAST_S)
+    reg = PeerRegistry(FAIL_FAST_S, clock=clock.monotonic)
     reg.add(peer("a"))
     reg.add(peer("b", 17001))
     reg.mark_failed("a", "peer unreachable")
@@ -159,7 +156,7 @@ def test_fail_fast_window_expires(clock):
 
 
 def test_repeated_failure_restarts_the_window(clock):
-    reg = PeerRegistry(FAIL_FAST_S)
+    reg = PeerRegistry(FAIL_FAST_S, clock=clock.monotonic)
     reg.add(peer("a"))
     reg.mark_failed("a", "first")
     clock.now += 4.0
@@ -171,7 +168,7 @@ def test_repeated_failure_restarts_the_window(clock):
 
 
 def test_zero_window_never_fails_fast(clock):
-    reg = PeerRegistry(0.0)
+    reg = PeerRegistry(0.0, clock=clock.monotonic)
     reg.add(peer("a"))
     reg.mark_failed("a", "x")
     assert reg.unusable_reason("a") is None
@@ -200,7 +197,7 @@ def test_concurrent_adds_keep_one_key_per_endpoint():
 
 
 def test_prune_dead_forgets_broken_silent_idle_peers_only(clock):
-    reg = PeerRegistry(FAIL_FAST_S)
+    reg = PeerRegistry(FAIL_FAST_S, clock=clock.monotonic)
     dead, busy, chatty, healthy = peer("dead", 1), peer("busy", 2), peer("chatty", 3), peer("ok", 4)
     for p in (dead, busy, chatty, healthy):
         reg.add(p)

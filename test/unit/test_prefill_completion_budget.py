@@ -6,7 +6,8 @@ from types import SimpleNamespace
 
 from sglang_mori.backend.peers import InflightBudget
 from sglang_mori.backend.prefill.completion import Completion
-from sglang_mori.backend.prefill.rooms import Phase, PrefillRoom, PrefillRoomRegistry, TrackedWrite
+from sglang_mori.backend.prefill.effects import RoomEffects
+from sglang_mori.backend.prefill.rooms import Outcome, Phase, PrefillRoom, PrefillRoomRegistry, Sender, TrackedWrite
 from sglang_mori.config import MoriConfig
 from sglang_mori.engine import WriteState
 from sglang_mori.metrics import NullTransferMetrics
@@ -53,9 +54,9 @@ def test_a_write_that_finishes_during_the_pass_still_returns_its_budget():
     p = parts()
     assert p.peers.budget.acquire(PEER, deadline=10.0)
     handle = LateHandle()
-    room = PrefillRoom(room=7, created_at=0.0, phase=Phase.CONCLUDED, claimed=True, succeeded=True,
+    room = PrefillRoom(room=7, created_at=0.0, phase=Phase.CONCLUDED, sender=Sender.HELD, outcome=Outcome.SUCCEEDED,
                        writes=[TrackedWrite(handle, 30.0)])
-    completion = Completion(p, failures=None, on_peer_failed=None)
+    completion = Completion(p, RoomEffects(p), failures=None, on_peer_failed=None)
     completion.advance(room, now=1.0)
     assert room.phase is Phase.DRAINED
     assert handle.released

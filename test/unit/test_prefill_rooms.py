@@ -46,7 +46,7 @@ def target(key="decode-A", attempt=11, required=1, dummy=False):
 
 
 def room_with(*handles_and_deadlines):
-    r = R.PrefillRoom(room=5, created_at=0.0, claimed=True)
+    r = R.PrefillRoom(room=5, created_at=0.0, sender=R.Sender.HELD)
     r.add_target(target())
     assert r.begin_submit()
     r.end_submit([R.TrackedWrite(h, d) for h, d in handles_and_deadlines], last_chunk=True, aux_index=0)
@@ -111,7 +111,7 @@ def test_phases_of_a_successful_room():
     assert not r.add_target(target("d0", required=2))
     assert r.add_target(target("d1", required=2)) and r.phase is R.Phase.READY
     assert not r.begin_submit()  # nobody claimed it: no writes
-    r.claimed = True
+    r.sender = R.Sender.HELD
     assert r.begin_submit() and r.phase is R.Phase.SUBMITTING
     w = handle(IN_PROGRESS)
     r.end_submit([R.TrackedWrite(w, 10.0)], last_chunk=True, aux_index=3)
@@ -151,7 +151,7 @@ def test_writes_running_past_the_give_up_time_poison():
 
 
 def test_a_submitter_at_work_holds_the_room_open():
-    r = R.PrefillRoom(room=5, created_at=0.0, claimed=True)
+    r = R.PrefillRoom(room=5, created_at=0.0, sender=R.Sender.HELD)
     r.add_target(target())
     assert r.begin_submit()
     r.conclude(False, "Aborted by decode", now=1.0)

@@ -30,7 +30,7 @@ class DecodePeer:
     # lookup) is open: each is opened before the first write that uses it, never inside one.
     open_pairs: set = field(default_factory=set, repr=False, compare=False)
     session_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-    last_seen: float = field(default_factory=lambda: time.monotonic())  # registration or room metadata
+    last_seen: Optional[float] = None  # registration (stamped by PeerRegistry.add) or room metadata
 
 
 class PeerRegistry:
@@ -41,12 +41,19 @@ class PeerRegistry:
     still bound to the old key fail with a reason.
     """
 
-    def __init__(self, fail_fast_s: float, budget: Optional["InflightBudget"] = None):
+    def __init__(self, fail_fast_s: float, budget: Optional["InflightBudget"] = None,
+                 clock: Callable[[], float] = time.monotonic):
         self._lock = threading.Lock()
         self.budget = budget if budget is not None else InflightBudget(1 << 30)
         self._by_key: dict[str, DecodePeer] = {}
         self._key_by_endpoint: dict[tuple, str] = {}
         self.fail_fast_s = fail_fast_s
+        self._clock = clock
+
+    def use_clock(self, clock: Callable[[], float]) -> None:
+        """The service's clock, for this registry and its budget (PrefillParts shares its own)."""
+        self._clock = clock
+        self.budget.use_clock(clock)
 
     def add(self, peer: DecodePeer) -> Optional[DecodePeer]:
         """Insert `peer`; return the peer it replaced at the same endpoint, if any."""
@@ -55,6 +62,8 @@ class PeerRegistry:
             old_key = self._key_by_endpoint.get(peer.endpoint)
             if old_key is not None and old_key != peer.engine_key:
                 replaced = self._by_key.pop(old_key, None)
+            if peer.last_seen is None:
+                peer.last_seen = self._clock()
             self._by_key[peer.engine_key] = peer
             self._key_by_endpoint[peer.endpoint] = peer.engine_key
             return replaced
@@ -75,7 +84,7 @@ class PeerRegistry:
                 return False
             news = peer.failed_reason is None
             peer.failed_reason = reason
-            peer.failed_at = peer.broken_at = time.monotonic()
+            peer.failed_at = peer.broken_at = self._clock()
             return news
 
     def touch(self, key: str) -> None:
@@ -83,7 +92,7 @@ class PeerRegistry:
         with self._lock:
             peer = self._by_key.get(key)
             if peer is not None:
-                peer.last_seen = time.monotonic()
+                peer.last_seen = self._clock()
 
     def prune_dead(self, retention_s: float) -> list:
         """Remove and return peers whose connection broke and that have been silent since, for
@@ -92,7 +101,7 @@ class PeerRegistry:
         A decode that restarts on new ports (SGLang binds random ones) leaves its old engine key
         here for good otherwise: one entry, planner and engine registration per restart.
         """
-        now = time.monotonic()
+        now = self._clock()
         removed = []
         with self._lock:
             for key, peer in list(self._by_key.items()):
@@ -115,7 +124,7 @@ class PeerRegistry:
             if peer.rejected:
                 return peer.rejected
             if peer.failed_reason is not None:
-                if time.monotonic() - peer.failed_at < self.fail_fast_s:
+                if self._clock() - peer.failed_at < self.fail_fast_s:
                     return f"decode engine {key} failed recently: {peer.failed_reason}"
                 # Past the fail-fast window: try again (a transient fault may have cleared).
                 peer.failed_reason = None
@@ -131,9 +140,12 @@ class InflightBudget:
 
     def __init__(self, limit: int, clock: Callable[[], float] = time.monotonic):
         self.limit = limit
-        self._clock = clock
+        self.use_clock(clock)
         self._cond = threading.Condition()
         self._counts: dict[str, int] = {}
+
+    def use_clock(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
 
     def acquire(self, key: str, deadline: float) -> bool:
         with self._cond:

@@ -120,7 +120,7 @@ class KVPlanner:
                 decode_prefix_len=target.decode_prefix_len or 0, num_tokens=chunk.num_kv_tokens)
         else:
             kv_plan = planner.plan_kv(chunk.kv_indices, target.kv_indices[chunk.index_slice])
-        pairs = _to_pairs(kv_plan, self.local.kv, peer.kv_descs)
+        pairs = to_pairs(kv_plan, self.local.kv, peer.kv_descs)
         if chunk.is_last and chunk.state_indices is not None and target.state_indices is not None:
             if len(chunk.state_indices) != len(target.state_indices):
                 raise PlanError(
@@ -139,11 +139,11 @@ class KVPlanner:
                     # Decode gave fewer state slots than prefill has items: those never move.
                     logger.warning("sglang-mori: state component %d: %d item(s) beyond decode's slots not sent",
                                    comp, plan.dropped)
-                pairs += _to_pairs(plan, self.local.state[comp], peer.state_descs[comp])
+                pairs += to_pairs(plan, self.local.state[comp], peer.state_descs[comp])
         return pairs
 
 
-def _to_pairs(plan: TransferPlan, local_descs, remote_descs) -> list:
+def to_pairs(plan: TransferPlan, local_descs, remote_descs) -> list:
     if plan.empty:
         return []
     args = plan.as_batch_args()

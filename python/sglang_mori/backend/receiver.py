@@ -7,6 +7,8 @@ from typing import Optional
 
 from sglang_mori.backend import room_status
 from sglang_mori.backend import sglang_compat as compat
+from sglang_mori.backend.decode.failures import ABORTED_UNREACHABLE, DUPLICATE_ROOM
+from sglang_mori.backend.failure_reasons import ABORTED, PROTOCOL
 from sglang_mori.backend.messenger import Messenger
 
 logger = logging.getLogger(__name__)
@@ -26,8 +28,7 @@ class MoriKVReceiver(compat.CompatKVReceiver):
             # pop the first request's status under it. SGLang does the same under its
             # prefill_complete allocation policy.
             compat.disown_room(self)
-            mgr.service.fail(bootstrap_room, "Duplicate decode bootstrap room: another live request uses this id",
-                             "protocol")
+            mgr.service.fail(bootstrap_room, DUPLICATE_ROOM, PROTOCOL)
             self.conclude_state = room_status.FAILED
             return
         # Every receiver is a new attempt at its room (retract-rebootstrap reuses the room id).
@@ -40,7 +41,7 @@ class MoriKVReceiver(compat.CompatKVReceiver):
             # Record the real cause first; super().abort() keeps a Failed room's reason.
             reason = self.kv_mgr.bootstrap_unreachable_reason(self.bootstrap_addr)
             if reason is not None and getattr(self, "bootstrap_infos", None) is None:
-                self.kv_mgr.sglang.fail(self.bootstrap_room, f"Aborted: {reason}")
+                self.kv_mgr.service.fail(self.bootstrap_room, ABORTED_UNREACHABLE.format(reason=reason), ABORTED)
                 self.conclude_state = room_status.FAILED
         super().abort()
 

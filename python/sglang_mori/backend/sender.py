@@ -5,7 +5,8 @@ from __future__ import annotations
 from sglang.srt.disaggregation.common.conn import CommonKVSender
 
 from sglang_mori.backend import room_status
-from sglang_mori.backend import sglang_compat as compat
+from sglang_mori.backend.failure_reasons import ABORTED
+from sglang_mori.backend.prefill.failures import ABORTED_ON_PREFILL
 
 
 class MoriKVSender(CommonKVSender):
@@ -25,8 +26,7 @@ class MoriKVSender(CommonKVSender):
 
     def abort(self):
         super().abort()
-        # Tell decode now rather than letting it wait for a deadline.
-        mgr = self.kv_mgr
-        mgr.send_kv_status_message(targets=compat.room_notify_targets(mgr, self.bootstrap_room),
-                                   bootstrap_room=self.bootstrap_room, status=self.conclude_state,
-                                   failure_reason="Aborted on prefill")
+        # SGLang failed the room: through the failure door, so decode is told now rather than
+        # at its deadline, and the failure is counted once.
+        if self.conclude_state == room_status.FAILED:
+            self.kv_mgr.service.fail(self.bootstrap_room, ABORTED_ON_PREFILL, ABORTED)

@@ -76,7 +76,7 @@ class TransferHandle:
     # True when a submission raised part-way: some writes may be in flight that we hold no status
     # for, so quiescence can never be proven and pages must not be released early.
     unaccounted: bool = False
-    started_at: float = field(default_factory=time.monotonic)
+    started_at: float = 0.0  # the engine's clock when the submission started
     # Set by the owner once this handle's in-flight budget has been returned.
     released: bool = False
     # Resubmissions after "SQ full" (counted by the caller's metrics).
@@ -213,6 +213,12 @@ class TransferEngine:
         self._peers: dict[str, object] = {}
         self._setup_lock = threading.Lock()  # registration is not thread-safe in MORI (§1.10)
         self.has_peer_failure_events = hasattr(self.engine, "pop_peer_failure")
+        self.clock = time.monotonic
+
+    def use_clock(self, clock) -> None:
+        """The clock handles are stamped with and retries are bounded by: the service's, which
+        also sets the deadlines they are compared with."""
+        self.clock = clock
 
     # --- memory -----------------------------------------------------------------------------
     def register(self, ptr: int, size: int, device_id: int, on_gpu: bool):
@@ -303,7 +309,7 @@ class TransferEngine:
         retry_max: int,
     ) -> TransferHandle:
         handle = TransferHandle(
-            peer_key=peer_key, nbytes=sum(int(sum(p.sizes)) for p in pairs)
+            peer_key=peer_key, nbytes=sum(int(sum(p.sizes)) for p in pairs), started_at=self.clock()
         )
         if not pairs:
             return handle
@@ -313,7 +319,7 @@ class TransferEngine:
             if not retry:
                 break
             backoff = min(0.001 * (2**attempt), 0.2)
-            if time.monotonic() + backoff >= deadline:
+            if self.clock() + backoff >= deadline:
                 break
             time.sleep(backoff)  # backpressure from the NIC: give the send queue time to drain
             logger.info("resubmitting %d pair(s) after SQ full (attempt %d)", len(retry), attempt)

@@ -20,7 +20,9 @@ import zmq
 
 from sglang_mori import protocol
 from sglang_mori.backend import room_status
+from sglang_mori.backend.decode.failures import AUX_DOES_NOT_FIT, TRANSFER_DEADLINE, DecodeFailures
 from sglang_mori.backend.decode.rooms import DecodeRoomRegistry
+from sglang_mori.backend.failure_reasons import OTHER, TIMEOUT
 from sglang_mori.backend.messenger import Messenger
 from sglang_mori.backend.plans import LocalBuffers, encode_layout
 from sglang_mori.config import MoriConfig
@@ -75,6 +77,7 @@ class DecodeService:
     def __init__(self, parts: DecodeParts, reject: Callable[[protocol.ProtocolError, str], None]):
         self.p = parts
         self.reject = reject
+        self.failures = DecodeFailures(parts)
         self.deadline_s = parts.config.transfer_timeout_ms / 1000.0 + DEADLINE_GRACE_S
         self.stopped = threading.Event()
         self.thread: Optional[threading.Thread] = None
@@ -138,18 +141,10 @@ class DecodeService:
         """The receiver of `attempt` was cleared (a newer attempt's room is left alone)."""
         self.p.rooms.forget(int(room), attempt)
 
-    # --- the one failure path ---------------------------------------------------------------
+    # --- the one failure path (failures.py) ---------------------------------------------------
     def fail(self, room: int, reason: str, label: str) -> bool:
         """Record the reason, mark the room Failed in SGLang, count it; False if already over."""
-        p = self.p
-        with p.rooms.lock:
-            p.rooms.finish(room, ok=False)
-            if p.sglang.status(room) in (None, *room_status.TERMINAL):
-                return False
-            p.sglang.fail(room, reason)
-        logger.warning("sglang-mori: room %s failed: %s", room, reason)
-        p.metrics.request_finished(ok=False, reason=label)
-        return True
+        return self.failures.fail(room, reason, label)
 
     # --- the status thread ------------------------------------------------------------------
     def _run_status_thread(self) -> None:
@@ -191,23 +186,23 @@ class DecodeService:
         before = p.sglang.status(msg.room)
         if before is None:
             return  # concluded and cleared already; a late or replayed status changes nothing
-        if msg.status == room_status.SUCCESS:
-            error = self._copy_aux(msg)
-            if error:
-                self.fail(msg.room, error, "other")
-                return
-        elif msg.status != room_status.FAILED:
+        if msg.status == room_status.FAILED:
+            self.failures.prefill_failed(msg.room, msg.prefill_rank, msg.reason)
+            return
+        if msg.status != room_status.SUCCESS:
             self.reject(protocol.ProtocolError(protocol.REJECT_MALFORMED, f"non-terminal status {msg.status}", msg.room),
                         "decode status socket")
             return
+        error = self._copy_aux(msg)
+        if error:
+            self.fail(msg.room, error, OTHER)
+            return
         p.sglang.apply_prefill_status(msg.room, msg.status, msg.prefill_rank, msg.reason)
         # Count the room once, when this message made it terminal (with several prefill ranks,
-        # the last Success does; a Failed from any rank does).
-        after = p.sglang.status(msg.room)
-        if after != before and after in room_status.TERMINAL:
-            ok = after == room_status.SUCCESS
-            p.rooms.finish(msg.room, ok)
-            p.metrics.request_finished(ok=ok, reason=None if ok else "other")
+        # the last Success does).
+        if p.sglang.status(msg.room) == room_status.SUCCESS and before != room_status.SUCCESS:
+            p.rooms.finish(msg.room, True)
+            p.metrics.request_finished(ok=True, reason=None)
 
     def _copy_aux(self, msg: protocol.RoomStatus) -> Optional[str]:
         """Copy the aux items into this room's aux slot; an error string if they do not fit.
@@ -222,15 +217,13 @@ class DecodeService:
         for data, ptr, item_len, buf_len in zip(msg.aux, aux.ptrs, aux.item_lens, aux.buffer_lens):
             offset = r.aux_index * item_len
             if len(data) != item_len or offset + item_len > buf_len:
-                return (f"aux item of {len(data)} bytes for slot {r.aux_index} does not fit "
-                        f"(item_len {item_len}, buffer {buf_len} bytes)")
+                return AUX_DOES_NOT_FIT.format(size=len(data), slot=r.aux_index, item_len=item_len, buffer=buf_len)
             ctypes.memmove(ptr + offset, data, item_len)
         return None
 
     def enforce_deadlines(self, now: float) -> None:
         for r in self.p.rooms.expired(now, self.deadline_s):
-            self.fail(r.room, f"KV transfer for room {r.room} not complete {self.deadline_s:.1f} s after it started "
-                              "(SGLANG_MORI_TRANSFER_TIMEOUT_MS + grace); the prefill may be dead", "timeout")
+            self.fail(r.room, TRANSFER_DEADLINE.format(room=r.room, deadline_s=self.deadline_s), TIMEOUT)
 
     def debug_snapshot(self) -> dict:
         return {"decode.rooms": len(self.p.rooms)}

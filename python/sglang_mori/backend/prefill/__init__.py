@@ -1,2 +1,3 @@
-"""Prefill role: rooms (state machines), control (decode's messages), submitter (chunk-wise
-writes), completion (conclude, drain, ACK), failures (the one failure path), service (threads)."""
+"""Prefill role: rooms (state machines), effects (the one applier of their effects), control
+(decode's messages), submitter (chunk-wise writes), completion (conclude, drain, ACK), failures
+(the one failure door), service (threads)."""

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import logging
 
-from sglang_mori import protocol
 from sglang_mori.backend import room_status
-from sglang_mori.backend.prefill.failures import PrefillFailures
+from sglang_mori.backend.prefill.effects import RoomEffects
+from sglang_mori.backend.prefill.failures import ABORTED, FAILED_ON_PREFILL, PEER_DEAD, TIMEOUT, PrefillFailures
 from sglang_mori.backend.prefill.parts import PrefillParts
 from sglang_mori.backend.prefill.rooms import Phase, PrefillRoom
 from sglang_mori.engine import WriteState
@@ -30,8 +30,9 @@ DRAIN_GIVE_UP_DEADLINES = 10
 
 
 class Completion:
-    def __init__(self, parts: PrefillParts, failures: PrefillFailures, on_peer_failed):
+    def __init__(self, parts: PrefillParts, effects: RoomEffects, failures: PrefillFailures, on_peer_failed):
         self.p = parts
+        self.effects = effects
         self.failures = failures
         self.on_peer_failed = on_peer_failed  # (engine key, reason) -> None: fail its rooms
         self.poll_ms = max(1, min(parts.config.wait_poll_ms, 20))
@@ -51,59 +52,28 @@ class Completion:
         self.handle_peer_failures()
 
     def advance(self, r: PrefillRoom, now: float) -> None:
-        p = self.p
-        for w in r.writes:
-            if not w.handle.released and w.handle.quiescent():
-                self._release(w.handle, now)
         if not r.concluded:
             self._maybe_conclude(r, now)
-        give_up_s = DRAIN_GIVE_UP_DEADLINES * p.timeout_s
-        with p.rooms.lock:
-            finished = r.try_finish(now, give_up_s)
-            publishes = p.rooms.owns_sglang_state(r)
-            if finished is None:
-                if publishes:
-                    p.sglang.set_outstanding(r.room, r.outstanding())
-                return
-            if publishes:
-                p.sglang.drop_outstanding(r.room)
-            p.rooms.forget_if_done(r)
-            if finished is Phase.POISONED and publishes:
-                p.sglang.poison(r.room)
-        # The room is finished and never visited again: return every budget it still holds.
-        # POISONED: writes given up on. DRAINED: a write that turned quiescent after the release
-        # pass above and before try_finish saw every write quiescent (else its slot leaks).
-        for w in r.writes:
-            if not w.handle.released:
-                self._release(w.handle, now)
-        if finished is Phase.POISONED:
-            if r.unfinished():
-                logger.error("sglang-mori: room %s: %d writes never became terminal; its decode pages stay held",
-                             r.room, len(r.unfinished()))
-            else:
-                logger.warning("sglang-mori: room %s: a failed transfer may still have writes in flight; no abort "
-                               "ACK (decode releases at its own timeout)", r.room)
-        elif publishes:
-            p.sglang.release_acks(r.room)
-
-    def _release(self, handle, now: float) -> None:
-        """Return a finished (or given-up) write's in-flight budget and record its outcome."""
-        handle.released = True
-        self.p.peers.budget.release(handle.peer_key)
-        ok = handle.state() is WriteState.SUCCEEDED
-        reason = None if ok else handle.failure_kind().metric_reason
-        self.p.metrics.transfer_finished(handle.peer_key, handle.nbytes, now - handle.started_at, ok=ok, reason=reason)
+        with self.effects.transition() as fx:
+            finished = self.p.rooms.settle(r, now, DRAIN_GIVE_UP_DEADLINES * self.p.timeout_s, fx)
+        if finished is not Phase.POISONED:
+            return
+        if r.unfinished():
+            logger.error("sglang-mori: room %s: %d writes never became terminal; its decode pages stay held",
+                         r.room, len(r.unfinished()))
+        else:
+            logger.warning("sglang-mori: room %s: a failed transfer may still have writes in flight; no abort "
+                           "ACK (decode releases at its own timeout)", r.room)
 
     def _maybe_conclude(self, r: PrefillRoom, now: float) -> None:
         p = self.p
         status = p.sglang.status(r.room) if r.claimed else None
         if r.claimed and (status is None or status == room_status.FAILED):
-            # Failed (or cleared) by SGLang itself, e.g. the scheduler aborted the request.
-            reason = p.sglang.failure_reason(r.room) or "room failed on prefill"
-            with p.rooms.lock:
-                concluded = r.conclude(False, reason, now)
-            if concluded and status == room_status.FAILED:
-                self.failures.notify_decode(r.room, r.notify_addresses(), reason)
+            # Failed (or cleared) by SGLang itself, e.g. the scheduler aborted the request; decode
+            # hears of it only if SGLang still holds the room (the failure record is its reason).
+            reason = p.sglang.failure_reason(r.room) or FAILED_ON_PREFILL
+            with self.effects.transition() as fx:
+                self.failures.conclude_locked(r, reason, ABORTED, fx, tell_decode=status == room_status.FAILED)
             return
         state, reason = r.verdict(now)
         # Not while a submitter still works on the room: the layer-wise worker may track writes
@@ -116,20 +86,14 @@ class Completion:
                     if p.peers.mark_failed(w.handle.peer_key, reason):
                         p.metrics.peer_down(w.handle.peer_key)
             timed_out = any(w.handle.state() is WriteState.RUNNING for w in r.writes)
-            self.failures.fail_life(r, reason, "timeout" if timed_out else "peer_dead")
+            self.failures.fail_life(r, reason, TIMEOUT if timed_out else PEER_DEAD)
 
     def _conclude_success(self, r: PrefillRoom, now: float) -> None:
         p = self.p
         aux = p.read_aux(r.aux_index) if p.owns_aux else None
-        with p.rooms.lock:
-            if p.sglang.status(r.room) == room_status.FAILED or not r.conclude(True, None, now):
-                return
-            addresses = r.notify_addresses()
-        p.sglang.set_status(r.room, room_status.SUCCESS)
-        message = protocol.RoomStatus(room=r.room, status=room_status.SUCCESS, prefill_rank=p.sglang.prefill_rank,
-                                      aux=aux)
-        p.messenger.send_all(addresses, message)
-        p.metrics.request_finished(ok=True)
+        with self.effects.transition() as fx:
+            if p.sglang.status(r.room) != room_status.FAILED:
+                p.rooms.succeed(r, aux, now, fx)
 
     def handle_peer_failures(self) -> None:
         p = self.p

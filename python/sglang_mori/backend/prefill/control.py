@@ -13,7 +13,15 @@ from typing import Callable
 
 from sglang_mori import protocol
 from sglang_mori.backend.peers import DecodePeer
-from sglang_mori.backend.prefill.failures import ABORTED, LAYOUT, PROTOCOL, PrefillFailures
+from sglang_mori.backend.prefill.effects import RoomEffects
+from sglang_mori.backend.prefill.failures import (
+    ABORTED,
+    ABORTED_BEFORE_ARRIVAL,
+    ABORTED_BY_DECODE,
+    PEER_DEAD,
+    PROTOCOL,
+    PrefillFailures,
+)
 from sglang_mori.backend.prefill.parts import PrefillParts
 from sglang_mori.backend.prefill.rooms import MetadataVerdict, Phase, RoomTarget
 from sglang_mori.planning import PlanningError
@@ -26,12 +34,12 @@ DEAD_PEER_RETENTION_S = 120.0
 
 
 class PrefillControl:
-    def __init__(self, parts: PrefillParts, failures: PrefillFailures,
-                 reject: Callable[[protocol.ProtocolError, str], None], publish_ready: Callable):
+    def __init__(self, parts: PrefillParts, effects: RoomEffects, failures: PrefillFailures,
+                 reject: Callable[[protocol.ProtocolError, str], None]):
         self.p = parts
+        self.effects = effects
         self.failures = failures
         self.reject = reject  # counts and logs a rejected message
-        self.publish_ready = publish_ready  # (room) -> None, called outside the lock
 
     # --- dispatch ---------------------------------------------------------------------------
     def handle(self, frames) -> None:
@@ -56,9 +64,8 @@ class PrefillControl:
         """Fail a room decode's message names, opening it if no request holds it yet (its sender
         then fails on arrival instead of waiting out the bootstrap timeout)."""
         p = self.p
-        with p.rooms.lock:
-            p.rooms.open(room, p.clock())
-        self.failures.fail(room, reason, label)
+        with self.effects.transition() as fx:
+            self.failures.conclude_locked(p.rooms.open(room, p.clock()), reason, label, fx)
 
     # --- Register -----------------------------------------------------------------------------
     def on_register(self, msg: protocol.Register) -> None:
@@ -109,7 +116,7 @@ class PrefillControl:
             victims = [r.room for r in p.rooms.rooms.values()
                        if not r.concluded and any(t.engine_key == key for t in r.live_targets())]
         for room in victims:
-            self.failures.fail(room, reason, "peer_dead")
+            self.failures.fail(room, reason, PEER_DEAD)
 
     # --- RoomMetadata -----------------------------------------------------------------------
     def on_metadata(self, msg: protocol.RoomMetadata) -> None:
@@ -131,9 +138,8 @@ class PrefillControl:
             p.peers.touch(msg.engine_key)
             target.reject_reason = p.peers.unusable_reason(msg.engine_key) or p.planner.check_destination(
                 p.peers.get(msg.engine_key), target)
-        with p.rooms.lock:
-            outcome = p.rooms.add_target(target, room, p.clock())
-            publish = outcome.ready and outcome.room.claimed
+        with self.effects.transition() as fx:
+            outcome = p.rooms.add_target(target, room, p.clock(), fx)
         if outcome.verdict is MetadataVerdict.REPLAY:
             self.reject(protocol.ProtocolError("replayed", f"metadata for room {room}: {outcome.detail}", room),
                         "prefill control socket")
@@ -143,43 +149,35 @@ class PrefillControl:
         elif outcome.verdict is MetadataVerdict.QUEUED_NEXT_LIFE:
             logger.info("sglang-mori: room %s: attempt %s from %s waits for the room's current life to end",
                         room, msg.attempt, msg.engine_key)
-        elif publish:
-            self.publish_ready(room)
 
     # --- Abort --------------------------------------------------------------------------------
     def on_abort(self, msg: protocol.Abort) -> None:
         p = self.p
         room = msg.room
         now = p.clock()
-        ack_now = False
-        with p.rooms.lock:
+        with self.effects.transition() as fx:
             life, known = p.rooms.abort_attempt(room, msg.attempt, now)
             if not known:
                 # The request has not reached this rank: open the room failed, so its sender
                 # fails on arrival (and metadata for this attempt is not served).
                 life = p.rooms.open(room, now)
-        if life is not None and not life.concluded:
-            if not life.claimed:
-                self.failures.fail(room, "Aborted by decode before the request reached prefill", ABORTED,
-                                   decode_knows=True)
-            else:
-                self.failures.fail(room, "Aborted by decode", ABORTED, decode_knows=True)
+            if life is not None and not life.concluded:
+                reason = ABORTED_BY_DECODE if life.claimed else ABORTED_BEFORE_ARRIVAL
+                self.failures.conclude_locked(life, reason, ABORTED, fx, tell_decode=False)
         if not p.sglang.deferred_release or msg.generation is None:
             return
-        with p.rooms.lock:
+        with self.effects.transition() as fx:
             lives = [r for r in [p.rooms.get(room), *p.rooms.draining_lives(room)] if r is not None]
             if any(r.phase is Phase.POISONED for r in lives) or p.sglang.ack_poisoned(room):
                 return  # a write may still land: decode falls back to its release timeout
             if any(r.outstanding() or (r.writes and not r.terminal) for r in lives):
                 # Writes were issued and their drain is not decided yet: the completion thread
                 # ACKs once they are proven drained (or poisons the room, and no ACK goes out).
-                p.sglang.hold_ack(room, msg.decode_ip, msg.decode_port, msg.generation)
+                fx.held_acks.append((room, msg.decode_ip, msg.decode_port, msg.generation))
             else:
-                ack_now = True
-            p.rooms.notify_locked()
-        if ack_now:
-            p.messenger.send((msg.decode_ip, msg.decode_port), protocol.AbortAck(
-                room=room, prefill_rank=p.sglang.prefill_rank, generation=msg.generation))
+                fx.sends.append(((msg.decode_ip, msg.decode_port), protocol.AbortAck(
+                    room=room, prefill_rank=p.sglang.prefill_rank, generation=msg.generation)))
+            fx.changed = True
 
     # --- housekeeping -------------------------------------------------------------------------
     def prune(self) -> None:
@@ -193,5 +191,5 @@ class PrefillControl:
         for peer in p.peers.prune_dead(retention):
             logger.info("sglang-mori: forgetting decode engine %s (%s:%s): its connection broke %.0f s ago (%s) "
                         "and it has not spoken since", peer.engine_key, *peer.endpoint,
-                        time.monotonic() - peer.broken_at, peer.failed_reason or "failure")
+                        p.clock() - peer.broken_at, peer.failed_reason or "failure")
             self.forget_peer(peer.engine_key)

@@ -1,26 +1,45 @@
-"""The one way a prefill room fails: record the reason, update SGLang, count it, tell decode."""
+"""The one way a prefill room fails: record the reason, update SGLang, count it, tell decode.
+
+Nothing else concludes a prefill room as failed (test_failure_doors.py checks the source). The
+door records the conclusion and its effects (effects.py); the applier updates SGLang, counts the
+failure, and tells decode after the registry lock is let go.
+"""
 
 from __future__ import annotations
 
-import logging
-from typing import Optional
-
-from sglang_mori import protocol
-from sglang_mori.backend import room_status
+# Failed requests by cause (metrics label values), re-exported for the prefill side.
+from sglang_mori.backend.failure_reasons import (  # noqa: F401
+    ABORTED,
+    BACKPRESSURE,
+    BAD_INDEX,
+    LAYOUT,
+    OTHER,
+    PEER_DEAD,
+    PROTOCOL,
+    SUBMIT_ERROR,
+    TIMEOUT,
+)
+from sglang_mori.backend.prefill.effects import Effects, Failure, RoomEffects
 from sglang_mori.backend.prefill.parts import PrefillParts
 from sglang_mori.backend.prefill.rooms import PrefillRoom
 
-logger = logging.getLogger(__name__)
 
-# Failed requests by cause (metrics label values, see metrics.FAILURE_REASONS).
-TIMEOUT, PEER_DEAD, SUBMIT_ERROR, BAD_INDEX, ABORTED, PROTOCOL, LAYOUT, BACKPRESSURE, OTHER = (
-    "timeout", "peer_dead", "submit_error", "bad_index", "aborted", "protocol", "layout_mismatch",
-    "backpressure", "other")
+# Failure reasons this rank states itself (others carry what went wrong: an engine's message, a
+# peer's key, a deadline).
+ABORTED_BY_DECODE = "Aborted by decode"
+ABORTED_BEFORE_ARRIVAL = "Aborted by decode before the request reached prefill"
+ABORTED_ON_PREFILL = "Aborted on prefill"
+CLEARED_ON_PREFILL = "the request was cleared on prefill before its transfer ended"
+FAILED_ON_PREFILL = "room failed on prefill"
+NO_METADATA = "no destination metadata from decode for this room"
+CHECKPOINT_HAZARD_TIMEOUT = ("layer-wise writes from pages a radix checkpoint freed did not finish before the "
+                             "deadline (SGLANG_MORI_TRANSFER_TIMEOUT_MS)")
 
 
 class PrefillFailures:
-    def __init__(self, parts: PrefillParts):
+    def __init__(self, parts: PrefillParts, effects: RoomEffects):
         self.p = parts
+        self.effects = effects
 
     def fail(self, room_id: int, reason: str, label: str, *, decode_knows: bool = False) -> bool:
         """Conclude the current life of `room_id` as failed; False if it had concluded already
@@ -29,45 +48,20 @@ class PrefillFailures:
         A claimed room is failed in SGLang (its sender polls Failed with the reason) and its decode
         ranks are told, unless `decode_knows` (decode's own abort). An unclaimed room (metadata
         came first) keeps the reason: its sender fails with it on arrival."""
-        p = self.p
-        with p.rooms.lock:
-            r = p.rooms.get(room_id)
-            told = None if r is None else self._conclude_locked(r, reason, label, decode_knows)
-        return self._tell(room_id, told)
+        with self.effects.transition() as fx:
+            r = self.p.rooms.get(room_id)
+            return r is not None and self.conclude_locked(r, reason, label, fx, tell_decode=not decode_knows)
 
     def fail_life(self, r: PrefillRoom, reason: str, label: str) -> bool:
         """Like fail() for a life the caller holds (it may be draining, no longer current)."""
-        with self.p.rooms.lock:
-            told = self._conclude_locked(r, reason, label, False)
-        return self._tell(r.room, told)
+        with self.effects.transition() as fx:
+            return self.conclude_locked(r, reason, label, fx)
 
-    def _conclude_locked(self, r: PrefillRoom, reason: str, label: str, decode_knows: bool):
-        """The transition and SGLang's update, under the registry lock; returns (addresses,
-        reason) for decode, or None when the room had concluded already."""
-        p = self.p
-        if not r.conclude(False, reason, p.clock()):
-            return None
-        # SGLang's tables change only while the sender holds the room: a failure recorded after
-        # its clear() would have no reader (and a later request reusing the id would adopt it;
-        # claim() drops such a leftover anyway, for the window SGLang's own code shares).
-        if r.claimed and p.sglang.status(r.room) is not None:
-            p.sglang.fail(r.room, reason)
-            reason = p.sglang.failure_reason(r.room) or reason
-        p.rooms.notify_locked()
-        logger.warning("sglang-mori: room %s failed: %s", r.room, reason)
-        p.metrics.request_finished(ok=False, reason=label)
-        return ([] if decode_knows else r.notify_addresses()), reason
-
-    def _tell(self, room_id: int, told) -> bool:
-        """Tell decode outside the lock (a send to a dead peer must not hold every room up)."""
-        if told is None:
+    def conclude_locked(self, r: PrefillRoom, reason: str, label: str, fx: Effects, *,
+                        tell_decode: bool = True) -> bool:
+        """The door itself, inside a caller's `effects.transition()`."""
+        if not r.conclude(False, reason, self.p.clock()):
             return False
-        addresses, reason = told
-        self.notify_decode(room_id, addresses, reason)
+        fx.failures.append(Failure(r.room, reason, label, r.notify_addresses() if tell_decode else [],
+                                   in_sglang=r.claimed))
         return True
-
-    def notify_decode(self, room_id: int, addresses: list, reason: Optional[str]) -> None:
-        message = protocol.RoomStatus(room=room_id, status=room_status.FAILED, prefill_rank=self.p.sglang.prefill_rank,
-                                      reason=reason)
-        self.p.messenger.send_all(addresses, message)
-

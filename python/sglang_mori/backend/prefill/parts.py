@@ -38,6 +38,12 @@ class PrefillParts:
     rooms: PrefillRoomRegistry = field(default_factory=PrefillRoomRegistry)
     clock: Callable[[], float] = time.monotonic
 
+    def __post_init__(self):
+        # One clock for the whole service: deadlines, peers' fail-fast windows, the in-flight
+        # budget's waits and the engine's handles are all compared with each other.
+        self.peers.use_clock(self.clock)
+        self.engine.use_clock(self.clock)
+
     @property
     def timeout_s(self) -> float:
         return self.config.transfer_timeout_ms / 1000.0

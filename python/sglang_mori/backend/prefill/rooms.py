@@ -20,8 +20,11 @@ room id can start a new life at once (retract-rebootstrap).
 Replays are told from new attempts by decode's attempt id, never by "finished recently": every
 attempt a finished life served is remembered (bounded) and metadata naming one is a replay.
 
-Nothing here sends, sleeps or touches SGLang: transitions return what the caller must do. Time is
-passed in, so tests drive every transition with a fake clock.
+Nothing here sends, sleeps or touches SGLang: the registry's transitions record what SGLang, the
+in-flight budget, decode and the metrics must see in an `Effects` (effects.py), and the one applier
+carries it out. Layer-wise streaming keeps a room's stream state in the room (`layerwise`) and the
+rank's checkpoint hazards here, under the same lock. Time is passed in, so tests drive every
+transition with a fake clock.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from sglang_mori.backend import room_status
+from sglang_mori.backend.prefill.effects import Effects, Failure, Success
 from sglang_mori.engine import WriteState
 
 # Attempts of finished lives remembered for replay detection (count and age bounds).
@@ -50,6 +55,21 @@ class Phase(enum.Enum):
     CONCLUDED = "concluded"
     DRAINED = "drained"
     POISONED = "poisoned"
+
+
+class Sender(enum.Enum):
+    """The scheduler's sender for the room on this rank."""
+
+    NONE = "none"  # never claimed: decode's messages opened the room, SGLang holds nothing for it
+    HELD = "held"  # a sender exists: SGLang's tables for the room id are this life's
+    CLEARED = "cleared"  # its sender was cleared: the life is over (its writes may still drain)
+
+
+class Outcome(enum.Enum):
+    """Decided once, when the room leaves the open phases."""
+
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
 
 
 TERMINAL = (Phase.DRAINED, Phase.POISONED)
@@ -92,20 +112,40 @@ class PrefillRoom:
     room: int
     created_at: float
     phase: Phase = Phase.AWAITING_METADATA
-    claimed: bool = False  # a sender for this room exists on this rank
-    ever_claimed: bool = False
+    sender: Sender = Sender.NONE
     targets: Dict[str, RoomTarget] = field(default_factory=dict)
     required: int = 1
     next_life: Dict[str, RoomTarget] = field(default_factory=dict)
     writes: List[TrackedWrite] = field(default_factory=list)
-    submitting: int = 0  # submitter threads between their live check and tracking their writes
+    # Submit tokens held: submitter threads between their live check and tracking their writes,
+    # and layer-wise batches between their publication and their end (a count, not a phase: any
+    # number of holders at once).
+    submitting: int = 0
     last_submitted: bool = False
     aux_index: Optional[int] = None
-    succeeded: Optional[bool] = None  # set on CONCLUDED
+    outcome: Optional[Outcome] = None  # set on leaving the open phases
     reason: Optional[str] = None
     concluded_at: float = 0.0
+    layerwise: object = None  # layerwise.state.StreamState of this life, once it streams
 
     # --- queries ------------------------------------------------------------------------
+    @property
+    def claimed(self) -> bool:
+        """A sender for this room exists on this rank."""
+        return self.sender is Sender.HELD
+
+    @property
+    def ever_claimed(self) -> bool:
+        return self.sender is not Sender.NONE
+
+    @property
+    def succeeded(self) -> bool:
+        return self.outcome is Outcome.SUCCEEDED
+
+    @property
+    def failed(self) -> bool:
+        return self.outcome is Outcome.FAILED
+
     @property
     def concluded(self) -> bool:
         return self.phase not in OPEN
@@ -192,7 +232,7 @@ class PrefillRoom:
         if self.concluded:
             return False
         self.phase = Phase.CONCLUDED
-        self.succeeded = ok
+        self.outcome = Outcome.SUCCEEDED if ok else Outcome.FAILED
         self.reason = reason
         self.concluded_at = now
         return True
@@ -249,6 +289,9 @@ class PrefillRoomRegistry:
         self.draining: Dict[Tuple[int, int], PrefillRoom] = {}
         self._serial = 0
         self._finished: "collections.OrderedDict[int, float]" = collections.OrderedDict()  # attempt -> time
+        # Layer-wise: lives whose streamed pages a radix checkpoint moved while writes from them
+        # may still run; the next forward waits for them (layerwise/session.py).
+        self.hazards: List[PrefillRoom] = []
 
     # --- lookups (lock held) --------------------------------------------------------------
     def get(self, room: int) -> Optional[PrefillRoom]:
@@ -283,13 +326,26 @@ class PrefillRoomRegistry:
             r = self.rooms[room] = PrefillRoom(room=room, created_at=now)
         return r
 
-    def claim(self, room: int, now: float) -> PrefillRoom:
-        """A sender for `room` starts on this rank (its request reached prefill)."""
+    def claim(self, room: int, now: float, fx: Optional[Effects] = None) -> PrefillRoom:
+        """A sender for `room` starts on this rank (its request reached prefill). SGLang then
+        sees the failure decode caused before it arrived, or the destinations of a READY room."""
+        fx = Effects() if fx is None else fx
+        # A failure record left by an earlier life of this id would be adopted by this one.
+        fx.stale_failures.append(room)
         r = self.open(room, now)
-        r.claimed = r.ever_claimed = True
+        r.sender = Sender.HELD
+        if r.failed:
+            fx.failures.append(Failure(room, r.reason, None, [], in_sglang=True))
+        else:
+            self._publish_destinations(r, fx)
         return r
 
-    def add_target(self, target: RoomTarget, room: int, now: float) -> MetadataOutcome:
+    def _publish_destinations(self, r: PrefillRoom, fx: Effects) -> None:
+        """A claimed READY room: SGLang may send into its destinations (WaitingForInput)."""
+        if r.claimed and r.phase is Phase.READY:
+            fx.published.append((r.room, dict(r.targets)))
+
+    def add_target(self, target: RoomTarget, room: int, now: float, fx: Optional[Effects] = None) -> MetadataOutcome:
         if self.finished_attempt(target.attempt, now):
             return MetadataOutcome(MetadataVerdict.REPLAY, detail=f"attempt {target.attempt} already served")
         r = self.open(room, now)
@@ -297,7 +353,10 @@ class PrefillRoomRegistry:
         if known is not None and known.attempt == target.attempt:
             return MetadataOutcome(MetadataVerdict.REPLAY, r, detail=f"attempt {target.attempt} is in this room already")
         if r.phase is Phase.AWAITING_METADATA and known is None:
-            return MetadataOutcome(MetadataVerdict.ACCEPTED, r, ready=r.add_target(target))
+            ready = r.add_target(target)
+            if ready:
+                self._publish_destinations(r, Effects() if fx is None else fx)
+            return MetadataOutcome(MetadataVerdict.ACCEPTED, r, ready=ready)
         if not r.concluded:
             # Never re-target a live room: a different attempt for it is either forged or from a
             # decode that has not aborted the attempt this life serves.
@@ -335,17 +394,16 @@ class PrefillRoomRegistry:
 
     def release_sender(self, room: int, now: float) -> Optional[PrefillRoom]:
         """The room's sender was cleared. Its life ends here: forgotten now if terminal (or
-        nothing was ever submitted), else moved aside to drain. A queued next life takes over the
-        room id. Returns the life that ended."""
+        nothing was ever submitted), else moved aside to drain (the caller fails it through the
+        failure door if it was still open). A queued next life takes over the room id. Returns
+        the life that ended."""
         r = self.rooms.pop(room, None)
         if r is None:
             return None
-        r.claimed = False
+        r.sender = Sender.CLEARED
         for attempt in r.attempts():
             self._remember_finished(attempt, now)
         if not r.terminal and (r.writes or r.submitting):
-            if not r.concluded:
-                r.conclude(False, "the request was cleared on prefill before its transfer ended", now)
             self._serial += 1
             self.draining[(room, self._serial)] = r
         if r.next_life:
@@ -355,6 +413,82 @@ class PrefillRoomRegistry:
                     fresh.add_target(target)
         self.notify_locked()
         return r
+
+    # --- transitions with effects (lock held; `fx` from RoomEffects.transition()) ------------
+    def _publish_outstanding(self, r: PrefillRoom, fx: Effects) -> None:
+        if self.owns_sglang_state(r):
+            fx.outstanding[r.room] = r.outstanding()
+
+    def begin_submit(self, r: PrefillRoom, fx: Effects) -> bool:
+        """A submitter takes a submit token on `r`; False (nothing changes) unless it takes writes.
+        The first one moves SGLang's status to Transferring."""
+        first = r.phase is Phase.READY
+        if not r.begin_submit():
+            return False
+        self._publish_outstanding(r, fx)
+        if first:
+            fx.statuses.append((r.room, room_status.TRANSFERRING))
+        return True
+
+    def end_submit(self, r: PrefillRoom, writes: List[TrackedWrite], last_chunk: bool, aux_index: Optional[int],
+                   fx: Effects) -> None:
+        """The token's writes are tracked (whatever happened to the room meanwhile)."""
+        r.end_submit(writes, last_chunk, aux_index)
+        self._publish_outstanding(r, fx)
+        fx.changed = True
+
+    def succeed(self, r: PrefillRoom, aux: Optional[list], now: float, fx: Effects) -> bool:
+        """Every write succeeded after the last chunk: Success to SGLang and decode, with aux."""
+        if not r.conclude(True, None, now):
+            return False
+        fx.successes.append(Success(r.room, r.notify_addresses(), aux))
+        fx.changed = True
+        return True
+
+    def return_slots(self, r: PrefillRoom, fx: Effects, *, every: bool = False) -> None:
+        """Return the in-flight budget of each write that turned quiescent (`every`: of each
+        write not returned yet, the room being given up on). Each slot goes back once."""
+        for w in r.writes:
+            handle = w.handle
+            if not handle.released and (every or handle.quiescent()):
+                handle.released = True
+                fx.slots.append(handle)
+
+    def settle(self, r: PrefillRoom, now: float, give_up_after_s: float, fx: Effects) -> Optional[Phase]:
+        """The completion thread's pass over a room with writes: return finished writes' slots,
+        publish what is outstanding, and once the room is DRAINED or POISONED forget a draining
+        life, return every remaining slot and release (DRAINED) or poison decode's held ACKs."""
+        self.return_slots(r, fx)
+        finished = r.try_finish(now, give_up_after_s)
+        owns = self.owns_sglang_state(r)
+        if finished is None:
+            self._publish_outstanding(r, fx)
+            return None
+        if owns:
+            fx.outstanding[r.room] = None
+        self.forget_if_done(r)
+        # Never visited again: a write that turned quiescent after the pass above and before
+        # try_finish saw every write quiescent would keep its slot otherwise.
+        self.return_slots(r, fx, every=True)
+        if owns:
+            if finished is Phase.POISONED:
+                fx.poisoned.append(r.room)
+            else:
+                fx.acks.append(r.room)
+        return finished
+
+    # --- layer-wise (lock held) ----------------------------------------------------------------
+    def batch_ended(self, r: PrefillRoom) -> None:
+        """A published layer-wise batch of `r` reached its end marker."""
+        r.layerwise.pending_batches -= 1
+
+    def add_hazard(self, r: PrefillRoom) -> None:
+        if not any(h is r for h in self.hazards):
+            self.hazards.append(r)
+
+    def take_hazards(self) -> List[PrefillRoom]:
+        hazards, self.hazards = self.hazards, []
+        return hazards
 
     def forget_if_done(self, r: PrefillRoom) -> bool:
         """Drop a terminal draining life. A current life stays until its sender is cleared

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from typing import Callable, Optional
 
 import numpy as np
@@ -20,7 +19,8 @@ import zmq
 from sglang_mori import protocol
 from sglang_mori.backend.prefill.completion import Completion
 from sglang_mori.backend.prefill.control import PrefillControl
-from sglang_mori.backend.prefill.failures import PrefillFailures
+from sglang_mori.backend.prefill.effects import RoomEffects
+from sglang_mori.backend.prefill.failures import ABORTED, CLEARED_ON_PREFILL, OTHER, PrefillFailures
 from sglang_mori.backend.prefill.parts import PrefillParts
 from sglang_mori.backend.prefill.submitter import Chunk, ChunkSubmitter
 
@@ -32,10 +32,11 @@ PRUNE_INTERVAL_S = 1.0
 class PrefillService:
     def __init__(self, parts: PrefillParts, reject: Callable[[protocol.ProtocolError, str], None]):
         self.p = parts
-        self.failures = PrefillFailures(parts)
-        self.control = PrefillControl(parts, self.failures, reject, self.publish_ready)
-        self.submitter = ChunkSubmitter(parts, self.failures)
-        self.completion = Completion(parts, self.failures, self.control.fail_rooms_of_peer)
+        self.effects = RoomEffects(parts)
+        self.failures = PrefillFailures(parts, self.effects)
+        self.control = PrefillControl(parts, self.effects, self.failures, reject)
+        self.submitter = ChunkSubmitter(parts, self.effects, self.failures)
+        self.completion = Completion(parts, self.effects, self.failures, self.control.fail_rooms_of_peer)
         self.stopped = threading.Event()
         self.threads: list = []
 
@@ -66,7 +67,7 @@ class PrefillService:
         next_prune = 0.0
         while not self.stopped.is_set():
             try:
-                now = time.monotonic()
+                now = self.p.clock()
                 if now >= next_prune:
                     next_prune = now + PRUNE_INTERVAL_S
                     self.control.prune()
@@ -93,35 +94,21 @@ class PrefillService:
     # --- the scheduler's side ---------------------------------------------------------------
     def claim(self, room_id: int) -> Optional[str]:
         """A sender for `room_id` starts here. Returns the reason it must fail at once (decode
-        aborted it, or its metadata was bad, before the request reached this rank), else None."""
+        aborted it, or its metadata was bad, before the request reached this rank), else None.
+        A READY room's destinations go to SGLang (WaitingForInput lets the scheduler send)."""
         p = self.p
-        # A failure record left by an earlier life of this id would be adopted by this one.
-        p.sglang.drop_stale_failure(room_id)
-        with p.rooms.lock:
-            r = p.rooms.claim(room_id, p.clock())
-            failed = r.reason if (r.concluded and not r.succeeded) else None
-            ready = not r.concluded and r.phase.value == "ready"
-        if failed is not None:
-            p.sglang.fail(room_id, failed)
-        elif ready:
-            self.publish_ready(room_id)
-        return failed
-
-    def publish_ready(self, room_id: int) -> None:
-        """Hand a claimed room's destinations to SGLang (WaitingForInput lets the scheduler send)."""
-        p = self.p
-        with p.rooms.lock:
-            r = p.rooms.get(room_id)
-            if r is None or not r.claimed or r.concluded:
-                return
-            targets = dict(r.targets)
-        p.sglang.publish_destinations(room_id, targets)
+        with self.effects.transition() as fx:
+            r = p.rooms.claim(room_id, p.clock(), fx)
+            return r.reason if r.failed else None
 
     def release(self, room_id: int) -> None:
-        """The room's sender was cleared: this life ends (its writes may still drain)."""
+        """The room's sender was cleared: this life ends (its writes may still drain). A life
+        still open fails through the failure door; decode heard of it from the sender's abort."""
         p = self.p
-        with p.rooms.lock:
-            p.rooms.release_sender(room_id, p.clock())
+        with self.effects.transition() as fx:
+            life = p.rooms.release_sender(room_id, p.clock())
+            if life is not None and not life.concluded and (life.writes or life.submitting):
+                self.failures.conclude_locked(life, CLEARED_ON_PREFILL, ABORTED, fx, tell_decode=False)
             fresh = p.rooms.get(room_id)
         if fresh is not None:
             logger.info("sglang-mori: room %s: a queued attempt starts the room's next life", room_id)
@@ -133,7 +120,7 @@ class PrefillService:
             wait_event=kw.get("wait_event"), num_kv_tokens=kw.get("num_kv_tokens"),
         ))
 
-    def fail(self, room_id: int, reason: str, label: str = "other") -> bool:
+    def fail(self, room_id: int, reason: str, label: str = OTHER) -> bool:
         return self.failures.fail(room_id, reason, label)
 
     # --- introspection ---------------------------------------------------------------------------

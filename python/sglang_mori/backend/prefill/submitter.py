@@ -20,10 +20,12 @@ import numpy as np
 from sglang_mori import protocol
 from sglang_mori.config import transfer_shard_count
 from sglang_mori.backend import room_status
+from sglang_mori.backend.prefill.effects import RoomEffects
 from sglang_mori.backend.prefill.failures import (
     BACKPRESSURE,
     BAD_INDEX,
     LAYOUT,
+    NO_METADATA,
     OTHER,
     PEER_DEAD,
     PROTOCOL,
@@ -52,8 +54,9 @@ class Chunk:
 
 
 class ChunkSubmitter:
-    def __init__(self, parts: PrefillParts, failures: PrefillFailures):
+    def __init__(self, parts: PrefillParts, effects: RoomEffects, failures: PrefillFailures):
         self.p = parts
+        self.effects = effects
         self.failures = failures
         cfg = parts.config
         self.queues = [queue.Queue(maxsize=cfg.max_queued_chunks) for _ in range(transfer_shard_count(cfg))]
@@ -106,36 +109,39 @@ class ChunkSubmitter:
     def submit(self, chunk: Chunk) -> None:
         p = self.p
         room_id = chunk.room
-        with p.rooms.lock:
+        with self.effects.transition() as fx:
             r = p.rooms.get(room_id)
             if r is None or r.concluded:
                 return
             if r.phase is Phase.AWAITING_METADATA:
-                problem = ("no destination metadata from decode for this room", PROTOCOL)
+                problem = (NO_METADATA, PROTOCOL)
             else:
                 problem = next(((t.reject_reason, LAYOUT) for t in r.targets.values() if t.reject_reason), None)
-            if problem is None:
-                first = r.phase is Phase.READY
-                r.begin_submit()
-                targets = r.live_targets()
-                p.sglang.set_outstanding(room_id, r.outstanding())
-        if problem is not None:
-            self.failures.fail(room_id, problem[0], problem[1])
-            return
+            if problem is not None:
+                self.failures.conclude_locked(r, *problem, fx)
+                return
+            if not p.rooms.begin_submit(r, fx):
+                # Not this chunk's life: its sender was cleared and a queued attempt's new life
+                # (nobody claimed it yet) took the room id. Its writes never go anywhere.
+                return
+            targets = r.live_targets()
+        self.post_tracked(chunk, r, targets)
+
+    def post_tracked(self, chunk: Chunk, r, targets) -> int:
+        """Post `chunk` to `targets` for room life `r`, whose submit token the caller took
+        (`rooms.begin_submit`), then track its writes and give the token back; a failure fails
+        the room through the failure door. The step the layer-wise worker shares. Returns the
+        number of writes tracked."""
         writes: List[TrackedWrite] = []
         failure = None
         try:
-            if first:
-                p.sglang.set_status(room_id, room_status.TRANSFERRING)
-            failure = self._post(chunk, r, targets, writes)
+            failure = self.post(chunk, targets, writes)
         finally:
-            with p.rooms.lock:
-                r.end_submit(writes, chunk.is_last, chunk.aux_index)
-                if p.rooms.owns_sglang_state(r):
-                    p.sglang.set_outstanding(room_id, r.outstanding())
-                p.rooms.notify_locked()
-        if failure is not None:
-            self.failures.fail_life(r, *failure)
+            with self.effects.transition() as fx:
+                self.p.rooms.end_submit(r, writes, chunk.is_last, chunk.aux_index, fx)
+                if failure is not None:
+                    self.failures.conclude_locked(r, *failure, fx)
+        return len(writes)
 
     def _open_sessions(self, peer, pairs) -> Optional[str]:
         """First contact with every (local, remote) region pair of a write before it is posted;
@@ -167,8 +173,10 @@ class ChunkSubmitter:
                 opened.add(key)
         return None
 
-    def _post(self, chunk: Chunk, r, targets, writes: List[TrackedWrite]):
-        """Post the chunk to every destination; (reason, label) of the first failure, or None."""
+    def post(self, chunk: Chunk, targets, writes: List[TrackedWrite]):
+        """Post the chunk to every destination, appending each issued write to `writes`;
+        (reason, label) of the first failure, or None. The caller holds a submit token on the
+        room and tracks `writes` afterwards, whatever this returns or raises."""
         p = self.p
         # Every chunk restarts decode's deadline: a long chunked prefill is slow, not dead.
         started = protocol.TransferStarted(room=chunk.room, prefill_rank=p.sglang.prefill_rank)
@@ -188,7 +196,7 @@ class ChunkSubmitter:
             failure = self._open_sessions(peer, pairs) if pairs else None
             if failure is not None:
                 return failure, PEER_DEAD
-            if not p.peers.budget.acquire(peer.engine_key, deadline):
+            if not self.effects.take_slot(peer.engine_key, deadline):
                 return (f"decode engine {peer.engine_key} has {p.peers.budget.count(peer.engine_key)} transfers in "
                         "flight (SGLANG_MORI_MAX_INFLIGHT_PER_PEER) and none finished before the deadline", TIMEOUT)
             try:
@@ -200,7 +208,7 @@ class ChunkSubmitter:
                 return f"submitting KV writes to {peer.engine_key} failed: {exc}", SUBMIT_ERROR
             except BaseException:
                 # No handle tracks this slot: give it back before the shard fails the room.
-                p.peers.budget.release(peer.engine_key)
+                self.effects.return_unused_slot(peer.engine_key)
                 raise
             # Count the start before the handle is visible: the completion thread may finish it at once.
             p.metrics.transfer_started(peer.engine_key)

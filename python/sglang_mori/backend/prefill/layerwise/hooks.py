@@ -113,7 +113,7 @@ def around_attention_forward(original, backend, q, k, v, layer, forward_batch, *
                 session.on_layer(published, pool, int(layer.layer_id), _layer_event(q))
         except Exception:
             logger.exception("sglang-mori: layer-wise hook failed; the batch's remaining layers go chunk-wise")
-            session._stop(published, "other")
+            session.stop_batch(published, "other")
     return out
 
 

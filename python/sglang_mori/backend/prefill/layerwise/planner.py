@@ -17,7 +17,7 @@ from typing import FrozenSet, List, Optional
 
 import numpy as np
 
-from sglang_mori.backend.plans import KVPlanner, _to_pairs
+from sglang_mori.backend.plans import KVPlanner, to_pairs
 from sglang_mori.backend.prefill.submitter import Chunk
 from sglang_mori.planning import PlanError
 from sglang_mori.planning.transfer_plan import TransferPlan
@@ -67,7 +67,7 @@ class LayerwisePlanner(KVPlanner):
     def write_pairs(self, peer, chunk, target) -> list:
         if isinstance(chunk, LayerChunk):
             plan = select_buffers(self.stream_plan(peer, chunk.stream, target), chunk.buffers)
-            return _to_pairs(plan, self.local.kv, peer.kv_descs)
+            return to_pairs(plan, self.local.kv, peer.kv_descs)
         if not isinstance(chunk, SelectedChunk):
             return super().write_pairs(peer, chunk, target)
         planner = self._planner(peer)
@@ -75,7 +75,7 @@ class LayerwisePlanner(KVPlanner):
         pairs: list = []
         for lo, hi, buffers in chunk.kv_selection:
             plan = planner.plan_kv(chunk.kv_indices[lo:hi], dst[lo:hi])
-            pairs += _to_pairs(select_buffers(plan, buffers), self.local.kv, peer.kv_descs)
+            pairs += to_pairs(select_buffers(plan, buffers), self.local.kv, peer.kv_descs)
         if chunk.is_last and chunk.state_indices is not None:
             state_only = dataclasses.replace(chunk, kv_indices=np.empty(0, dtype=np.int64), index_slice=slice(0, 0))
             pairs += super().write_pairs(peer, Chunk(**{f.name: getattr(state_only, f.name)

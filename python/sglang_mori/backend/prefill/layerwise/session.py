@@ -14,18 +14,22 @@ Driven by the scheduler thread through hooks.py (and directly by tests, with pla
 - `after_checkpoint(room, row)` / `wait_hazards()`: a radix checkpoint that moved a streamed page
   (its old page is freed) while a write from it may still run blocks the next forward (the only
   thing that could rewrite the page) until that write is terminal.
+
+What streaming learns about a room (its coverage, how far it streamed, its batches in flight) is
+the room life's own (`PrefillRoom.layerwise`, a `RoomRecord`), and the rank's checkpoint hazards
+are the registry's (`rooms.hazards`): both change only under the registry lock, and a new life of
+the room id starts with none.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-from sglang_mori.backend import room_status
-from sglang_mori.backend.prefill.failures import TIMEOUT
+from sglang_mori.backend.prefill.failures import CHECKPOINT_HAZARD_TIMEOUT, TIMEOUT
 from sglang_mori.backend.prefill.layerwise.mapping import LayerBufferMap
 from sglang_mori.backend.prefill.layerwise.planner import selected_chunk
 from sglang_mori.backend.prefill.layerwise.ranges import Coverage, source_pages, stream_range
@@ -58,10 +62,16 @@ class BatchView:
 
 @dataclass(eq=False)
 class RoomRecord:
+    """A room life's layer-wise state (`PrefillRoom.layerwise`; registry lock)."""
+
     life: PrefillRoom
     coverage: Coverage = field(default_factory=Coverage)
     streamed_until: int = 0
     pending_batches: int = 0
+
+    def busy(self) -> bool:
+        """A write from this life's pages may still run (or be posted)."""
+        return bool(self.life.unfinished()) or self.life.submitting > 0 or self.pending_batches > 0
 
 
 class LayerwiseSession:
@@ -71,10 +81,8 @@ class LayerwiseSession:
         self.map = buffer_map
         self.group_size = max(1, int(group_size))
         self.min_tokens = max(0, int(min_tokens))
-        self.worker = LayerWorker(parts, service.failures, service.submitter, self._batch_done)
-        self.lock = threading.Lock()
-        self.records: Dict[int, RoomRecord] = {}
-        self.hazards: List[RoomRecord] = []
+        self.effects = service.effects
+        self.worker = LayerWorker(parts, service.effects, service.failures, service.submitter)
         self._serial = 0
         self.batches_streamed = 0
 
@@ -84,13 +92,30 @@ class LayerwiseSession:
     def stop(self) -> None:
         self.worker.stop()
 
+    # --- introspection (tests, debugging) -----------------------------------------------------
+    @property
+    def lock(self):
+        """Kept for callers that read `records` under it: the session has no lock of its own any
+        more (its state is the rooms', under the registry lock, which `records` takes)."""
+        return contextlib.nullcontext()
+
+    @property
+    def records(self) -> Dict[int, RoomRecord]:
+        """The layer-wise state of each current room life that streamed."""
+        with self.p.rooms.lock:
+            return {rid: r.layerwise for rid, r in self.p.rooms.rooms.items() if r.layerwise is not None}
+
+    @property
+    def hazards(self) -> List[RoomRecord]:
+        with self.p.rooms.lock:
+            return [life.layerwise for life in self.p.rooms.hazards]
+
     # --- publication ----------------------------------------------------------------------------
     def begin_batch(self, view: BatchView) -> Optional[LayerBatch]:
         metrics = self.p.metrics
         if view.fallback:
             metrics.layerwise_fallback(view.fallback)
             return None
-        self._prune()
         streams: List[RoomStream] = []
         try:
             for rq in view.reqs:
@@ -120,25 +145,19 @@ class LayerwiseSession:
             if (life is None or not life.claimed or life.phase not in (Phase.READY, Phase.SUBMITTING)
                     or any(t.reject_reason for t in life.targets.values())):
                 return "not_ready"
-        with self.lock:
-            record = self.records.get(rq.room)
-            if record is None or record.life is not life:
-                record = self.records[rq.room] = RoomRecord(life)
+            record = life.layerwise
+            if record is None:
+                record = life.layerwise = RoomRecord(life)
             sent = max(record.streamed_until, rq.start_send_idx)
         rng = stream_range(prefix_len=rq.prefix_len, extend_len=rq.extend_len, input_len=rq.input_len,
                            page_size=page_size, decode_prefix_len=rq.decode_prefix_len, already_sent=sent)
         if rng is None:
             return None  # no whole page completes in this pass: nothing to stream, nothing to fall back
         src = source_pages(rq.row, rng.tok_lo, rng.tok_hi, page_size)
-        with p.rooms.lock:
-            first = life.phase is Phase.READY
-            if life.concluded or not life.begin_submit():  # the batch token (worker._end gives it back)
+        with self.effects.transition() as fx:
+            # The batch token (worker._end gives it back).
+            if life.concluded or not p.rooms.begin_submit(life, fx):
                 return "not_ready"
-            if p.rooms.owns_sglang_state(life):
-                p.sglang.set_outstanding(life.room, life.outstanding())
-        if first:
-            p.sglang.set_status(rq.room, room_status.TRANSFERRING)
-        with self.lock:
             record.streamed_until = rng.tok_hi
             record.pending_batches += 1
         streams.append(RoomStream(rq.room, life, rng, src))
@@ -151,11 +170,11 @@ class LayerwiseSession:
             # A layer ran twice in one forward: its first hand-off may have been incomplete, so it
             # is not counted as streamed (send() writes it again once the forward ended).
             batch.excluded.update(self.map.buffers_for(pool, layer_id) or ())
-            self._stop(batch, "other")
+            self.stop_batch(batch, "other")
             return
         buffers = self.map.buffers_for(pool, layer_id)
         if buffers is None:
-            self._stop(batch, "unmapped_pool")
+            self.stop_batch(batch, "unmapped_pool")
             return
         batch.seen_layers.add(layer_id)
         batch.pending.extend(buffers)
@@ -164,7 +183,8 @@ class LayerwiseSession:
         if batch.pending_layers >= batch.group_size:
             self._flush(batch)
 
-    def _stop(self, batch: LayerBatch, reason: str) -> None:
+    def stop_batch(self, batch: LayerBatch, reason: str) -> None:
+        """No further layers of `batch` are streamed (they go with `send()`); counted as `reason`."""
         batch.stopped = reason
         self.p.metrics.layerwise_fallback(reason)
         logger.debug("sglang-mori: layer-wise batch %d stops streaming: %s", batch.serial, reason)
@@ -185,45 +205,24 @@ class LayerwiseSession:
             if not batch.fired and not batch.stopped:
                 self.p.metrics.layerwise_fallback("no_layer_hook")
             covered = frozenset(batch.fired) - batch.excluded
-            with self.lock:
+            with self.p.rooms.lock:
                 for stream in batch.streams:
-                    record = self.records.get(stream.room)
-                    if record is not None and record.life is stream.life:
-                        try:
-                            record.coverage.add(stream.rng, covered, stream.src_pages)
-                        except ValueError:  # not expected; then send() simply writes these pages again
-                            logger.exception("sglang-mori: room %s: layer-wise coverage", stream.room)
+                    try:
+                        stream.life.layerwise.coverage.add(stream.rng, covered, stream.src_pages)
+                    except ValueError:  # not expected; then send() simply writes these pages again
+                        logger.exception("sglang-mori: room %s: layer-wise coverage", stream.room)
             if covered:
                 self.batches_streamed += 1
         finally:
             self.worker.post_end(batch)
 
-    def _batch_done(self, batch: LayerBatch) -> None:
-        with self.lock:
-            for stream in batch.streams:
-                record = self.records.get(stream.room)
-                if record is not None and record.life is stream.life:
-                    record.pending_batches -= 1
-
-    def _prune(self) -> None:
-        """Forget records of lives that ended (concluded, or replaced by a new life of the room id)."""
-        with self.p.rooms.lock:
-            current = {room: self.p.rooms.get(room) for room in list(self.records)}
-        with self.lock:
-            for room, record in list(self.records.items()):
-                if record.pending_batches:
-                    continue
-                if current.get(room) is not record.life or record.life.concluded:
-                    del self.records[room]
-
     # --- SGLang's send() ------------------------------------------------------------------------
     def add_chunk(self, room_id: int, kv_indices, index_slice: slice, is_last: bool, **kw) -> None:
         with self.p.rooms.lock:
             current = self.p.rooms.get(room_id)
-        with self.lock:
-            record = self.records.get(room_id)
+            record = None if current is None else current.layerwise
             parts = None
-            if record is not None and record.life is current and record.coverage.segments:
+            if record is not None and record.coverage.segments:
                 parts = record.coverage.remainder(index_slice, self.map.num_buffers)
         if parts is None:
             self.service.add_chunk(room_id, kv_indices, index_slice, is_last, **kw)
@@ -236,8 +235,9 @@ class LayerwiseSession:
     def after_checkpoint(self, room_id: int, row, page_size: int) -> bool:
         """The request's pages may have moved (dedup into the radix tree frees the old ones): a
         streamed page that moved while a write from it may still run is a hazard. True if any."""
-        with self.lock:
-            record = self.records.get(room_id)
+        with self.p.rooms.lock:
+            life = self.p.rooms.get(room_id)
+            record = None if life is None else life.layerwise
             if record is None or not record.coverage.segments:
                 return False
             segments = list(record.coverage.segments)
@@ -250,31 +250,26 @@ class LayerwiseSession:
         if not moved:
             return False
         with self.p.rooms.lock:
-            running = bool(record.life.unfinished()) or record.life.submitting > 0
-        with self.lock:
-            running = running or record.pending_batches > 0
-            if running and not any(h is record for h in self.hazards):
-                self.hazards.append(record)
+            running = record.busy()
+            if running:
+                self.p.rooms.add_hazard(record.life)
         return running
 
     def wait_hazards(self) -> None:
         """Before a forward: wait (bounded) until no write reads a page a checkpoint freed."""
-        with self.lock:
-            hazards, self.hazards = self.hazards, []
+        p = self.p
+        with p.rooms.lock:
+            hazards = p.rooms.take_hazards()
         if not hazards:
             return
-        deadline = time.monotonic() + self.p.timeout_s
-        for record in hazards:
+        deadline = p.clock() + p.timeout_s
+        for life in hazards:
             while True:
-                with self.p.rooms.lock:
-                    busy = bool(record.life.unfinished()) or record.life.submitting > 0
-                with self.lock:
-                    busy = busy or record.pending_batches > 0
+                with p.rooms.lock:
+                    busy = life.layerwise.busy()
                 if not busy:
                     break
-                if time.monotonic() > deadline:
-                    self.service.failures.fail_life(
-                        record.life, "layer-wise writes from pages a radix checkpoint freed did not finish before "
-                        "the deadline (SGLANG_MORI_TRANSFER_TIMEOUT_MS)", TIMEOUT)
+                if p.clock() > deadline:
+                    self.service.failures.fail_life(life, CHECKPOINT_HAZARD_TIMEOUT, TIMEOUT)
                     break
                 time.sleep(0.001)

@@ -7,10 +7,10 @@ the room counts writes outstanding and cannot conclude Success until the worker 
 write of the batch; the worker gives the token back when it processes the batch's end.
 
 Per layer group and stream the worker does what the chunk submitter does for a chunk, on the same
-parts: under `parts.rooms.lock` `begin_submit` (skipped when the room concluded meanwhile), post
-through `ChunkSubmitter._post` (peer checks, in-flight budget, engine session, deadline, metrics,
-TransferStarted), then `end_submit` with the tracked handles; a failure fails the room through the
-one failure path. A group handed to the worker is therefore either written or its room failed,
+parts: `rooms.begin_submit` in a transition (skipped when the room concluded meanwhile), then the
+submitter's public posting step `ChunkSubmitter.post_tracked` (peer checks, in-flight budget,
+engine session, deadline, metrics, TransferStarted, `end_submit` with the tracked handles, and the
+failure door on error). A group handed to the worker is therefore either written or its room failed,
 which is what lets `send()` skip it (session.py).
 """
 
@@ -67,11 +67,11 @@ class LayerBatch:
 
 
 class LayerWorker:
-    def __init__(self, parts, failures, submitter, on_batch_done):
+    def __init__(self, parts, effects, failures, submitter):
         self.p = parts
+        self.effects = effects
         self.failures = failures
-        self.submitter = submitter
-        self.on_batch_done = on_batch_done  # (LayerBatch) -> None
+        self.submitter = submitter  # its post_tracked() is the posting step, shared with chunks
         self.queue: "queue.Queue" = queue.Queue(maxsize=MAX_QUEUED_ITEMS)
         self.stopped = threading.Event()
         self.thread: Optional[threading.Thread] = None
@@ -117,40 +117,23 @@ class LayerWorker:
         """Post one layer group of one stream; the number of writes tracked."""
         p = self.p
         life = stream.life
-        with p.rooms.lock:
-            if life.concluded or not life.begin_submit():
+        with self.effects.transition() as fx:
+            if life.concluded or not p.rooms.begin_submit(life, fx):
                 return 0
             targets = life.live_targets()
-            if p.rooms.owns_sglang_state(life):
-                p.sglang.set_outstanding(life.room, life.outstanding())
         chunk = LayerChunk(room=stream.room, kv_indices=stream.src_pages, index_slice=stream.dst_slice,
                            is_last=False, aux_index=None, state_indices=None, wait_event=event,
                            stream=stream, buffers=buffers)
-        writes: list = []
-        failure = None
-        try:
-            failure = self.submitter._post(chunk, life, targets, writes)
-        finally:
-            with p.rooms.lock:
-                life.end_submit(writes, False, None)
-                if p.rooms.owns_sglang_state(life):
-                    p.sglang.set_outstanding(life.room, life.outstanding())
-                p.rooms.notify_locked()
+        tracked = self.submitter.post_tracked(chunk, life, targets)
         stream.posted += 1
-        p.metrics.layerwise_writes(len(writes))
-        if failure is not None:
-            self.failures.fail_life(life, *failure)
-        return len(writes)
+        p.metrics.layerwise_writes(tracked)
+        return tracked
 
     def _end(self, batch: LayerBatch) -> None:
         """Give back each stream's batch token: its writes are all tracked now."""
         p = self.p
-        with p.rooms.lock:
+        with self.effects.transition() as fx:
             for stream in batch.streams:
-                life = stream.life
-                life.end_submit([], False, None)
-                if p.rooms.owns_sglang_state(life):
-                    p.sglang.set_outstanding(life.room, life.outstanding())
-            p.rooms.notify_locked()
+                p.rooms.end_submit(stream.life, [], False, None, fx)
+                p.rooms.batch_ended(stream.life)
         batch.done.set()
-        self.on_batch_done(batch)

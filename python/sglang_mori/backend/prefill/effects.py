@@ -1,0 +1,144 @@
+"""What prefill room transitions change outside the registry, and the one applier that does it.
+
+The registry's transitions (rooms.py) never touch SGLang, the in-flight budget, the messenger or
+the metrics: they record what must happen in an `Effects` and return. `RoomEffects.transition()`
+is the only way callers run transitions: it holds the registry lock around them, applies the
+effects that must stay ordered with the room's state (SGLang's outstanding counts, failure records,
+poison marks, held abort ACKs) before it lets the lock go, and everything that may block or send
+(statuses that let the scheduler move on, messages, metrics, budget slots) right after. No other
+code writes SGLang's room tables or returns a budget slot, so SGLang's view of a room cannot drift
+from the registry's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+from sglang_mori import protocol
+from sglang_mori.backend import room_status
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Failure:
+    """A room concluded failed (or, `label` None, SGLang learns of an earlier failure)."""
+
+    room: int
+    reason: str
+    label: Optional[str]  # metrics reason; None: counted when the room concluded
+    addresses: list  # decode ranks to tell (empty: decode knows, or nobody to tell)
+    in_sglang: bool  # the room's sender holds it: SGLang records the failure
+
+
+@dataclass
+class Success:
+    room: int
+    addresses: list
+    aux: Optional[list]
+
+
+@dataclass
+class Effects:
+    """Everything a batch of transitions asks of the world, in the order it is applied."""
+
+    stale_failures: List[int] = field(default_factory=list)  # a new life: drop an old life's record
+    outstanding: Dict[int, Optional[int]] = field(default_factory=dict)  # room -> count (None: drop)
+    failures: List[Failure] = field(default_factory=list)
+    poisoned: List[int] = field(default_factory=list)
+    held_acks: List[Tuple[int, str, int, int]] = field(default_factory=list)  # (room, ip, port, generation)
+    changed: bool = False  # wake the completion thread
+    # --- after the lock ---
+    slots: list = field(default_factory=list)  # engine handles whose in-flight budget returns (once each)
+    statuses: List[Tuple[int, int]] = field(default_factory=list)  # (room, status) that let SGLang move on
+    published: List[Tuple[int, dict]] = field(default_factory=list)  # (room, destinations)
+    successes: List[Success] = field(default_factory=list)
+    acks: List[int] = field(default_factory=list)  # rooms whose held abort ACKs go out
+    sends: list = field(default_factory=list)  # (address, message)
+
+
+class RoomEffects:
+    """The applier. Built on the service's parts; `transition()` is its one entry for rooms."""
+
+    def __init__(self, parts):
+        self.p = parts
+
+    @contextlib.contextmanager
+    def transition(self):
+        """`with effects.transition() as fx:` run transitions on `parts.rooms` (lock held), each
+        recording into `fx`; on exit the effects are applied, also when the body raised."""
+        fx = Effects()
+        try:
+            with self.p.rooms.lock:
+                try:
+                    yield fx
+                finally:
+                    self._apply_locked(fx)
+        finally:
+            self._apply_after(fx)
+
+    def take_slot(self, peer_key: str, deadline: float) -> bool:
+        """One in-flight write to `peer_key` (waits up to `deadline`); returned through `fx.slots`
+        once the write's handle is terminal, or at once with `return_unused_slot`."""
+        return self.p.peers.budget.acquire(peer_key, deadline)
+
+    def return_unused_slot(self, peer_key: str) -> None:
+        """A slot taken for a write that was never issued (no handle tracks it)."""
+        self.p.peers.budget.release(peer_key)
+
+    # --- application ----------------------------------------------------------------------------
+    def _apply_locked(self, fx: Effects) -> None:
+        sglang = self.p.sglang
+        for room in fx.stale_failures:
+            sglang.drop_stale_failure(room)
+        for room, count in fx.outstanding.items():
+            if count is None:
+                sglang.drop_outstanding(room)
+            else:
+                sglang.set_outstanding(room, count)
+        for f in fx.failures:
+            # SGLang's tables change only while the sender holds the room: a failure recorded after
+            # its clear() would have no reader (and a later request reusing the id would adopt it).
+            if f.in_sglang and sglang.status(f.room) is not None:
+                sglang.fail(f.room, f.reason)
+                f.reason = sglang.failure_reason(f.room) or f.reason
+        for room in fx.poisoned:
+            sglang.poison(room)
+        for room, ip, port, generation in fx.held_acks:
+            sglang.hold_ack(room, ip, port, generation)
+        if fx.changed or fx.failures:
+            self.p.rooms.notify_locked()
+
+    def _apply_after(self, fx: Effects) -> None:
+        p = self.p
+        for handle in fx.slots:
+            p.peers.budget.release(handle.peer_key)
+            state = handle.state()
+            ok = state is state.SUCCEEDED
+            reason = None if ok else handle.failure_kind().metric_reason
+            p.metrics.transfer_finished(handle.peer_key, handle.nbytes, p.clock() - handle.started_at, ok=ok,
+                                        reason=reason)
+        for room, status in fx.statuses:
+            p.sglang.set_status(room, status)
+        for room, targets in fx.published:
+            p.sglang.publish_destinations(room, targets)
+        for f in fx.failures:
+            if f.label is None:
+                continue
+            logger.warning("sglang-mori: room %s failed: %s", f.room, f.reason)
+            p.metrics.request_finished(ok=False, reason=f.label)
+            if f.addresses:
+                p.messenger.send_all(f.addresses, protocol.RoomStatus(
+                    room=f.room, status=room_status.FAILED, prefill_rank=p.sglang.prefill_rank, reason=f.reason))
+        for s in fx.successes:
+            p.sglang.set_status(s.room, room_status.SUCCESS)
+            p.messenger.send_all(s.addresses, protocol.RoomStatus(
+                room=s.room, status=room_status.SUCCESS, prefill_rank=p.sglang.prefill_rank, aux=s.aux))
+            p.metrics.request_finished(ok=True)
+        for room in fx.acks:
+            p.sglang.release_acks(room)
+        for address, message in fx.sends:
+            p.messenger.send(address, message)

@@ -1,0 +1,310 @@
+"""Property test of the prefill room registry and its one applier (rooms.py, effects.py).
+
+Hypothesis drives random event sequences through the real service code (claim, decode's metadata
+and its replays, chunk submission, writes turning terminal, decode's abort, SGLang's own abort, a
+peer failure, a deadline, retract-rebootstrap) with fake writes, a fake clock and FakeSGLang's
+tables, and the completion thread's pass after each event. After every step:
+
+- SGLang's view of each room a sender holds equals the registry's (status and outstanding count);
+- every in-flight budget slot is returned at most once, and once the writes are over, exactly once;
+- a room that concluded never changes its outcome or reason, and phases only move forward.
+"""
+
+from types import SimpleNamespace
+
+import numpy as np
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from sglang_mori import protocol
+from sglang_mori.backend import room_status as S
+from sglang_mori.backend.peers import InflightBudget
+from sglang_mori.backend.prefill.failures import ABORTED, ABORTED_ON_PREFILL
+from sglang_mori.backend.prefill.rooms import Phase, PrefillRoomRegistry, RoomTarget, TrackedWrite
+from sglang_mori.backend.prefill.service import PrefillService
+from sglang_mori.backend.prefill.submitter import Chunk, ChunkSubmitter
+from sglang_mori.config import MoriConfig
+from sglang_mori.engine import FailureKind, WriteState
+
+from fake_sglang import FakeSGLang
+
+ROOMS = (1, 2, 3)
+PEERS = ("decode-a", "decode-b")
+TIMEOUT_S = 5.0
+ORDER = {Phase.AWAITING_METADATA: 0, Phase.READY: 1, Phase.SUBMITTING: 2, Phase.CONCLUDED: 3,
+         Phase.DRAINED: 4, Phase.POISONED: 4}
+
+
+class FakeWrite:
+    """An engine handle whose state the test sets; `nbytes` is unique and names it in metrics."""
+
+    def __init__(self, peer_key: str, serial: int, started_at: float):
+        self.peer_key, self.nbytes, self.started_at = peer_key, serial, started_at
+        self.released, self.retries = False, 0
+        self._state, self._drained = WriteState.RUNNING, False
+
+    def finish(self, outcome: str) -> None:
+        if self._state is WriteState.RUNNING:
+            self._state = WriteState.SUCCEEDED if outcome == "ok" else WriteState.FAILED
+            self._drained = outcome != "failed_landing"
+
+    def state(self):
+        return self._state
+
+    def quiescent(self) -> bool:
+        return self._state is not WriteState.RUNNING
+
+    def drained(self) -> bool:
+        return self.quiescent() and self._drained
+
+    def failure_kind(self):
+        return FailureKind.TIMED_OUT if self._state is WriteState.RUNNING else FailureKind.TRANSPORT
+
+    def failure_message(self) -> str:
+        return "fake failure"
+
+    def wait_running(self, timeout_ms):
+        return False
+
+
+class CountingBudget(InflightBudget):
+    def __init__(self):
+        super().__init__(1 << 20)
+        self.taken = self.returned = 0
+
+    def acquire(self, key, deadline):
+        self.taken += 1
+        return super().acquire(key, deadline)
+
+    def release(self, key, count=1):
+        assert self.count(key) >= count, f"budget of {key} returned more often than taken"
+        self.returned += count
+        super().release(key, count)
+
+
+class Recorder:
+    """Metrics and messenger: what the applier did."""
+
+    def __init__(self):
+        self.finished_writes: dict = {}  # nbytes (the write's id) -> times counted
+        self.requests: list = []
+        self.sent: list = []
+
+    def transfer_finished(self, peer, nbytes, seconds, ok, reason=None):
+        self.finished_writes[nbytes] = self.finished_writes.get(nbytes, 0) + 1
+
+    def request_finished(self, ok, reason=None):
+        self.requests.append((ok, reason))
+
+    def send_all(self, addresses, message):
+        self.sent.extend((a, message) for a in addresses)
+
+    def send(self, address, message):
+        self.sent.append((address, message))
+
+    def __getattr__(self, name):  # every other metric
+        return lambda *a, **k: None
+
+
+class FakeSubmitter(ChunkSubmitter):
+    """The real submit path (begin_submit, post_tracked, end_submit, the failure door) with a
+    post step that takes a budget slot per write and issues fake writes."""
+
+    def __init__(self, machine, *args):
+        super().__init__(*args)
+        self.machine = machine
+
+    def post(self, chunk, targets, writes):
+        for t in targets:
+            for _ in range(chunk.num_kv_tokens):
+                assert self.effects.take_slot(t.engine_key, self.p.clock() + TIMEOUT_S)
+                w = self.machine.new_write(t.engine_key)
+                writes.append(TrackedWrite(w, self.p.clock() + TIMEOUT_S))
+        return None
+
+
+class RoomMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.now = 100.0
+        self.sglang = FakeSGLang()
+        self.budget = CountingBudget()
+        self.rec = Recorder()
+        self.parts = SimpleNamespace(
+            config=MoriConfig(), rooms=PrefillRoomRegistry(), sglang=self.sglang, metrics=self.rec,
+            messenger=self.rec, peers=SimpleNamespace(budget=self.budget, mark_failed=lambda *a: False),
+            clock=lambda: self.now, timeout_s=TIMEOUT_S, owns_aux=False, read_aux=lambda i: None,
+            engine=SimpleNamespace(pop_peer_failures=lambda: []))
+        self.service = PrefillService(self.parts, reject=lambda *a: None)
+        self.submitter = FakeSubmitter(self, self.parts, self.service.effects, self.service.failures)
+        self.senders: set = set()  # room ids SGLang holds a sender for
+        self.writes: list = []
+        self.attempts = 0
+        self.served: list = []  # (room, engine key, attempt) metadata sent
+        self.concluded: dict = {}  # id(life) -> (life, outcome, reason)
+        self.phases: dict = {}  # id(life) -> (life, last phase seen)
+
+    def new_write(self, peer: str) -> FakeWrite:
+        w = FakeWrite(peer, len(self.writes) + 1, self.now)
+        self.writes.append(w)
+        return w
+
+    def lives(self) -> list:
+        reg = self.parts.rooms
+        return list(reg.rooms.values()) + list(reg.draining.values())
+
+    # --- events -------------------------------------------------------------------------------
+    @rule(room=st.sampled_from(ROOMS))
+    def claim(self, room):
+        if room in self.senders:
+            return  # SGLang never holds two senders for one room id
+        self.senders.add(room)
+        self.sglang.open(room)
+        self.service.claim(room)
+
+    @rule(room=st.sampled_from(ROOMS), peer=st.sampled_from(PEERS), required=st.integers(1, 2))
+    def metadata(self, room, peer, required):
+        self.attempts += 1
+        self._metadata(room, peer, self.attempts, required)
+
+    @precondition(lambda self: self.served)
+    @rule(data=st.data())
+    def replay(self, data):
+        room, peer, attempt = data.draw(st.sampled_from(self.served))
+        self._metadata(room, peer, attempt, 1)
+
+    def _metadata(self, room, peer, attempt, required):
+        self.served.append((room, peer, attempt))
+        target = RoomTarget(engine_key=peer, attempt=attempt, endpoint="127.0.0.1", dst_port=17000 + PEERS.index(peer),
+                            kv_indices=np.arange(4), aux_index=0, state_indices=None, required_dst_info_num=required,
+                            decode_prefix_len=None, is_dummy=False)
+        with self.service.effects.transition() as fx:
+            self.parts.rooms.add_target(target, room, self.now, fx)
+
+    @rule(room=st.sampled_from(ROOMS), writes=st.integers(0, 2), last=st.booleans())
+    def submit(self, room, writes, last):
+        self.submitter.submit(Chunk(room=room, kv_indices=np.arange(4), index_slice=slice(0, 4), is_last=last,
+                                    aux_index=0, state_indices=None, num_kv_tokens=writes))
+
+    @rule(room=st.sampled_from(ROOMS), writes=st.integers(1, 3), last=st.booleans())
+    def serve(self, room, writes, last):
+        """The usual life: a sender, decode's metadata, a chunk (whichever are missing first)."""
+        self.claim(room)
+        with self.parts.rooms.lock:
+            waiting = self.parts.rooms.get(room).phase is Phase.AWAITING_METADATA
+        if waiting:
+            self.metadata(room, PEERS[room % 2], 1)
+        self.submit(room, writes, last)
+
+    @precondition(lambda self: any(w.state() is WriteState.RUNNING for w in self.writes))
+    @rule(data=st.data(), outcome=st.sampled_from(["ok", "ok", "failed_drained", "failed_landing"]))
+    def write_terminal(self, data, outcome):
+        running = [w for w in self.writes if w.state() is WriteState.RUNNING]
+        data.draw(st.sampled_from(running)).finish(outcome)
+
+    @rule()
+    def writes_succeed(self):
+        for w in self.writes:
+            w.finish("ok")
+
+    @rule(room=st.sampled_from(ROOMS))
+    def decode_abort(self, room):
+        with self.parts.rooms.lock:
+            life = self.parts.rooms.get(room)
+            attempts = sorted(life.attempts()) if life is not None and life.targets else [0]
+        self.service.control.on_abort(protocol.Abort(room=room, attempt=attempts[0], decode_ip="127.0.0.1",
+                                                     decode_port=17000, generation=7))
+
+    @rule(room=st.sampled_from(ROOMS))
+    def sglang_abort(self, room):
+        with self.parts.rooms.lock:
+            life = self.parts.rooms.get(room)
+        if room not in self.senders or life.succeeded:
+            return  # the scheduler aborts requests in flight; after Success their sender is done
+        self.sglang.fail(room, "Aborted by AbortReq.")  # what CommonKVSender.abort() does
+        self.service.fail(room, ABORTED_ON_PREFILL, ABORTED)  # then our sender's abort
+
+    @rule(peer=st.sampled_from(PEERS))
+    def peer_failure(self, peer):
+        self.service.control.fail_rooms_of_peer(peer, f"decode engine {peer} failed")
+
+    @rule()
+    def deadline(self):
+        self.now += TIMEOUT_S + 1
+
+    @rule(room=st.sampled_from(ROOMS))
+    def retract(self, room):
+        if room not in self.senders:
+            return
+        self.senders.discard(room)
+        self.sglang.clear(room)
+        self.service.release(room)
+
+    # --- the completion thread's pass, then the invariants --------------------------------------
+    def _complete(self):
+        with self.parts.rooms.lock:
+            rooms = self.parts.rooms.with_writes()
+        for r in rooms:
+            self.service.completion.advance(r, self.now)
+
+    @invariant()
+    def sglang_view_equals_the_registry(self):
+        self._complete()
+        reg = self.parts.rooms
+        for room in self.senders:
+            life = reg.get(room)
+            assert life is not None and life.claimed, room
+            status = self.sglang.status(room)
+            if life.failed:
+                assert status == S.FAILED, (room, life.phase, status)
+                assert self.sglang.failure_records.get(room), room
+            elif life.succeeded:
+                assert status == S.SUCCESS, (room, life.phase, status)
+            else:
+                expected = {Phase.AWAITING_METADATA: S.BOOTSTRAPPING, Phase.READY: S.WAITING_FOR_INPUT,
+                            Phase.SUBMITTING: S.TRANSFERRING}[life.phase]
+                assert status == expected, (room, life.phase, status)
+            if life.terminal:
+                assert room not in self.sglang.outstanding, (room, life.phase)
+            else:
+                assert self.sglang.outstanding.get(room, 0) == life.outstanding(), (room, life.phase)
+
+    @invariant()
+    def budget_slots_return_at_most_once(self):
+        assert all(n == 1 for n in self.rec.finished_writes.values()), self.rec.finished_writes
+        released = [w for w in self.writes if w.released]
+        assert set(self.rec.finished_writes) == {w.nbytes for w in released}
+        assert self.budget.taken == len(self.writes)
+        assert self.budget.returned == len(released)
+        assert self.budget.total() == len(self.writes) - len(released)
+
+    @invariant()
+    def concluded_rooms_never_change(self):
+        for life in self.lives():
+            seen = self.phases.get(id(life))
+            if seen is not None:
+                assert ORDER[life.phase] >= ORDER[seen[1]], (life.room, seen[1], life.phase)
+            self.phases[id(life)] = (life, life.phase)
+            if life.concluded:
+                first = self.concluded.setdefault(id(life), (life, life.outcome, life.reason))
+                assert (life.outcome, life.reason) == first[1:], (life.room, first[1:], life.outcome, life.reason)
+        for life, outcome, reason in self.concluded.values():
+            assert life.concluded and (life.outcome, life.reason) == (outcome, reason)
+
+    def teardown(self):
+        # Half the writes end, the others never do; time passes (their rooms time out, then are
+        # given up on): every slot is back, each once.
+        for w in self.writes[::2]:
+            w.finish("ok")
+        for _ in range(2):
+            self.now += 100 * TIMEOUT_S
+            self._complete()
+        assert all(w.released for w in self.writes), "a write kept its budget slot"
+        assert self.budget.total() == 0 and self.budget.returned == len(self.writes)
+        assert all(n == 1 for n in self.rec.finished_writes.values())
+
+
+RoomMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
+                                         suppress_health_check=[HealthCheck.too_slow])
+test_prefill_rooms_under_random_events = RoomMachine.TestCase
