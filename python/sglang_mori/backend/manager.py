@@ -174,19 +174,6 @@ class MoriKVManager(compat.CompatKVManager):
         except Exception:
             return True
 
-    # The registered descriptors, by kind (tests map softio's write log onto them).
-    @property
-    def kv_descs(self) -> list:
-        return self.buffers.kv
-
-    @property
-    def aux_descs(self) -> list:
-        return self.buffers.aux
-
-    @property
-    def state_descs(self) -> list:
-        return self.buffers.state
-
     def _read_aux(self, aux_index: Optional[int]) -> Optional[list]:
         """This room's aux (metadata) items as bytes, one per aux buffer; they ride on Success."""
         if aux_index is None:
@@ -275,10 +262,6 @@ class MoriKVManager(compat.CompatKVManager):
         if hasattr(self, "reachability"):
             out["decode.unreachable_bootstrap_addrs"] = len(self.reachability)
         return out
-
-    @property
-    def stopped(self) -> bool:
-        return self.service.stopped.is_set()
 
     def teardown(self) -> None:
         """Release what this manager holds so the scheduler can build the other role's manager in

@@ -175,11 +175,6 @@ def table_sizes(mgr) -> dict:
     return out
 
 
-def deferred_release_rooms(mgr) -> list:
-    """Decode rooms held for a deferred release (armed, not yet released)."""
-    return sorted(int(r) for r in list(getattr(mgr, "_deferred_abort_ack_tracker", {})))
-
-
 # --- receiver internals -------------------------------------------------------------------------
 
 def owns_room(receiver) -> bool:

@@ -134,10 +134,7 @@ class PrefillControl:
         with p.rooms.lock:
             outcome = p.rooms.add_target(target, room, p.clock())
             publish = outcome.ready and outcome.room.claimed
-        if outcome.verdict is MetadataVerdict.REPLAY:
-            self.reject(protocol.ProtocolError("replayed", f"metadata for room {room}: {outcome.detail}", room),
-                        "prefill control socket")
-        elif outcome.verdict is MetadataVerdict.REJECTED:
+        if outcome.verdict in (MetadataVerdict.REPLAY, MetadataVerdict.REJECTED):
             self.reject(protocol.ProtocolError("replayed", f"metadata for room {room}: {outcome.detail}", room),
                         "prefill control socket")
         elif outcome.verdict is MetadataVerdict.QUEUED_NEXT_LIFE:

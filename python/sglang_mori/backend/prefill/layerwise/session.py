@@ -76,7 +76,6 @@ class LayerwiseSession:
         self.records: Dict[int, RoomRecord] = {}
         self.hazards: List[RoomRecord] = []
         self._serial = 0
-        self.batches_streamed = 0
 
     def start(self) -> None:
         self.worker.start()
@@ -193,8 +192,6 @@ class LayerwiseSession:
                             record.coverage.add(stream.rng, covered, stream.src_pages)
                         except ValueError:  # not expected; then send() simply writes these pages again
                             logger.exception("sglang-mori: room %s: layer-wise coverage", stream.room)
-            if covered:
-                self.batches_streamed += 1
         finally:
             self.worker.post_end(batch)
 

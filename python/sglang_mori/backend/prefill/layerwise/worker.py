@@ -43,7 +43,6 @@ class RoomStream:
     rng: StreamRange
     src_pages: np.ndarray
     plans: Dict[str, object] = field(default_factory=dict)  # peer engine key -> full TransferPlan
-    posted: int = 0  # layer groups posted
 
     @property
     def dst_slice(self) -> slice:
@@ -136,7 +135,6 @@ class LayerWorker:
                 if p.rooms.owns_sglang_state(life):
                     p.sglang.set_outstanding(life.room, life.outstanding())
                 p.rooms.notify_locked()
-        stream.posted += 1
         p.metrics.layerwise_writes(len(writes))
         if failure is not None:
             self.failures.fail_life(life, *failure)
