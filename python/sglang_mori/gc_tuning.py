@@ -6,7 +6,7 @@ the GIL held: about 250 ms on the CPU hosts we measure on, during which no trans
 submit a write, notice a completion or move a softio byte. Our transfer path keeps writes in
 flight across collections, and each promotion of those in-flight objects brings the next full
 collection closer, so a long transfer burst pays for several such stalls (found by profiling
-`sglang-mori bench transfer`: one full collection cost about a fifth of a 2-second run).
+`scripts/bench_backend.py transfer`: one full collection cost about a fifth of a 2-second run).
 
 `gc.freeze()` moves everything alive at start-up into the permanent generation, which collections
 skip. It is what SGLang's own `/freeze_gc` endpoint does on request; we do it once, when our

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import logging
 
-logger = logging.getLogger(__name__)
+from sglang_mori.backend.sglang_manifest import GET_KV_CLASS_TARGET, SUPPORTED_SGLANG_VERSION
 
-SUPPORTED_SGLANG_VERSION = "0.5.23"
-GET_KV_CLASS_TARGET = "sglang.srt.disaggregation.utils.get_kv_class"
+logger = logging.getLogger(__name__)
 
 
 class UnsupportedSGLangVersion(RuntimeError):

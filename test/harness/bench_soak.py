@@ -1,4 +1,4 @@
-"""`sglang-mori bench soak`: a long run of the full backend over softio with injected faults and
+"""`scripts/bench_backend.py soak`: a long run of the full backend over softio with injected faults and
 aborts, held to "nothing corrupted, nothing hung, nothing leaked".
 
 One prefill and one decode process (the PD transfer harness: SGLang's real disaggregation classes

@@ -1,4 +1,4 @@
-"""`sglang-mori bench transfer`: the full backend, prefill and decode in separate processes.
+"""`scripts/bench_backend.py transfer`: the full backend, prefill and decode in separate processes.
 
 N requests of P prompt tokens over a KV pool shaped like a small Llama (layers x KV heads x head
 dim, bf16) move from prefill to decode through SGLang's real disaggregation classes, driven as the

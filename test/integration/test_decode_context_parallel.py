@@ -19,6 +19,7 @@ from harness.pd import dcp
 from harness.pd.plan import build_plan
 from harness.pd.pool import RankPool
 from harness.pd.run import KVLayout, RoomShape
+from harness.plan_ranges import ranges
 
 PAGE = 4
 LAYOUT = KVLayout(num_layers=2, mla=True, head_dim=72, page_size=PAGE, draft_layers=1)
@@ -65,7 +66,7 @@ def _copy(cfg, decode_rank: int, page_for_page: bool = False):
             for t in moved.transfers:
                 a = src.kv[t.local_index].view(torch.uint8).numpy().reshape(-1)
                 b = dst.kv[t.remote_index].view(torch.uint8).numpy().reshape(-1)
-                for lo, ro, size in zip(*t.as_lists()):
+                for lo, ro, size in zip(*ranges(t)):
                     b[ro : ro + size] = a[lo : lo + size]
     return plan, dst
 

@@ -25,6 +25,7 @@ from harness.pd.config import HarnessConfig
 from harness.pd.plan import build_plan
 from harness.pd.pool import RankPool
 from harness.pd.run import KVLayout, RoomShape
+from harness.plan_ranges import ranges
 
 PAGE = 4
 V4_STATE = ds_state.deepseek_v4_state(PAGE)
@@ -62,7 +63,7 @@ def _planner_copy(cfg: HarnessConfig, prefill_rank: int = 0, decode_rank: int = 
             for t in planner.plan_state(c, s, d):
                 a = src.deepseek_state.tensors[c][t.local_index].numpy().reshape(-1)
                 b = dst.deepseek_state.tensors[c][t.remote_index].numpy().reshape(-1)
-                for lo, ro, size in zip(*t.as_lists()):
+                for lo, ro, size in zip(*ranges(t)):
                     b[ro : ro + size] = a[lo : lo + size]
     return plan, src, dst
 

@@ -1,4 +1,4 @@
-"""The short soak: `sglang-mori bench soak --quick` (300 requests, concurrency 64, 1 % injected
+"""The short soak: `scripts/bench_backend.py soak --quick` (300 requests, concurrency 64, 1 % injected
 faults, 5 % aborts over softio) must pass: nothing corrupted, nothing hung, no request failed
 without a cause, tables empty, RSS growth of both processes under 50 MB, no sockets piling up.
 The full 10,000-request run and its figures are in docs/benchmarks.md ("Soak")."""

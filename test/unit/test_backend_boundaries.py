@@ -93,10 +93,13 @@ def test_sglang_compat_names_what_an_sglang_build_lacks(monkeypatch):
     class Bare:
         pass
 
-    monkeypatch.setitem(compat._REQUIRED_METHODS, Bare, ("_prefill_unique_rank", "_gone"))
-    with pytest.raises(compat.SGLangIncompatible, match=r"lacks: Bare\._prefill_unique_rank, Bare\._gone"):
+    from sglang_mori.backend import sglang_manifest as manifest
+
+    monkeypatch.setitem(manifest.MEMBERS, "CommonKVManager", manifest.MEMBERS["CommonKVManager"] + ("_gone",))
+    with pytest.raises(compat.SGLangIncompatible, match=r"supports SGLang 0\.5\.23; .*lacks 1 member\(s\) it uses: "
+                       r"CommonKVManager\._gone"):
         compat._check_classes()
-    monkeypatch.delitem(compat._REQUIRED_METHODS, Bare)
+    monkeypatch.undo()
     compat._check_classes()  # the installed SGLang has everything
     with pytest.raises(compat.SGLangIncompatible, match=r"\(decode\).*Bare\._zmq_ctx"):
         compat.check_manager(Bare(), "decode")

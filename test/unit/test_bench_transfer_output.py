@@ -1,4 +1,4 @@
-"""`sglang-mori bench transfer` output: the table's ratios and the --json object scripts read."""
+"""`scripts/bench_backend.py transfer` output: the table's ratios and the --json object scripts read."""
 
 import json
 

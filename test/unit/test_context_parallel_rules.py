@@ -111,7 +111,9 @@ def test_from_manager_reads_sglangs_values():
     mgr = SimpleNamespace(attn_cp_size=4, attn_cp_rank=3, enable_all_cp_ranks_for_transfer=True,
                           kv_shard_size=4, kv_shard_rank=3)
     parallel = SimpleNamespace(enable_cp_tp_group_sharing=False, enable_dsa_cache_layer_split=True)
-    assert PrefillCP.from_manager(mgr, parallel) == PrefillCP(
+    from sglang_mori.backend.sglang_fields import prefill_cp
+
+    assert prefill_cp(mgr, parallel) == PrefillCP(
         cp_size=4, cp_rank=3, all_ranks_send=True, dsa_layer_split=True, kv_shard_size=4, kv_shard_rank=3)
 
 
@@ -151,15 +153,13 @@ def test_register_carries_decodes_cp_flag():
 def test_manager_builds_its_cp_place_from_sglang_and_applies_it():
     """MoriKVManager's wiring: PrefillCP from the manager and get_parallel(), aux from the last
     PP stage's owner only, replicated state dropped on CP ranks other than 0."""
-    import sglang.srt.runtime_context as runtime_context
-
     from sglang_mori.backend.manager import MoriKVManager
+    from sglang_mori.backend.sglang_fields import prefill_cp
 
     mgr = SimpleNamespace(attn_cp_size=2, attn_cp_rank=1, enable_all_cp_ranks_for_transfer=True, kv_shard_size=1,
                           kv_shard_rank=0, pp_rank=0, pp_size=1)
     parallel = SimpleNamespace(enable_cp_tp_group_sharing=False, enable_dsa_cache_layer_split=False)
-    with mock.patch.object(runtime_context, "get_parallel", lambda: parallel):
-        mgr.cp = MoriKVManager.context_parallel(mgr)
+    mgr.cp = prefill_cp(mgr, parallel)
     assert mgr.cp == PrefillCP(cp_size=2, cp_rank=1, all_ranks_send=True)
     state = [np.arange(3)]
     assert MoriKVManager.prepare_send_state_indices(mgr, state) is None

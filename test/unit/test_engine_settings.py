@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from sglang_mori.engine.settings import EngineSettings
+from sglang_mori.backend.sglang_fields import ib_devices_for_gpu
 
 MANAGER = Path(__file__).resolve().parents[2] / "python" / "sglang_mori" / "backend" / "manager.py"
 
@@ -28,7 +29,7 @@ def env(monkeypatch):
 
 
 def resolved(ib_device, gpu_id, env):
-    EngineSettings.for_gpu(ib_device, gpu_id).apply()
+    EngineSettings.for_gpu(ib_device, gpu_id, resolve=ib_devices_for_gpu).apply()
     return env.get("MORI_RDMA_DEVICES")
 
 
@@ -57,12 +58,12 @@ def test_no_flag_leaves_mori_its_own_choice(env):
 
 def test_a_gpu_missing_from_the_map_fails_at_start_naming_the_mapped_gpus(env):
     with pytest.raises(ValueError, match=r"No IB devices configured for GPU 3. Available GPUs: \[0, 1, 7\]"):
-        EngineSettings.for_gpu(json.dumps(MAP), 3)
+        EngineSettings.for_gpu(json.dumps(MAP), 3, resolve=ib_devices_for_gpu)
     assert "MORI_RDMA_DEVICES" not in env
 
 
 def test_xgmi_travels_with_the_devices(env):
-    EngineSettings.for_gpu(json.dumps(MAP), 1, xgmi=True).apply()
+    EngineSettings.for_gpu(json.dumps(MAP), 1, xgmi=True, resolve=ib_devices_for_gpu).apply()
     assert (env["MORI_RDMA_DEVICES"], env["MORI_DISABLE_AUTO_XGMI"]) == ("mlx5_2", "0")
 
 

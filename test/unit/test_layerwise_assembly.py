@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from sglang_mori.backend.prefill.layerwise.assembly import build_session, unsupported_reason
+from sglang_mori.backend.sglang_fields import Deployment
 from sglang_mori.config import ConfigError, MoriConfig
 from sglang_mori.plugin import layerwise_requested
 
@@ -39,28 +40,28 @@ def test_plugin_registers_hooks_only_when_requested():
 LAYOUT = SimpleNamespace(states=(), num_draft_entries=0, is_mla=False)
 
 
-@pytest.mark.parametrize("mgr, layout, args, expected", [
-    (SimpleNamespace(pp_size=1, attn_cp_size=1, kv_shard_size=1), LAYOUT, None, None),
-    (SimpleNamespace(pp_size=2), LAYOUT, None, "pipeline parallelism"),
-    (SimpleNamespace(attn_cp_size=2), LAYOUT, None, "context parallelism"),
-    (SimpleNamespace(enable_staging=True), LAYOUT, None, "staging"),
-    (SimpleNamespace(kv_shard_size=2), LAYOUT, None, "KV sharding"),
-    (SimpleNamespace(), SimpleNamespace(states=("mamba",)), None, "hybrid state"),
-    (SimpleNamespace(), LAYOUT, SimpleNamespace(enable_two_batch_overlap=True), "two-batch overlap"),
+@pytest.mark.parametrize("deployment, layout, expected", [
+    (Deployment(), LAYOUT, None),
+    (Deployment(pp_size=2), LAYOUT, "pipeline parallelism"),
+    (Deployment(attn_cp_size=2), LAYOUT, "context parallelism"),
+    (Deployment(staging=True), LAYOUT, "staging"),
+    (Deployment(kv_shard_size=2), LAYOUT, "KV sharding"),
+    (Deployment(), SimpleNamespace(states=("mamba",)), "hybrid state"),
+    (Deployment(two_batch_overlap=True), LAYOUT, "two-batch overlap"),
 ])
-def test_unsupported_deployments(mgr, layout, args, expected):
-    reason = unsupported_reason(mgr, layout, args)
+def test_unsupported_deployments(deployment, layout, expected):
+    reason = unsupported_reason(deployment, layout)
     assert (reason is None) if expected is None else (expected in reason)
 
 
 def test_on_refuses_an_unsupported_deployment_and_auto_falls_back():
-    mgr = SimpleNamespace(pp_size=2, kv_args=SimpleNamespace(kv_data_ptrs=[1, 2]))
+    deployment = Deployment(pp_size=2)
     for mode in ("on", "auto"):
         parts = SimpleNamespace(config=MoriConfig(layerwise=mode), metrics=Metrics())
         if mode == "on":
             with pytest.raises(ConfigError, match="SGLANG_MORI_LAYERWISE=auto"):
-                build_session(mgr, parts, None, LAYOUT, None)
+                build_session(deployment, [1, 2], parts, None, LAYOUT)
         else:
-            assert build_session(mgr, parts, None, LAYOUT, None) is None
+            assert build_session(deployment, [1, 2], parts, None, LAYOUT) is None
             assert parts.metrics.fallbacks == ["deployment"]
-    assert build_session(mgr, SimpleNamespace(config=MoriConfig()), None, LAYOUT, None) is None  # off
+    assert build_session(deployment, [1, 2], SimpleNamespace(config=MoriConfig()), None, LAYOUT) is None  # off

@@ -37,11 +37,11 @@ def test_unregistered_tensors_and_draft_buffers_are_unmapped():
     draft_k, draft_v = arrays(1), arrays(1)
     ptrs = [a.ctypes.data for a in k + v + draft_k + draft_v]
     m = LayerBufferMap(ptrs, num_draft_entries=2, is_mla=False)
-    assert m.buffers_for(SimpleNamespace(k_buffer=k, v_buffer=v), 1) == (1, 3)
+    assert m.buffers_for(SimpleNamespace(k_buffer=k, v_buffer=v, start_layer=0), 1) == (1, 3)
     # the draft model's pool: registered, but draft layers go with send()
-    assert m.buffers_for(SimpleNamespace(k_buffer=draft_k, v_buffer=draft_v), 0) is None
+    assert m.buffers_for(SimpleNamespace(k_buffer=draft_k, v_buffer=draft_v, start_layer=0), 0) is None
     # a quantized copy or any other tensor: not registered memory
-    assert m.buffers_for(SimpleNamespace(k_buffer=arrays(2), v_buffer=v), 0) is None
+    assert m.buffers_for(SimpleNamespace(k_buffer=arrays(2), v_buffer=v, start_layer=0), 0) is None
     # a pool without per-layer K/V lists (hybrid, unknown)
     assert m.buffers_for(SimpleNamespace(), 0) is None
 

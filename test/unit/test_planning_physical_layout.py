@@ -21,6 +21,7 @@ from sglang_mori.planning import (
     rank_heads,
 )
 from sglang_mori.planning.physical_layout import physical_kv_layout
+from harness.plan_ranges import ranges
 
 PAGE = 4
 PAGES = 6
@@ -78,7 +79,7 @@ def check_exact(heads, p_tp, d_tp, physical, swa=False):
                                       layout(buffers, d_tp, r, physical, swa))
             plan = planner.plan_state(0, src_pages, dst_pages) if swa else planner.plan_kv(src_pages, dst_pages)
             for t in plan:
-                for lo, ro, sz in zip(*t.as_lists()):
+                for lo, ro, sz in zip(*ranges(t)):
                     got[t.remote_index][ro:ro + sz] = src[t.local_index][lo:lo + sz]
         for k, b in enumerate(buffers):
             want = np.full((PAGES, b.shard(d_tp, r, head_major).shape[1]), 0xEE, np.uint8)

@@ -7,6 +7,7 @@ each group. SWA state has no per-model-layer layout KVArgs could tell us, so a P
 state stays refused, naming both sides' tensor counts.
 """
 
+from harness.plan_ranges import ranges
 import numpy as np
 import pytest
 
@@ -53,7 +54,7 @@ def test_stage_dsa_bytes_land_in_the_decode_layers_of_the_stage():
     src = [np.arange(32, dtype=np.uint8) + 100 * k for k in range(2)]
     dst = [np.zeros(32, dtype=np.uint8) for _ in range(4)]
     for t in TransferPlanner(prefill, decode).plan_state(0, [1, 2], [3, 0]):
-        for lo, ro, size in zip(*t.as_lists()):
+        for lo, ro, size in zip(*ranges(t)):
             dst[t.remote_index][ro : ro + size] = src[t.local_index][lo : lo + size]
     assert not dst[0].any() and not dst[1].any()
     for k in range(2):

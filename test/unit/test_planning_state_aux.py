@@ -1,5 +1,6 @@
 """Aux and hybrid-state plans; unsupported state types fail at registration."""
 
+from harness.plan_ranges import ranges
 import numpy as np
 import pytest
 
@@ -34,22 +35,8 @@ def state(state_type, item_lens, capacity=10, layer_ids=()):
 
 def apply(plan, src_buffers, dst_buffers):
     for t in plan:
-        for lo, ro, sz in zip(*t.as_lists()):
+        for lo, ro, sz in zip(*ranges(t)):
             dst_buffers[t.remote_index][ro : ro + sz] = src_buffers[t.local_index][lo : lo + sz]
-
-
-# --- aux -----------------------------------------------------------------------------------
-
-def test_aux_plan_copies_one_item_per_aux_buffer():
-    aux = dict(aux_item_lens=(8, 40), aux_data_lens=(80, 400))
-    planner = TransferPlanner(layout(**aux), layout(**aux))
-    plan = planner.plan_aux(3, 7)
-    assert plan.kind == "aux"
-    assert [(t.local_index, t.remote_index) for t in plan] == [(0, 0), (1, 1)]
-    assert [t.as_lists() for t in plan] == [([24], [56], [8]), ([120], [280], [40])]
-    assert plan.total_bytes == 48
-    with pytest.raises(PlanError, match=r"decode aux buffer 0: aux index 10 out of range \(limit 10"):
-        planner.plan_aux(3, 10)
 
 
 # --- state ---------------------------------------------------------------------------------
@@ -59,7 +46,7 @@ def test_mamba_copies_the_whole_slot_of_each_layer():
     planner = TransferPlanner(layout(states), layout(states))
     plan = planner.plan_state(0, np.array([4]), np.array([1]))
     assert plan.kind == "state:mamba" and plan.component == 0
-    assert [t.as_lists() for t in plan] == [([384], [96], [96]), ([384], [96], [96]), ([192], [48], [48])]
+    assert [ranges(t) for t in plan] == [([384], [96], [96]), ([384], [96], [96]), ([192], [48], [48])]
     with pytest.raises(PlanError, match="exactly one index per request, got prefill=2 decode=2"):
         planner.plan_state(0, [1, 2], [1, 2])
     with pytest.raises(PlanError, match=r"decode mamba state tensor 0: state index 5 out of range \(limit 5"):

@@ -6,6 +6,7 @@ sub-blocks, tensors whole on every rank), plans every (prefill rank, decode rank
 connects, applies the plans and checks every byte of every decode buffer.
 """
 
+from harness.plan_ranges import ranges
 import ast
 import importlib.util
 import itertools
@@ -89,7 +90,7 @@ def transfer_all(tensors, p_tp, d_tp, src_slot, dst_slot):
         for r in decode_ranks_for_prefill_rank(p_tp, p, d_tp):
             planner = TransferPlanner(layout(tensors, p_tp, p), layout(tensors, d_tp, r))
             for tr in planner.plan_state(0, [src_slot], [dst_slot]):
-                for lo, ro, sz in zip(*tr.as_lists()):
+                for lo, ro, sz in zip(*ranges(tr)):
                     decode[r][tr.remote_index][ro:ro + sz] = src[tr.local_index][lo:lo + sz]
     return decode
 
@@ -150,7 +151,7 @@ def test_blocks_match_sglang_for_every_pair_it_connects():
         for p in range(p_tp):
             for r in decode_ranks_for_prefill_rank(p_tp, p, d_tp):
                 plan = TransferPlanner(layout([t], p_tp, p), layout([t], d_tp, r)).plan_state(0, [0], [0])
-                ours = sorted(zip(*plan.transfers[0].as_lists())) if plan.transfers else []
+                ours = sorted(zip(*ranges(plan.transfers[0]))) if plan.transfers else []
                 theirs = compute(
                     src_item_len=t.item_len(p_tp), dst_item_len=t.item_len(d_tp),
                     src_dim=t.local_dim(p_tp), dst_dim=t.local_dim(d_tp), outer_count=t.outer,

@@ -16,6 +16,7 @@ from sglang_mori.planning import (
 from sglang_mori.planning.state_rules import STATE_RULES
 
 from test_planning_state_slice import sglang_functions
+from harness.plan_ranges import ranges
 
 CAPACITY = 16
 
@@ -35,7 +36,7 @@ def layout(states, tp_size=1, tp_rank=0, is_mla=True):
 
 def apply(plan, src, dst):
     for t in plan:
-        for lo, ro, sz in zip(*t.as_lists()):
+        for lo, ro, sz in zip(*ranges(t)):
             dst[t.remote_index][ro:ro + sz] = src[t.local_index][lo:lo + sz]
 
 
@@ -95,7 +96,7 @@ def test_deepseek_v4_state_is_whole_on_every_mla_rank(state_type):
     for p_tp, p_rank, d_tp, d_rank in [(1, 0, 2, 1), (4, 3, 2, 1)]:
         planner = TransferPlanner(layout([state(state_type, [8])], p_tp, p_rank),
                                   layout([state(state_type, [8])], d_tp, d_rank))
-        assert planner.plan_state(0, [2], [5]).transfers[0].as_lists() == ([16], [40], [8])
+        assert ranges(planner.plan_state(0, [2], [5]).transfers[0]) == ([16], [40], [8])
     with pytest.raises(UnsupportedLayoutError, match=rf"'{state_type}'.*prefill=1 decode=2 \(outside an MLA model"):
         TransferPlanner(layout([state(state_type, [8])], 1, 0, False), layout([state(state_type, [8])], 2, 0, False))
 
@@ -140,7 +141,7 @@ def test_dsa_tail_rings_of_different_sizes_match_sglang_and_land_token_for_token
     prefill = layout([state("dsa_tail", [s_size * b for b in slot])])
     decode = layout([state("dsa_tail", [d_size * b for b in slot])])
     plan = TransferPlanner(prefill, decode).plan_state(0, src_idx, dst_idx)
-    ours = sorted((t.local_index, lo, ro, sz) for t in plan for lo, ro, sz in zip(*t.as_lists()))
+    ours = sorted((t.local_index, lo, ro, sz) for t in plan for lo, ro, sz in zip(*ranges(t)))
     theirs = build([0, 0], [s_size * b for b in slot], [0, 0], src_idx, dst_idx, [d_size * b for b in slot])
     assert sum(sz for *_, sz in ours) == sum(sz for *_, sz in theirs) == n_valid * sum(slot)
     # The i-th live prefill token lands in the i-th live decode slot.

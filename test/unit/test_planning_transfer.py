@@ -7,6 +7,7 @@ through TransferPlanner plans applied with plain slicing. The expectation is com
 independently, one token and one head at a time.
 """
 
+from harness.plan_ranges import ranges
 from dataclasses import dataclass
 from typing import List
 
@@ -145,7 +146,7 @@ def apply(plan, src_buffers, dst_buffers):
         assert int(t.remote_offsets.min()) >= 0 and int(ends.max()) <= dst.size
         order = np.argsort(t.remote_offsets)
         assert (t.remote_offsets[order][1:] >= ends[order][:-1]).all(), "destination ranges overlap"
-        for lo, ro, sz in zip(*t.as_lists()):
+        for lo, ro, sz in zip(*ranges(t)):
             dst[ro : ro + sz] = src[lo : lo + sz]
 
 
@@ -180,7 +181,7 @@ def test_plans_deliver_exactly_the_reference_bytes(case):
                 assert [t.local_index for t in plan] == list(range(len(case.head_bytes)))
             for t in plan:
                 assert t.num_ranges == reference_range_count(case, p_rank, d_rank, t.local_index)
-                if not planner.tp_mismatch or case.is_mla:
+                if planner.prefill.tp_size == planner.decode.tp_size or case.is_mla:
                     assert t.num_ranges == page_runs_by_hand(case.src_pages, case.dst_pages)
 
             # Chunked prefill: each chunk planned alone from its page slice, no shared state.

@@ -1,6 +1,6 @@
 """SGLang-facing classes for `--disaggregation-transfer-backend mori`.
 
-Exports resolve lazily: importing a helper module of this package (peers, room_tracker) must not
+Exports resolve lazily: importing a helper module of this package (peers, plans, room_status) must not
 pull in all of SGLang, which takes seconds.
 """
 

@@ -1,6 +1,6 @@
 """The bootstrap server is SGLang's own (HTTP, runs in the prefill launcher process)."""
 
-from sglang.srt.disaggregation.common.conn import CommonKVBootstrapServer
+from sglang_mori.backend.sglang_compat import CommonKVBootstrapServer
 
 
 class MoriKVBootstrapServer(CommonKVBootstrapServer):

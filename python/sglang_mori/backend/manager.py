@@ -15,11 +15,10 @@ import os
 from collections import Counter
 from typing import List, Optional
 
-from sglang.srt.disaggregation.base.conn import KVArgs
-from sglang.srt.disaggregation.utils import DisaggregationMode
-
 from sglang_mori import protocol
 from sglang_mori.backend import sglang_compat as compat
+from sglang_mori.backend import sglang_fields as fields
+from sglang_mori.backend.sglang_compat import DisaggregationMode, KVArgs
 from sglang_mori.backend.messenger import Messenger
 from sglang_mori.backend.peers import InflightBudget, PeerRegistry
 from sglang_mori.backend.plans import KVPlanner, LocalBuffers, local_layout
@@ -50,11 +49,11 @@ class MoriKVManager(compat.CompatKVManager):
         compat.check_manager(self, self.role)
         self.protocol_rejections: Counter = Counter()
         self.metrics = create_transfer_metrics(
-            bool(getattr(server_args, "enable_metrics", False)), engine_type=self.role,
+            bool(server_args.enable_metrics), engine_type=self.role,
             tp_rank=self.attn_tp_rank, pp_rank=self.pp_rank or 0, dp_rank=self.system_dp_rank or 0,
         )
-        self.layout = local_layout(args, self.attn_tp_size, self.attn_tp_rank, bool(is_mla_backend),
-                                   int(getattr(self, "dcp_size", 1) or 1), int(getattr(self, "dcp_rank", 0) or 0))
+        self.layout = local_layout(fields.kv_args_view(args), self.attn_tp_size, self.attn_tp_rank,
+                                   bool(is_mla_backend), self.dcp_size, self.dcp_rank)
         self.engine = self._start_engine()
         self.buffers = self._register_buffers()
         self.messenger = Messenger(compat.zmq_context(self))
@@ -82,7 +81,7 @@ class MoriKVManager(compat.CompatKVManager):
         planner_class = KVPlanner
         if cfg.layerwise != "off":
             from sglang_mori.backend.prefill.layerwise.planner import LayerwisePlanner as planner_class
-        cp = self.cp = self.context_parallel()
+        cp = self.cp = fields.prefill_cp(self)
         planner = (planner_class(self.layout, self.buffers, kv_shard=(cp.kv_shard_rank, cp.kv_shard_size))
                    if cp.sharded else planner_class(self.layout, self.buffers))
         parts = PrefillParts(
@@ -90,14 +89,15 @@ class MoriKVManager(compat.CompatKVManager):
             peers=PeerRegistry(cfg.peer_fail_fast_s, InflightBudget(cfg.max_inflight_per_peer)),
             messenger=self.messenger, metrics=self.metrics, sglang=self.sglang, read_aux=self._read_aux,
             control_socket=self.server_socket,
-            dcp=(int(getattr(self, "dcp_size", 1) or 1), int(getattr(self, "dcp_rank", 0) or 0)),
+            dcp=(self.dcp_size, self.dcp_rank),
             owns_aux=self._owns_aux(cp), cp=cp,
         )
         service = PrefillService(parts, self.reject_message)
         if cfg.layerwise != "off":
             from sglang_mori.backend.prefill.layerwise.assembly import build_session
 
-            self.layerwise = build_session(self, parts, service, self.layout, self.server_args)
+            self.layerwise = build_session(fields.deployment(self), self.kv_args.kv_data_ptrs, parts, service,
+                                           self.layout)
         return service
 
     def _build_decode(self):
@@ -109,8 +109,8 @@ class MoriKVManager(compat.CompatKVManager):
         parts = DecodeParts(
             config=self.mori_config, engine=self.engine, local=self.buffers, layout=self.layout,
             identity=DecodeIdentity(self.local_ip, self.rank_port, self.attn_tp_size, self.attn_tp_rank,
-                                    int(getattr(self, "dcp_size", 1) or 1), int(getattr(self, "dcp_rank", 0) or 0),
-                                    cp_all_ranks=bool(getattr(self, "enable_all_cp_ranks_for_transfer", False))),
+                                    self.dcp_size, self.dcp_rank,
+                                    cp_all_ranks=bool(self.enable_all_cp_ranks_for_transfer)),
             aux=AuxSlots(list(args.aux_data_ptrs), list(args.aux_item_lens), list(args.aux_data_lens)),
             messenger=self.messenger, metrics=self.metrics, sglang=self.sglang, control_socket=self.server_socket,
         )
@@ -119,7 +119,8 @@ class MoriKVManager(compat.CompatKVManager):
     def _start_engine(self) -> TransferEngine:
         cfg = self.mori_config
         # --disaggregation-ib-device: a device list or a per-GPU map (JSON or a file), for this GPU.
-        settings = EngineSettings.for_gpu(self.kv_args.ib_device, self.kv_args.gpu_id, xgmi=cfg.xgmi)
+        settings = EngineSettings.for_gpu(self.kv_args.ib_device, self.kv_args.gpu_id, xgmi=cfg.xgmi,
+                                          resolve=fields.ib_devices_for_gpu)
         settings.apply()
         io = load_io_module(cfg.engine)
         engine = TransferEngine(
@@ -135,7 +136,7 @@ class MoriKVManager(compat.CompatKVManager):
 
     def _register_buffers(self) -> LocalBuffers:
         args = self.kv_args
-        on_gpu = self._kv_on_gpu()
+        on_gpu = fields.kv_on_gpu()
         device = args.gpu_id if on_gpu else -1
         return LocalBuffers(
             kv=[self.engine.register(ptr, size, device, on_gpu) for ptr, size in zip(args.kv_data_ptrs, args.kv_data_lens)],
@@ -145,14 +146,6 @@ class MoriKVManager(compat.CompatKVManager):
             state=[[self.engine.register(ptr, size, device, on_gpu) for ptr, size in zip(ptrs, lens)]
                    for ptrs, lens in zip(args.state_data_ptrs or [], args.state_data_lens or [])],
         )
-
-    def context_parallel(self):
-        """This prefill rank's place in context parallelism and KV sharding."""
-        from sglang.srt.runtime_context import get_parallel
-
-        from sglang_mori.backend.prefill.context_parallel import PrefillCP
-
-        return PrefillCP.from_manager(self, get_parallel())
 
     def _owns_aux(self, cp) -> bool:
         """Aux is computed by the last pipeline stage, alike on its CP and shard ranks."""
@@ -164,28 +157,6 @@ class MoriKVManager(compat.CompatKVManager):
         if state_indices is not None and self.cp.skips_replicated_state:
             return None
         return state_indices
-
-    @staticmethod
-    def _kv_on_gpu() -> bool:
-        try:
-            from sglang.srt.runtime_context import get_device
-
-            return get_device().device not in ("cpu",)
-        except Exception:
-            return True
-
-    # The registered descriptors, by kind (tests map softio's write log onto them).
-    @property
-    def kv_descs(self) -> list:
-        return self.buffers.kv
-
-    @property
-    def aux_descs(self) -> list:
-        return self.buffers.aux
-
-    @property
-    def state_descs(self) -> list:
-        return self.buffers.state
 
     def _read_aux(self, aux_index: Optional[int]) -> Optional[list]:
         """This room's aux (metadata) items as bytes, one per aux buffer; they ride on Success."""
@@ -259,26 +230,11 @@ class MoriKVManager(compat.CompatKVManager):
         """Entries every per-room table of this rank still holds, by name (0 everywhere = idle)."""
         # Not len(): with prefill PP, request_status is SGLang's PPConsensusStore, which has none
         # (debug_snapshot raised TypeError on every PP prefill rank).
-        out = {"sglang.request_status": compat.room_count(self.request_status)}
-        with self.failure_lock:
-            out["sglang.failure_records"] = len(self.failure_records)
-        for name in ("transfer_infos", "req_to_decode_prefix_len", "required_prefill_response_num_table",
-                     "prefill_response_tracker"):
-            table = getattr(self, name, None)
-            if table is not None:
-                out[f"sglang.{name}"] = len(table)
-        tracker = getattr(self, "addr_to_rooms_tracker", None)
-        if tracker is not None:
-            out["sglang.addr_to_rooms_tracker"] = sum(len(v) for v in list(tracker.values()))
-        out.update(compat.table_sizes(self))
+        out = compat.table_sizes(self)
         out.update(self.service.debug_snapshot())
         if hasattr(self, "reachability"):
             out["decode.unreachable_bootstrap_addrs"] = len(self.reachability)
         return out
-
-    @property
-    def stopped(self) -> bool:
-        return self.service.stopped.is_set()
 
     def teardown(self) -> None:
         """Release what this manager holds so the scheduler can build the other role's manager in

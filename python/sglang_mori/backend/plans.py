@@ -104,9 +104,6 @@ class KVPlanner:
                 return f"decode aux index {target.aux_index} out of range"
         return None
 
-    def knows(self, key: str) -> bool:
-        return key in self._planners
-
     def write_pairs(self, peer, chunk, target) -> list:
         """Every (local region, remote region) write of one chunk to one decode rank."""
         planner = self._planners.get(peer.engine_key)

@@ -25,6 +25,8 @@ class SGLangAdapter:
 
     @property
     def bootstrap_timeout_s(self) -> float:
+        # Set on prefill managers only (sglang_manifest.OPTIONAL); 300 s is the default of SGLang's
+        # SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT, which sets it.
         return float(getattr(self._mgr, "bootstrap_timeout", 300) or 300)
 
     @property

@@ -1,57 +1,44 @@
 """The only module that touches SGLang's private members (SGLang 0.5.23's common disaggregation
-classes). When SGLang changes, this file changes and nothing else does.
+classes), and the one that imports SGLang's classes for the rest of the package. When SGLang
+changes, this file, sglang_fields.py and the manifest change and nothing else does.
 
-At import it checks that every private method it relies on exists and names the missing ones;
-the per-instance tables SGLang creates in `__init__` are checked once a manager is built
-(`check_manager`). Everything here is a one-line pass-through with a public name.
+Every member used is declared in sglang_manifest.py. At import the common classes' members are
+checked; when a manager is built, every declared member, function and hook target
+(`sglang_manifest.check_installed`) and the per-instance tables of its role (`check_manager`).
+Everything here is a one-line pass-through with a public name.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, List, Optional, Tuple
+from typing import List, Optional
 
-from sglang.srt.disaggregation.base.conn import KVPoll
-from sglang.srt.disaggregation.common.conn import (
+from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll  # noqa: F401 (KVArgs: re-exported)
+from sglang.srt.disaggregation.common.conn import (  # noqa: F401 (re-exported)
     AckTarget,
+    CommonKVBootstrapServer,
     CommonKVManager,
     CommonKVReceiver,
     CommonKVSender,
 )
+from sglang.srt.disaggregation.utils import DisaggregationMode  # noqa: F401 (re-exported)
 
-_REQUIRED_METHODS = {
-    CommonKVManager: (
-        "_prefill_unique_rank",
-        "_maybe_ack_drained_abort",
-        "_room_notify_targets",
-        "_encode_kv_status_message",
-        "_send_abort_ack",
-        "_start_heartbeat_checker_thread",
-    ),
-    CommonKVReceiver: ("_send_abort_notification", "_clear", "_connect_to_bootstrap_server"),
-    CommonKVSender: (),
-}
-# Created by CommonKVManager.__init__ (per role), so only checkable on an instance.
+from sglang_mori.backend import sglang_manifest as manifest
+from sglang_mori.backend.sglang_manifest import SGLangIncompatible  # noqa: F401 (re-exported)
+
+# Created by CommonKVManager.__init__ for one role only, so checked on an instance.
 _REQUIRED_MANAGER_TABLES = {
     "prefill": ("_zmq_ctx", "_staging_outstanding", "_deferred_ack_targets", "_deferred_ack_poisoned_rooms"),
     "decode": ("_zmq_ctx", "_deferred_abort_ack_tracker", "_heartbeat_shutdown"),
 }
 
 
-class SGLangIncompatible(ImportError):
-    pass
-
-
-def _missing(pairs: Iterable[Tuple[object, str]]) -> List[str]:
-    return [f"{getattr(owner, '__name__', type(owner).__name__)}.{name}" for owner, name in pairs
-            if not hasattr(owner, name)]
-
-
 def _check_classes() -> None:
-    missing = _missing((cls, name) for cls, names in _REQUIRED_METHODS.items() for name in names)
+    common = {owner: manifest.MEMBERS[owner] for owner in ("CommonKVManager", "CommonKVSender", "CommonKVReceiver")}
+    missing = manifest.missing_members(common, with_functions=False)
     if missing:
-        raise SGLangIncompatible(
-            "sglang-mori relies on SGLang 0.5.23 internals that this SGLang lacks: " + ", ".join(missing)
-        )
+        import sglang
+
+        raise SGLangIncompatible(manifest.incompatibility(missing, getattr(sglang, "__version__", "unknown")))
     from sglang_mori.backend import room_status as ours
 
     for name, value in (("Failed", ours.FAILED), ("Bootstrapping", ours.BOOTSTRAPPING),
@@ -66,10 +53,13 @@ _check_classes()
 
 
 def check_manager(mgr, role: str) -> None:
-    missing = _missing((mgr, name) for name in _REQUIRED_MANAGER_TABLES[role])
+    """Start-up: every declared member of the installed SGLang, then this role's tables."""
+    manifest.check_installed()
+    missing = [f"{type(mgr).__name__}.{name}" for name in _REQUIRED_MANAGER_TABLES[role] if not hasattr(mgr, name)]
     if missing:
         raise SGLangIncompatible(
-            f"sglang-mori ({role}) relies on SGLang 0.5.23 manager tables this SGLang lacks: " + ", ".join(missing)
+            f"sglang-mori ({role}) supports SGLang {manifest.SUPPORTED_SGLANG_VERSION}; this SGLang's manager "
+            "lacks the tables: " + ", ".join(missing)
         )
 
 
@@ -164,8 +154,19 @@ def room_count(request_status) -> int:
 
 
 def table_sizes(mgr) -> dict:
-    """Entries SGLang's private per-room tables still hold (for debug snapshots)."""
-    out = {}
+    """Entries SGLang's per-room tables still hold (for debug snapshots). Some exist on one role
+    only (sglang_manifest.OPTIONAL)."""
+    out = {"sglang.request_status": room_count(mgr.request_status)}
+    with mgr.failure_lock:
+        out["sglang.failure_records"] = len(mgr.failure_records)
+    for name in ("transfer_infos", "req_to_decode_prefix_len", "required_prefill_response_num_table",
+                 "prefill_response_tracker"):
+        table = getattr(mgr, name, None)
+        if table is not None:
+            out[f"sglang.{name}"] = len(table)
+    tracker = getattr(mgr, "addr_to_rooms_tracker", None)
+    if tracker is not None:
+        out["sglang.addr_to_rooms_tracker"] = sum(len(v) for v in list(tracker.values()))
     for name, label in (("_staging_outstanding", "sglang.writes_outstanding"),
                         ("_deferred_ack_targets", "sglang.deferred_ack_targets"),
                         ("_deferred_abort_ack_tracker", "sglang.deferred_abort_ack_tracker")):
@@ -173,11 +174,6 @@ def table_sizes(mgr) -> dict:
         if table is not None:
             out[label] = sum(1 for v in list(table.values()) if v)
     return out
-
-
-def deferred_release_rooms(mgr) -> list:
-    """Decode rooms held for a deferred release (armed, not yet released)."""
-    return sorted(int(r) for r in list(getattr(mgr, "_deferred_abort_ack_tracker", {})))
 
 
 # --- receiver internals -------------------------------------------------------------------------

@@ -34,10 +34,8 @@ class EngineSettings:
         """
         devices = None
         if ib_device:
-            if resolve is None:
-                from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
-                    get_ib_devices_for_gpu as resolve,
-                )
+            if resolve is None:  # the manager passes SGLang's parser (backend/sglang_fields.py)
+                raise ValueError("EngineSettings.for_gpu: a --disaggregation-ib-device value needs `resolve`")
             devices = resolve(ib_device, gpu_id)
         return cls(rdma_devices=devices or None, xgmi=xgmi)
 

@@ -291,10 +291,6 @@ class TransferEngine:
             events.append(PeerFailure.from_event(event))
         return events
 
-    def has_peer(self, key: str) -> bool:
-        with self._setup_lock:
-            return key in self._peers
-
     def peer_keys(self) -> list:
         with self._setup_lock:
             return sorted(self._peers)

@@ -8,8 +8,8 @@ The contract with the backend:
    message naming both sides' values: refuse the peer there, before any request uses it.
 2. Per chunk, `planner.plan_kv(src_pages, dst_pages)` -> `TransferPlan`. Offsets are absolute
    (page index * item_len), so chunks are planned independently; no state crosses chunks.
-   With the last chunk, `plan_state(component, src, dst)` per state component and, if aux goes
-   over RDMA, `plan_aux(src_aux_index, dst_aux_index)`. Into a decode with context parallelism
+   With the last chunk, `plan_state(component, src, dst)` per state component (aux bytes ride
+   on the Success message, not on a write). Into a decode with context parallelism
    (`planner.dcp_relayout`, dcp.py) call `plan_kv_dcp(src_pages, all_dst_pages, page_offset=...,
    decode_prefix_len=..., num_tokens=...)` instead of `plan_kv`.
 3. `plan.as_batch_args()` gives the python lists for one `IOEngine.batch_write`; the indices in

@@ -151,9 +151,10 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
         return self.kv_head_num * self.tp_size
 
     @classmethod
-    def from_kv_args(cls, kv_args, tp_size: int, tp_rank: int, is_mla: bool,
+    def from_kv_args(cls, args, tp_size: int, tp_rank: int, is_mla: bool,
                      dcp_size: int = 1, dcp_rank: int = 0) -> "KVLayout":
-        """Describe the buffers of an SGLang `KVArgs`, filled as prefill.py / decode.py fill it.
+        """Describe the buffers of an SGLang `KVArgs` (the plain view backend/sglang_fields.py builds
+        of it), filled as prefill.py / decode.py fill it.
 
         `tp_size` is the attention TP size; `tp_rank` may be the global TP rank (SGLang's
         prefill `engine_rank`), it is reduced to the attention-TP rank. Attributes SGLang leaves
@@ -162,7 +163,7 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
         """
 
         def attr(name, default):
-            value = getattr(kv_args, name, default)
+            value = getattr(args, name, default)
             return default if value is None else value
 
         state_types = list(attr("state_types", []))

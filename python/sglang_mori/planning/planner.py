@@ -104,10 +104,6 @@ class TransferPlanner:
             state_plan_spec(k, prefill, decode) for k in range(len(prefill.states))
         )
 
-    @property
-    def tp_mismatch(self) -> bool:
-        return self.prefill.tp_size != self.decode.tp_size
-
     # KV -----------------------------------------------------------------------------------
 
     def plan_kv(self, src_pages, dst_pages) -> TransferPlan:
@@ -180,26 +176,7 @@ class TransferPlanner:
             transfers.append(BufferTransfer(i, j, *ranges))
         return TransferPlan("kv", tuple(transfers))
 
-    # aux ----------------------------------------------------------------------------------
 
-    def plan_aux(self, src_aux_index: int, dst_aux_index: int) -> TransferPlan:
-        """One whole item per aux buffer: prefill item src_aux_index -> decode item dst_aux_index."""
-        src = as_index_array([src_aux_index], "prefill aux index")
-        dst = as_index_array([dst_aux_index], "decode aux index")
-        n = len(self.prefill.aux_item_lens)
-        check_in_range(
-            src, self.prefill.aux_capacities(), [f"prefill aux buffer {i}" for i in range(n)], "aux"
-        )
-        check_in_range(
-            dst, self.decode.aux_capacities(), [f"decode aux buffer {i}" for i in range(n)], "aux"
-        )
-        transfers = tuple(
-            BufferTransfer(i, i, src * item_len, dst * item_len, np.array([item_len]))
-            for i, item_len in enumerate(self.prefill.aux_item_lens)
-        )
-        return TransferPlan("aux", transfers)
-
-    # state --------------------------------------------------------------------------------
 
     def plan_state(self, component: int, src_indices, dst_indices) -> TransferPlan:
         """Ranges for state component `component` (an index into KVArgs.state_types).

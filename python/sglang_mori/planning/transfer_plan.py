@@ -55,10 +55,6 @@ class BufferTransfer:
     def total_bytes(self) -> int:
         return int(self.sizes.sum())
 
-    def as_lists(self) -> Tuple[List[int], List[int], List[int]]:
-        """(local_offsets, remote_offsets, sizes) as python int lists for one engine pair."""
-        return self.local_offsets.tolist(), self.remote_offsets.tolist(), self.sizes.tolist()
-
 
 @dataclass(frozen=True)
 class BatchArgs:

@@ -183,9 +183,8 @@ class ControlServer:
         (decode) the rooms held for a deferred release ("held": armed, not yet released)."""
         mgr = self.mgr
         states = {int(r): int(s) for r, s in list(mgr.request_status.items())}
-        from sglang_mori.backend import sglang_compat
-
-        held = sglang_compat.deferred_release_rooms(mgr)
+        # SGLang's decode-side table of rooms armed for a deferred release (test tooling reads it).
+        held = sorted(int(r) for r in list(getattr(mgr, "_deferred_abort_ack_tracker", {})))
         return {"status": states, "held": held}
 
     def cmd_peers(self):
@@ -262,10 +261,10 @@ def _regions(mgr, pool) -> Dict[int, tuple]:
             if desc is not None:
                 out[int(desc.id)] = (kind, i, int(t[0].nbytes))
 
-    add(mgr.kv_descs, pool.kv, "kv")
-    add(mgr.aux_descs, pool.aux, "aux")
-    if mgr.state_descs:
-        add(mgr.state_descs[0], pool.state, "state")
+    add(mgr.buffers.kv, pool.kv, "kv")
+    add(mgr.buffers.aux, pool.aux, "aux")
+    if mgr.buffers.state:
+        add(mgr.buffers.state[0], pool.state, "state")
     return out
 
 

@@ -1,4 +1,5 @@
-"""CPU seconds per thread of this process, grouped by the thread's role (for `bench transfer --thread-cpu`).
+"""CPU seconds per thread of this process, grouped by the thread's role
+(for `scripts/bench_backend.py transfer --thread-cpu`).
 
 Linux keeps each thread's user and system time in /proc/self/task/<tid>/stat; Python names its
 threads but (before 3.14) does not give the kernel that name, so the tid is mapped to the Python

@@ -13,7 +13,7 @@ locally. What it leaves to the backend, and what this class decides:
   topologies whose bytes we cannot place, are refused when the decode registers, naming both
   sides' values, instead of leaving decode short of pages or waiting for a Success never sent.
 
-Pure: built from the manager's values (`from_manager`), or directly in tests.
+Pure: built from the manager's values (`sglang_fields.prefill_cp`), or directly in tests.
 """
 
 from __future__ import annotations
@@ -38,19 +38,6 @@ class PrefillCP:
     dsa_layer_split: bool = False
     kv_shard_size: int = 1
     kv_shard_rank: int = 0
-
-    @classmethod
-    def from_manager(cls, mgr, parallel) -> "PrefillCP":
-        """From a CommonKVManager and SGLang's `get_parallel()`."""
-        return cls(
-            cp_size=int(getattr(mgr, "attn_cp_size", 1) or 1),
-            cp_rank=int(getattr(mgr, "attn_cp_rank", 0) or 0),
-            all_ranks_send=bool(getattr(mgr, "enable_all_cp_ranks_for_transfer", False)),
-            tp_group_sharing=bool(getattr(parallel, "enable_cp_tp_group_sharing", False)),
-            dsa_layer_split=bool(getattr(parallel, "enable_dsa_cache_layer_split", False)),
-            kv_shard_size=int(getattr(mgr, "kv_shard_size", 1) or 1),
-            kv_shard_rank=int(getattr(mgr, "kv_shard_rank", 0) or 0),
-        )
 
     @property
     def sharded(self) -> bool:

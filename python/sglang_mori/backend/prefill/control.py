@@ -140,10 +140,7 @@ class PrefillControl:
                 p.peers.get(msg.engine_key), target)
         with self.effects.transition() as fx:
             outcome = p.rooms.add_target(target, room, p.clock(), fx)
-        if outcome.verdict is MetadataVerdict.REPLAY:
-            self.reject(protocol.ProtocolError("replayed", f"metadata for room {room}: {outcome.detail}", room),
-                        "prefill control socket")
-        elif outcome.verdict is MetadataVerdict.REJECTED:
+        if outcome.verdict in (MetadataVerdict.REPLAY, MetadataVerdict.REJECTED):
             self.reject(protocol.ProtocolError("replayed", f"metadata for room {room}: {outcome.detail}", room),
                         "prefill control socket")
         elif outcome.verdict is MetadataVerdict.QUEUED_NEXT_LIFE:

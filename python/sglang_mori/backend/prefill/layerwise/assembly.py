@@ -16,25 +16,24 @@ from sglang_mori.config import ConfigError
 logger = logging.getLogger(__name__)
 
 
-def unsupported_reason(mgr, layout, server_args) -> Optional[str]:
-    """Why this deployment cannot stream layer-wise, or None."""
+def unsupported_reason(deployment, layout) -> Optional[str]:
+    """Why this deployment (sglang_fields.Deployment) cannot stream layer-wise, or None."""
     checks = (
-        (int(getattr(mgr, "pp_size", 1) or 1) > 1, "pipeline parallelism (a stage's forward is not the whole model)"),
-        (int(getattr(mgr, "attn_cp_size", 1) or 1) > 1, "context parallelism"),
-        (bool(getattr(mgr, "enable_staging", False)), "the staging buffer (SGLANG_DISAGG_STAGING_BUFFER)"),
-        (int(getattr(mgr, "kv_shard_size", 1) or 1) > 1, "KV sharding across ranks"),
+        (deployment.pp_size > 1, "pipeline parallelism (a stage's forward is not the whole model)"),
+        (deployment.attn_cp_size > 1, "context parallelism"),
+        (deployment.staging, "the staging buffer (SGLANG_DISAGG_STAGING_BUFFER)"),
+        (deployment.kv_shard_size > 1, "KV sharding across ranks"),
         (bool(layout.states), "hybrid state pools (mamba, SWA, DSA state)"),
-        (bool(getattr(server_args, "enable_two_batch_overlap", False)),
-         "two-batch overlap (a layer runs once per micro-batch)"),
+        (deployment.two_batch_overlap, "two-batch overlap (a layer runs once per micro-batch)"),
     )
     return next((why for bad, why in checks if bad), None)
 
 
-def build_session(mgr, parts, service, layout, server_args) -> Optional[LayerwiseSession]:
+def build_session(deployment, kv_data_ptrs, parts, service, layout) -> Optional[LayerwiseSession]:
     cfg = parts.config
     if cfg.layerwise == "off":
         return None
-    reason = unsupported_reason(mgr, layout, server_args)
+    reason = unsupported_reason(deployment, layout)
     if reason is not None:
         if cfg.layerwise == "on":
             raise ConfigError(f"SGLANG_MORI_LAYERWISE=on: this deployment cannot stream layer-wise: {reason}; "
@@ -42,7 +41,7 @@ def build_session(mgr, parts, service, layout, server_args) -> Optional[Layerwis
         logger.warning("sglang-mori: SGLANG_MORI_LAYERWISE=auto: chunk-wise transfers, because of %s", reason)
         parts.metrics.layerwise_fallback("deployment")
         return None
-    buffer_map = LayerBufferMap(list(mgr.kv_args.kv_data_ptrs), layout.num_draft_entries, layout.is_mla)
+    buffer_map = LayerBufferMap(list(kv_data_ptrs), layout.num_draft_entries, layout.is_mla)
     session = LayerwiseSession(parts, service, buffer_map, group_size=cfg.layerwise_group,
                                min_tokens=cfg.layerwise_min_tokens)
     logger.info("sglang-mori: layer-wise streaming on (%s, group=%d layers, min %d new tokens per request)",

@@ -11,7 +11,8 @@ SGLANG_MORI_LAYERWISE is on or auto; no other patching).
 - AROUND `checkpoint_disagg_prefill`: after SGLang's radix checkpoint, detect a streamed page
   that moved (dedup frees the old one) while a write from it may still run (session.py).
 
-Everything SGLang-specific about reading a batch or a request is here; the session sees plain views.
+SGLang's scheduler, batch and request are read through backend/sglang_fields.py (its members are
+declared in sglang_manifest.py); the session sees plain views.
 """
 
 from __future__ import annotations
@@ -19,59 +20,38 @@ from __future__ import annotations
 import logging
 import threading
 
-logger = logging.getLogger(__name__)
+from sglang_mori.backend import sglang_fields as fields
+from sglang_mori.backend.sglang_manifest import ATTENTION_TARGET, CHECKPOINT_TARGET, RUN_BATCH_TARGET
 
-RUN_BATCH_TARGET = "sglang.srt.managers.scheduler.Scheduler.run_batch"
-ATTENTION_TARGET = "sglang.srt.layers.attention.base_attn_backend.AttentionBackend.forward"
-CHECKPOINT_TARGET = "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin.checkpoint_disagg_prefill"
+logger = logging.getLogger(__name__)
 
 _current = threading.local()  # .published = (session, LayerBatch) while a published batch runs
 
 
 def session_of(scheduler):
-    queue = getattr(scheduler, "disagg_prefill_bootstrap_queue", None)
-    mgr = getattr(queue, "kv_manager", None)
-    return getattr(mgr, "layerwise", None)
-
-
-def _is_extend(batch) -> bool:
-    mode = getattr(batch, "forward_mode", None)
-    return mode is not None and mode.is_extend()
+    return fields.layerwise_session(scheduler)
 
 
 def batch_view(scheduler, batch):
     from sglang_mori.backend.prefill.layerwise.session import BatchView, ReqView
     from sglang_mori.backend.sender import MoriKVSender
 
-    fallback = None
-    spec = getattr(batch, "spec_algorithm", None)
-    if spec is not None and not spec.is_none():
-        fallback = "speculative"
-    elif getattr(batch, "tbo_split_seq_index", None) is not None:
-        fallback = "two_batch_overlap"
-    page_size = int(scheduler.token_to_kv_pool_allocator.page_size)
-    req_to_token = scheduler.req_to_token_pool.req_to_token
+    fallback = fields.batch_fallback(batch)
     reqs = []
     if fallback is None:
-        for i, req in enumerate(batch.reqs):
-            if not isinstance(getattr(req, "disagg_kv_sender", None), MoriKVSender):
+        for i, req, sender in fields.batch_requests(batch):
+            if not isinstance(sender, MoriKVSender):
                 continue
-            pool_idx = req.kv.req_pool_idx
-            if pool_idx is None:
+            row = fields.token_row(scheduler, req)
+            if row is None:
                 continue
-            reqs.append(ReqView(
-                room=int(req.bootstrap_room), prefix_len=int(batch.prefix_lens[i]),
-                extend_len=int(batch.extend_lens[i]), input_len=len(req.origin_input_ids),
-                decode_prefix_len=int(req.disagg_decode_prefix_len or 0),
-                start_send_idx=int(req.start_send_idx or 0), row=req_to_token[pool_idx],
-                pending_bootstrap=bool(getattr(req, "pending_bootstrap", False)),
-            ))
-    return BatchView(reqs, page_size, fallback)
+            reqs.append(ReqView(row=row, **fields.request_fields(batch, i, req)))
+    return BatchView(reqs, fields.page_size(scheduler), fallback)
 
 
 def around_run_batch(original, scheduler, batch, *args, **kwargs):
     session = session_of(scheduler)
-    if session is None or batch is None or not _is_extend(batch):
+    if session is None or batch is None or not fields.is_extend(batch):
         return original(scheduler, batch, *args, **kwargs)
     published = None
     try:
@@ -81,7 +61,7 @@ def around_run_batch(original, scheduler, batch, *args, **kwargs):
         logger.exception("sglang-mori: layer-wise publication failed; the batch goes chunk-wise")
     if published is None:
         return original(scheduler, batch, *args, **kwargs)
-    published.pool = scheduler.token_to_kv_pool_allocator.get_kvcache()
+    published.pool = fields.kv_pool(scheduler)
     _current.published = (session, published)
     try:
         return original(scheduler, batch, *args, **kwargs)
@@ -107,10 +87,10 @@ def around_attention_forward(original, backend, q, k, v, layer, forward_batch, *
     if current is not None and not current[1].stopped:
         session, published = current
         try:
-            if forward_batch.forward_mode.is_extend():
+            if fields.is_extend(forward_batch):
                 # The pool this backend wrote the layer into (children of hybrid backends hold theirs).
-                pool = getattr(backend, "token_to_kv_pool", None) or published.pool
-                session.on_layer(published, pool, int(layer.layer_id), _layer_event(q))
+                pool = fields.backend_pool(backend, published.pool)
+                session.on_layer(published, pool, fields.layer_id(layer), _layer_event(q))
         except Exception:
             logger.exception("sglang-mori: layer-wise hook failed; the batch's remaining layers go chunk-wise")
             session.stop_batch(published, "other")
@@ -122,10 +102,9 @@ def around_checkpoint(original, scheduler, req, *args, **kwargs):
     session = session_of(scheduler)
     if session is not None:
         try:
-            pool_idx = req.kv.req_pool_idx
-            if pool_idx is not None and getattr(req, "bootstrap_room", None) is not None:
-                session.after_checkpoint(int(req.bootstrap_room), scheduler.req_to_token_pool.req_to_token[pool_idx],
-                                         int(scheduler.token_to_kv_pool_allocator.page_size))
+            row, room = fields.token_row(scheduler, req), fields.bootstrap_room(req)
+            if row is not None and room is not None:
+                session.after_checkpoint(room, row, fields.page_size(scheduler))
         except Exception:
             logger.exception("sglang-mori: layer-wise checkpoint guard failed")
     return out

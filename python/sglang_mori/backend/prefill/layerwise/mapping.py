@@ -13,6 +13,8 @@ from __future__ import annotations
 import threading
 from typing import Dict, Optional, Sequence, Tuple
 
+from sglang_mori.backend import sglang_fields as fields
+
 
 class LayerBufferMap:
     def __init__(self, kv_data_ptrs: Sequence[int], num_draft_entries: int, is_mla: bool):
@@ -38,14 +40,12 @@ class LayerBufferMap:
         return found
 
     def _resolve(self, pool, layer_id: int) -> Optional[Tuple[int, ...]]:
-        local = layer_id - int(getattr(pool, "start_layer", 0) or 0)
-        names = ("kv_buffer",) if self.is_mla else ("k_buffer", "v_buffer")
+        tensors = fields.layer_tensors(pool, layer_id, self.is_mla)
+        if tensors is None:
+            return None
         out = []
-        for name in names:
-            tensors = getattr(pool, name, None)
-            if tensors is None or not 0 <= local < len(tensors):
-                return None
-            index = self._by_ptr.get(_data_ptr(tensors[local]))
+        for tensor in tensors:
+            index = self._by_ptr.get(_data_ptr(tensor))
             if index is None:
                 return None
             out.append(index)

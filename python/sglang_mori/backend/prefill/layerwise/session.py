@@ -84,7 +84,6 @@ class LayerwiseSession:
         self.effects = service.effects
         self.worker = LayerWorker(parts, service.effects, service.failures, service.submitter)
         self._serial = 0
-        self.batches_streamed = 0
 
     def start(self) -> None:
         self.worker.start()
@@ -211,8 +210,6 @@ class LayerwiseSession:
                         stream.life.layerwise.coverage.add(stream.rng, covered, stream.src_pages)
                     except ValueError:  # not expected; then send() simply writes these pages again
                         logger.exception("sglang-mori: room %s: layer-wise coverage", stream.room)
-            if covered:
-                self.batches_streamed += 1
         finally:
             self.worker.post_end(batch)
 

@@ -43,7 +43,6 @@ class RoomStream:
     rng: StreamRange
     src_pages: np.ndarray
     plans: Dict[str, object] = field(default_factory=dict)  # peer engine key -> full TransferPlan
-    posted: int = 0  # layer groups posted
 
     @property
     def dst_slice(self) -> slice:
@@ -125,7 +124,6 @@ class LayerWorker:
                            is_last=False, aux_index=None, state_indices=None, wait_event=event,
                            stream=stream, buffers=buffers)
         tracked = self.submitter.post_tracked(chunk, life, targets)
-        stream.posted += 1
         p.metrics.layerwise_writes(tracked)
         return tracked
 
