@@ -5,7 +5,6 @@ from __future__ import annotations
 from sglang_mori.backend import room_status
 from sglang_mori.backend.failure_reasons import ABORTED
 from sglang_mori.backend.prefill.failures import ABORTED_ON_PREFILL
-from sglang_mori.backend import sglang_compat as compat
 from sglang_mori.backend.sglang_compat import CommonKVSender
 
 

@@ -1,7 +1,10 @@
 """Prefill completion: watch every submitted write, conclude rooms, drain them, release abort ACKs.
 
-Runs on one thread (service.py). Per pass it waits (GIL released) on the oldest running write, or
-sleeps until a submitter or an abort changes something, then advances every room with writes:
+Runs on one thread (service.py). Per pass it advances every room with writes, then waits (GIL
+released) on the oldest running write, or, when nothing runs and nothing turned quiescent since the
+pass, sleeps until a submitter or an abort changes something. Advancing first matters where writes
+finish faster than this thread looks (GPU copies, XGMI): they conclude at once, not after the sleep.
+Per room:
 
 - returns the in-flight budget of each write that became terminal, and counts it;
 - concludes an open room: Success once every write succeeded and the last chunk was submitted
@@ -42,14 +45,19 @@ class Completion:
         generation = p.rooms.generation
         with p.rooms.lock:
             rooms = p.rooms.with_writes()
-        running = next((w.handle for r in rooms for w in r.writes if w.handle.state() is WriteState.RUNNING), None)
-        if running is None or not running.wait_running(self.poll_ms):
-            # Nothing running: sleep until a submitter or an abort changes something.
-            p.rooms.wait_for_change(generation, 0.2)
+        # Advance first, wait after: writes that finished before this pass (a GPU copy often
+        # finishes before this thread looks) conclude now, not after the idle wait below.
         now = p.clock()
         for r in rooms:
             self.advance(r, now)
         self.handle_peer_failures()
+        running = next((w.handle for r in rooms for w in r.writes if w.handle.state() is WriteState.RUNNING), None)
+        if running is not None:
+            running.wait_running(self.poll_ms)
+        elif not any(not w.handle.released and w.handle.quiescent() for r in rooms for w in r.writes):
+            # Nothing running, and no write turned quiescent since the pass (that one is settled
+            # at once by the next pass): sleep until a submitter or an abort changes something.
+            p.rooms.wait_for_change(generation, 0.2)
 
     def advance(self, r: PrefillRoom, now: float) -> None:
         if not r.concluded:

@@ -8,7 +8,6 @@ exception out of the thread.
 from __future__ import annotations
 
 import logging
-import time
 from typing import Callable
 
 from sglang_mori import protocol
