@@ -221,7 +221,7 @@ def main() -> int:
     ap.add_argument("--tokens", default="64,512,4096,16384")
     ap.add_argument("--requests", default="1,8")
     ap.add_argument("--iters", type=int, default=8)
-    ap.add_argument("--group", type=int, default=1, help="layers per layer-wise group")
+    ap.add_argument("--group", type=int, default=0, help="layers per layer-wise group (0: halving groups)")
     ap.add_argument("--side-stream", action="store_true", help="also run 512/4096 x1 on a side stream")
     ap.add_argument("--loads", default="50x1024,200x128", help="background chunk-wise loads: rate x tokens")
     ap.add_argument("--fwd-tokens", type=int, default=512)

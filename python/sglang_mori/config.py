@@ -192,10 +192,15 @@ KNOBS: Tuple[Knob, ...] = (
          "A request streams layer-wise in a forward pass only if that pass computes at least this "
          "many of its tokens; shorter extends go chunk-wise (fewer, larger writes).",
          int_at_least(0), ">= 0"),
-    Knob("SGLANG_MORI_LAYERWISE_GROUP", "layerwise_group", "int", 1,
-         "Layers per layer-wise write: one write per decode peer and room every this many layers "
-         "(larger groups mean fewer, larger writes and a later first byte).",
-         int_between(1, 1024), "1..1024"),
+    Knob("SGLANG_MORI_LAYERWISE_MIN_BATCH_TOKENS", "layerwise_min_batch_tokens", "int", 0,
+         "A batch streams layer-wise only if its forward computes at least this many tokens in "
+         "all; shorter (launch-bound) forwards go chunk-wise, counted as `short_batch`.",
+         int_at_least(0), ">= 0"),
+    Knob("SGLANG_MORI_LAYERWISE_GROUP", "layerwise_group", "int", 0,
+         "Layers per layer-wise write. 0: halving groups (each write covers half of the layers "
+         "still to come, the last layer alone: about log2(layers)+1 writes per room and forward, "
+         "one layer's KV left after it); n >= 1: a write every n layers.",
+         lambda text: _parse_int(text, 1, 1024, also=(0,)), "0 (halving) or 1..1024"),
 )
 
 # --- the config ---------------------------------------------------------------------------
@@ -219,7 +224,8 @@ class MoriConfig:
     xgmi: bool = False
     layerwise: str = "off"
     layerwise_min_tokens: int = 256
-    layerwise_group: int = 1
+    layerwise_min_batch_tokens: int = 0
+    layerwise_group: int = 0
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> "MoriConfig":

@@ -63,6 +63,7 @@ LAYERWISE_FALLBACK_REASONS = (
     "pending_bootstrap",  # optimistic prefill: the request's destination is not known yet
     "not_ready",  # the room takes no writes now (no metadata yet, concluded, rejected peer)
     "below_min_tokens",  # fewer new tokens than SGLANG_MORI_LAYERWISE_MIN_TOKENS
+    "short_batch",  # the batch computes fewer tokens than SGLANG_MORI_LAYERWISE_MIN_BATCH_TOKENS
     "unaligned_prefix",  # decode's prefix length is not page-aligned
     "unmapped_pool",  # a layer's KV tensors are not among the registered buffers
     "no_layer_hook",  # the forward never called the attention hook (e.g. a graph without it)

@@ -64,7 +64,7 @@ class Requests:
 
 
 class GpuPD:
-    def __init__(self, shape_key: str, page_size: int, pages: int, *, group_size: int = 1,
+    def __init__(self, shape_key: str, page_size: int, pages: int, *, group_size: int = 0,
                  config: MoriConfig | None = None):
         self.shape = SHAPES[shape_key]
         self.page_size = page_size

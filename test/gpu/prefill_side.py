@@ -91,7 +91,7 @@ class CountingMetrics(NullTransferMetrics):
 
 
 class PrefillSide:
-    def __init__(self, shape, page_size: int, pages: int, config: MoriConfig, group_size: int = 1):
+    def __init__(self, shape, page_size: int, pages: int, config: MoriConfig, group_size: int = 0):
         self.shape, self.page_size = shape, page_size
         self.pool = DevicePool("prefill", shape, page_size, pages)
         self.sglang = TimedSGLang(prefill_rank=0)

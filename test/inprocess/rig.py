@@ -130,7 +130,7 @@ class PrefillRig:
         for side in (self.prefill, self.decode):
             side.engine.deregister_all()
 
-    def layerwise(self, group_size: int = 1, min_tokens: int = 0):
+    def layerwise(self, group_size: int = 1, min_tokens: int = 0, min_batch_tokens: int = 0):
         """Start a layer-wise session on this service (build the rig with
         planner_class=LayerwisePlanner); tests drive its hooks' calls directly."""
         from sglang_mori.backend.prefill.layerwise.mapping import LayerBufferMap
@@ -138,7 +138,7 @@ class PrefillRig:
 
         buffer_map = LayerBufferMap(self.prefill.args.kv_data_ptrs, 0, is_mla=False)
         self.layerwise_session = LayerwiseSession(self.parts, self.service, buffer_map, group_size=group_size,
-                                                  min_tokens=min_tokens)
+                                                  min_tokens=min_tokens, min_batch_tokens=min_batch_tokens)
         self.layerwise_session.start()
         return self.layerwise_session
 

@@ -97,6 +97,34 @@ def test_layer_groups_and_chunked_passes(rig):
     assert rig.metrics.layerwise == 4  # two groups (3 + 1 layers) per pass
 
 
+def test_halving_groups_write_fewer_times_and_announce_once(rig):
+    """Group size 0: groups end after layers {2, 3, 4} of 4 (half of what is left, the last layer
+    alone): three writes instead of four, and one TransferStarted for the forward, not one per group."""
+    session = rig.layerwise(group_size=0)
+    src, dst = list(range(20, 28)), list(range(30, 38))
+    open_room(rig, 7, dst)
+    batch = session.begin_batch(view(7, src, 0, 8, 8))
+    forward(session, rig, batch)
+    session.add_chunk(7, np.array(src), slice(0, 8), True, aux_index=0)
+    rig.wait_status(7, S.SUCCESS)
+    assert_bytes(rig, src, dst)
+    assert rig.metrics.layerwise == 3
+    # one for the streamed groups (not one per group), one for send()'s last chunk
+    assert len(rig.messenger.of_type(protocol.TransferStarted, 7)) == 2
+
+
+def test_a_short_batch_goes_chunk_wise_and_is_counted(rig):
+    session = rig.layerwise(min_batch_tokens=9)
+    src, dst = list(range(40, 48)), list(range(50, 58))
+    open_room(rig, 8, dst)
+    assert session.begin_batch(view(8, src, 0, 8, 8)) is None  # 8 new tokens < 9
+    assert rig.metrics.fallbacks == ["short_batch"]
+    session.add_chunk(8, np.array(src), slice(0, 8), True, aux_index=0)
+    rig.wait_status(8, S.SUCCESS)
+    assert_bytes(rig, src, dst)
+    assert rig.metrics.layerwise == 0
+
+
 def test_layers_the_hook_never_saw_go_with_send(rig):
     session = rig.layerwise()
     src, dst = [5, 6, 7, 8], [1, 2, 3, 4]

@@ -25,7 +25,7 @@ def test_knobs_parse_and_validate():
     assert (cfg.layerwise, cfg.layerwise_min_tokens, cfg.layerwise_group) == ("auto", 0, 4)
     assert MoriConfig.from_env({}).layerwise == "off"
     for name, bad in (("SGLANG_MORI_LAYERWISE", "yes"), ("SGLANG_MORI_LAYERWISE_MIN_TOKENS", "-1"),
-                      ("SGLANG_MORI_LAYERWISE_GROUP", "0")):
+                      ("SGLANG_MORI_LAYERWISE_GROUP", "-1")):
         with pytest.raises(ConfigError, match=name):
             MoriConfig.from_env({name: bad})
 
@@ -65,3 +65,11 @@ def test_on_refuses_an_unsupported_deployment_and_auto_falls_back():
             assert build_session(deployment, [1, 2], parts, None, LAYOUT) is None
             assert parts.metrics.fallbacks == ["deployment"]
     assert build_session(deployment, [1, 2], SimpleNamespace(config=MoriConfig()), None, LAYOUT) is None  # off
+
+
+def test_halving_group_ends():
+    from sglang_mori.backend.prefill.layerwise.session import group_ends
+
+    assert group_ends(61) == {30, 45, 53, 57, 59, 60, 61}  # groups of 30, 15, 8, 4, 2, 1, 1
+    assert group_ends(32) == {16, 24, 28, 30, 31, 32}
+    assert group_ends(2) == {1, 2} and group_ends(1) == {1}

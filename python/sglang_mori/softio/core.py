@@ -18,6 +18,7 @@ import threading
 from .backend import SoftRdmaBackend
 from .config import IOEngineConfig, RdmaBackendConfig
 from .descriptors import EngineDesc, MemoryDesc
+from .device_path import DeviceBatch, DeviceSession
 from .enums import BackendType, StatusCode
 from .faults import FaultPlan, apply_env_faults
 from .memory import LocalMemory
@@ -174,17 +175,24 @@ class EngineCore:
                 status.Update(StatusCode.ERR_INVALID_ARGS,
                               "batch lists (descs, offsets, sizes, uids) differ in length")
             return statuses
-        for i in range(count):
-            backend = self._select(locals_[i], remotes[i])
-            if backend is None:
-                statuses[i].Update(StatusCode.ERR_BAD_STATE, _NO_BACKEND)
-                logger.error("softio: %s", _NO_BACKEND)
-                return statuses  # like MORI: the remaining pairs stay INIT
-            if len(sizes[i]) == 0:
-                statuses[i].SetCode(StatusCode.SUCCESS)
-                continue
-            backend.session(locals_[i], remotes[i]).transfer(
-                local_offsets[i], remote_offsets[i], sizes[i], statuses[i], uids[i], is_read)
+        device = DeviceBatch()  # device pairs of this call: one copy call and one event for all
+        try:
+            for i in range(count):
+                backend = self._select(locals_[i], remotes[i])
+                if backend is None:
+                    statuses[i].Update(StatusCode.ERR_BAD_STATE, _NO_BACKEND)
+                    logger.error("softio: %s", _NO_BACKEND)
+                    return statuses  # like MORI: the remaining pairs stay INIT
+                if len(sizes[i]) == 0:
+                    statuses[i].SetCode(StatusCode.SUCCESS)
+                    continue
+                session = backend.session(locals_[i], remotes[i])
+                if isinstance(session, DeviceSession):
+                    session.add_to(device, local_offsets[i], remote_offsets[i], sizes[i], statuses[i], is_read)
+                else:
+                    session.transfer(local_offsets[i], remote_offsets[i], sizes[i], statuses[i], uids[i], is_read)
+        finally:
+            device.submit()  # what was accepted is posted, also when a later pair raised
         return statuses
 
     def create_session(self, local, remote):

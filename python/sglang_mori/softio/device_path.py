@@ -5,7 +5,8 @@ pointer really is device memory is exported with a CUDA IPC handle at registrati
 the MemoryDesc's `ipc_handle` / `ipc_offset` fields, as MORI's XGMI backend carries its HIP IPC
 handle); the initiator opens the peer's handle once and every `batch_write` becomes device copies
 enqueued on the engine's own stream in ONE foreign call (cudaMemcpyBatchAsync; range by range
-where the runtime lacks it), followed by one event. A completion thread waits on the events
+where the runtime lacks it), followed by one event: every device pair of one `batch_write` call
+shares that call and event (DeviceBatch), so a call's Python cost does not grow with its pairs. A completion thread waits on the events
 (cudaEventSynchronize, without the GIL) and completes the statuses. No Python runs per byte or
 per range, and none busy-waits.
 
@@ -79,7 +80,8 @@ class DeviceEngine:
                 return self._free_events.pop()
         return self.rt.event(self.device)
 
-    def submit(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, status) -> None:
+    def submit(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, statuses: list) -> None:
+        """Enqueue the copies and one event after them; `statuses` complete when it fires."""
         nbytes = int(sizes.sum())
         event = self._event()
         try:
@@ -97,9 +99,10 @@ class DeviceEngine:
         except Exception as exc:  # noqa: BLE001 - a CUDA error fails this write, not the caller
             with self._events_lock:
                 self._free_events.append(event)
-            status.Update(_ERR_GPU_OP, f"softio device copy failed: {exc}")
+            for status in statuses:
+                status.Update(_ERR_GPU_OP, f"softio device copy failed: {exc}")
             return
-        self._pending.put((event, status, paced))
+        self._pending.put((event, statuses, paced))
 
     def _complete_loop(self) -> None:
         self.rt.use_device(self.device)
@@ -107,16 +110,18 @@ class DeviceEngine:
             item = self._pending.get()
             if item is None:
                 return
-            event, status, paced = item
+            event, statuses, paced = item
             try:
                 self.rt.synchronize(event)
             except Exception as exc:  # noqa: BLE001
-                status.Update(_ERR_GPU_OP, f"softio device copy failed: {exc}")
+                for status in statuses:
+                    status.Update(_ERR_GPU_OP, f"softio device copy failed: {exc}")
             else:
                 delay = paced - time.monotonic()
                 if delay > 0:
                     time.sleep(delay)
-                status.Update(_SUCCESS, "")
+                for status in statuses:
+                    status.Update(_SUCCESS, "")
             with self._events_lock:
                 self._free_events.append(event)
 
@@ -135,6 +140,12 @@ class DeviceSession:
         self.remote_size = remote_size
 
     def transfer(self, local_offsets, remote_offsets, sizes, status, uid: int, is_read: bool) -> None:
+        batch = DeviceBatch()
+        self.add_to(batch, local_offsets, remote_offsets, sizes, status, is_read)
+        batch.submit()
+
+    def add_to(self, batch: "DeviceBatch", local_offsets, remote_offsets, sizes, status, is_read: bool) -> None:
+        """Validate one pair's ranges and add them to `batch` (status IN_PROGRESS), or fail it."""
         status._start()
         lo = np.asarray(local_offsets, dtype=np.int64)
         ro = np.asarray(remote_offsets, dtype=np.int64)
@@ -155,7 +166,34 @@ class DeviceSession:
             if len(sz) == 0:
                 status.Update(_SUCCESS, "")
                 return
-        local = (lo + self.local.ptr).astype(np.uint64)
-        remote = (ro + self.remote_base).astype(np.uint64)
+        local = lo + self.local.ptr
+        remote = ro + self.remote_base
         dsts, srcs = (local, remote) if is_read else (remote, local)
-        self.engine.submit(dsts, srcs, sz.astype(np.uint64), status)
+        batch.add(self.engine, dsts, srcs, sz, status)
+
+
+class DeviceBatch:
+    """Device pairs of one `batch_write` call: posted as one copy call and one event per engine
+    stream, so the Python cost of a call does not grow with its number of pairs."""
+
+    __slots__ = ("_by_engine",)
+
+    def __init__(self):
+        self._by_engine: dict = {}
+
+    def add(self, engine: DeviceEngine, dsts, srcs, sizes, status) -> None:
+        parts = self._by_engine.get(engine)
+        if parts is None:
+            parts = self._by_engine[engine] = ([], [], [], [])
+        parts[0].append(dsts)
+        parts[1].append(srcs)
+        parts[2].append(sizes)
+        parts[3].append(status)
+
+    def submit(self) -> None:
+        batches, self._by_engine = self._by_engine, {}
+        for engine, (dsts, srcs, sizes, statuses) in batches.items():
+            one = len(dsts) == 1
+            engine.submit((dsts[0] if one else np.concatenate(dsts)).astype(np.uint64),
+                          (srcs[0] if one else np.concatenate(srcs)).astype(np.uint64),
+                          (sizes[0] if one else np.concatenate(sizes)).astype(np.uint64), statuses)

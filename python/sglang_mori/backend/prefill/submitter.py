@@ -51,6 +51,9 @@ class Chunk:
     state_indices: Optional[list]
     wait_event: object = None
     num_kv_tokens: Optional[int] = None  # real tokens of the chunk (SGLang's send(num_kv_tokens))
+    # Send TransferStarted (restarts decode's deadline). A layer-wise stream announces its
+    # first group only: one message per room and forward instead of one per layer group.
+    announce: bool = True
 
 
 class ChunkSubmitter:
@@ -179,8 +182,9 @@ class ChunkSubmitter:
         room and tracks `writes` afterwards, whatever this returns or raises."""
         p = self.p
         # Every chunk restarts decode's deadline: a long chunked prefill is slow, not dead.
-        started = protocol.TransferStarted(room=chunk.room, prefill_rank=p.sglang.prefill_rank)
-        p.messenger.send_all([t.address for t in targets], started)
+        if chunk.announce:
+            started = protocol.TransferStarted(room=chunk.room, prefill_rank=p.sglang.prefill_rank)
+            p.messenger.send_all([t.address for t in targets], started)
         if chunk.wait_event is not None:
             chunk.wait_event.synchronize()  # source KV is ready only after the forward pass
         deadline = p.clock() + p.timeout_s

@@ -43,7 +43,10 @@ def build_session(deployment, kv_data_ptrs, parts, service, layout) -> Optional[
         return None
     buffer_map = LayerBufferMap(list(kv_data_ptrs), layout.num_draft_entries, layout.is_mla)
     session = LayerwiseSession(parts, service, buffer_map, group_size=cfg.layerwise_group,
-                               min_tokens=cfg.layerwise_min_tokens)
-    logger.info("sglang-mori: layer-wise streaming on (%s, group=%d layers, min %d new tokens per request)",
-                "MLA" if layout.is_mla else "MHA", cfg.layerwise_group, cfg.layerwise_min_tokens)
+                               min_tokens=cfg.layerwise_min_tokens,
+                               min_batch_tokens=cfg.layerwise_min_batch_tokens)
+    logger.info("sglang-mori: layer-wise streaming on (%s, groups: %s, min %d new tokens per request, "
+                "%d per batch)", "MLA" if layout.is_mla else "MHA",
+                f"{cfg.layerwise_group} layers" if cfg.layerwise_group else "halving",
+                cfg.layerwise_min_tokens, cfg.layerwise_min_batch_tokens)
     return session

@@ -21,6 +21,8 @@ class LayerBufferMap:
         main = len(kv_data_ptrs) - int(num_draft_entries or 0)
         self.num_buffers = len(kv_data_ptrs)
         self.is_mla = bool(is_mla)
+        # Model layers of the main pool: MLA registers one buffer a layer, MHA a K and a V buffer.
+        self.layers = max(1, main if self.is_mla else main // 2)
         self._by_ptr: Dict[int, int] = {}
         for i, ptr in enumerate(kv_data_ptrs[:main]):
             if ptr:

@@ -39,6 +39,21 @@ from sglang_mori.backend.prefill.rooms import Phase, PrefillRoom
 logger = logging.getLogger(__name__)
 
 
+def group_ends(layers: int) -> frozenset:
+    """Halving groups: after how many layers of a forward a group is written. Each group is half
+    of the layers still to come and the last layer is alone, so a forward costs the worker about
+    log2(layers) + 1 writes per room (not one per layer) while what remains to send after the
+    forward is one layer's KV. 61 layers: groups of 30, 15, 8, 4, 2, 1, 1."""
+    ends, done, left = set(), 0, max(1, int(layers))
+    while left > 1:
+        take = max(1, left // 2)
+        done += take
+        left -= take
+        ends.add(done)
+    ends.add(done + left)
+    return frozenset(ends)
+
+
 @dataclass
 class ReqView:
     """What the session needs of one request of an extend batch (hooks.py reads SGLang's Req)."""
@@ -75,12 +90,16 @@ class RoomRecord:
 
 
 class LayerwiseSession:
-    def __init__(self, parts, service, buffer_map: LayerBufferMap, *, group_size: int, min_tokens: int):
+    def __init__(self, parts, service, buffer_map: LayerBufferMap, *, group_size: int, min_tokens: int,
+                 min_batch_tokens: int = 0):
         self.p = parts
         self.service = service
         self.map = buffer_map
-        self.group_size = max(1, int(group_size))
+        # 0: halving groups (group_ends); n >= 1: a write every n layers
+        self.group_size = max(0, int(group_size))
+        self.group_ends = group_ends(buffer_map.layers) if self.group_size == 0 else frozenset()
         self.min_tokens = max(0, int(min_tokens))
+        self.min_batch_tokens = max(0, int(min_batch_tokens))
         self.effects = service.effects
         self.worker = LayerWorker(parts, service.effects, service.failures, service.submitter)
         self._serial = 0
@@ -114,6 +133,11 @@ class LayerwiseSession:
         metrics = self.p.metrics
         if view.fallback:
             metrics.layerwise_fallback(view.fallback)
+            return None
+        if self.min_batch_tokens and sum(rq.extend_len for rq in view.reqs) < self.min_batch_tokens:
+            # A short forward is launch-bound: the worker's GIL time would delay its launches
+            # more than streaming saves (docs/benchmarks.md, GPU rig); send() moves it all.
+            metrics.layerwise_fallback("short_batch")
             return None
         streams: List[RoomStream] = []
         try:
@@ -179,7 +203,8 @@ class LayerwiseSession:
         batch.pending.extend(buffers)
         batch.pending_layers += 1
         batch.event = event
-        if batch.pending_layers >= batch.group_size:
+        if (len(batch.seen_layers) in self.group_ends if batch.group_size == 0
+                else batch.pending_layers >= batch.group_size):
             self._flush(batch)
 
     def stop_batch(self, batch: LayerBatch, reason: str) -> None:

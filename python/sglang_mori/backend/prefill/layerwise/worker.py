@@ -43,6 +43,7 @@ class RoomStream:
     rng: StreamRange
     src_pages: np.ndarray
     plans: Dict[str, object] = field(default_factory=dict)  # peer engine key -> full TransferPlan
+    announced: bool = False  # TransferStarted sent for this batch (with its first group)
 
     @property
     def dst_slice(self) -> slice:
@@ -122,7 +123,8 @@ class LayerWorker:
             targets = life.live_targets()
         chunk = LayerChunk(room=stream.room, kv_indices=stream.src_pages, index_slice=stream.dst_slice,
                            is_last=False, aux_index=None, state_indices=None, wait_event=event,
-                           stream=stream, buffers=buffers)
+                           stream=stream, buffers=buffers, announce=not stream.announced)
+        stream.announced = True
         tracked = self.submitter.post_tracked(chunk, life, targets)
         p.metrics.layerwise_writes(tracked)
         return tracked
