@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from sglang_mori.backend.prefill.layerwise import hooks
+from sglang_mori.backend.prefill.layerwise.session import group_ends
 
 from pd_rig import GpuPD, Requests
 
@@ -18,10 +19,17 @@ DELAY_CYCLES = 2_000_000  # ~1 ms of GPU time before each layer's store
 TOKENS, REQUESTS, PAGE = 512, 2, 64
 
 
-@pytest.fixture(scope="module")
-def rig():
-    with GpuPD("mla", PAGE, pages=64) as r:
+@pytest.fixture(scope="module", params=[1, 0], ids=["group-1", "halving-groups"])
+def rig(request):
+    with GpuPD("mla", PAGE, pages=64, group_size=request.param) as r:
+        r.group_size = request.param
         yield r
+
+
+def writes_per_forward(rig) -> int:
+    """Layer-wise writes of one forward of REQUESTS requests (one decode peer)."""
+    layers = rig.shape.layers
+    return REQUESTS * (layers if rig.group_size == 1 else len(group_ends(layers)))
 
 
 def run(rig, seed: int, **kw):
@@ -39,7 +47,7 @@ def run(rig, seed: int, **kw):
 def test_streamed_kv_equals_the_source_although_every_store_is_late(rig, side_stream):
     streamed, bad = run(rig, 11 + side_stream, layerwise=True, side_stream=side_stream,
                         store_delay_cycles=DELAY_CYCLES)
-    assert streamed >= rig.shape.layers, "the layers were not streamed"
+    assert streamed == writes_per_forward(rig), "the layers were not streamed"
     assert bad == 0
 
 
@@ -48,7 +56,7 @@ def test_without_the_event_wait_streamed_kv_is_stale(rig, monkeypatch, side_stre
     monkeypatch.setattr(hooks, "_layer_event", lambda tensor: None)
     streamed, bad = run(rig, 21 + side_stream, layerwise=True, side_stream=side_stream,
                         store_delay_cycles=DELAY_CYCLES)
-    assert streamed >= rig.shape.layers
+    assert streamed == writes_per_forward(rig)
     assert bad > 0, "no stale page although the worker did not wait for the stores"
 
 
