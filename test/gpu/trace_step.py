@@ -46,9 +46,8 @@ def main() -> None:
     def submit(self, dsts, srcs, sizes, statuses):
         start = t()
         original_submit(self, dsts, srcs, sizes, statuses)
-        events.append((start, t(), f"device submit {int(sizes.sum()) / 1e6:.1f} MB, {len(sizes)} ranges"))
-        for s in statuses:
-            s._trace = start
+        mode = "kernel" if self.copier is not None else "memcpy"
+        events.append((start, t(), f"device submit ({mode}) {int(sizes.sum()) / 1e6:.1f} MB, {len(sizes)} ranges"))
     device_path.DeviceEngine.submit = submit
 
     with GpuPD(shape, page, 2 * (tokens // page + 1)) as rig:

@@ -4,8 +4,9 @@ The stand-in for MORI-IO's XGMI route. A region registered as `MemoryLocationTyp
 pointer really is device memory is exported with a CUDA IPC handle at registration (carried in
 the MemoryDesc's `ipc_handle` / `ipc_offset` fields, as MORI's XGMI backend carries its HIP IPC
 handle); the initiator opens the peer's handle once and every `batch_write` becomes device copies
-enqueued on the engine's own stream in ONE foreign call (cudaMemcpyBatchAsync; range by range
-where the runtime lacks it), followed by one event: every device pair of one `batch_write` call
+enqueued on the engine's own stream in ONE call (a gather kernel over the range table where CuPy
+works, device_gather.py; else cudaMemcpyBatchAsync, range by range where the runtime lacks it),
+followed by one event: every device pair of one `batch_write` call
 shares that call and event (DeviceBatch), so a call's Python cost does not grow with its pairs. A completion thread waits on the events
 (cudaEventSynchronize, without the GIL) and completes the statuses. No Python runs per byte or
 per range, and none busy-waits.
@@ -34,6 +35,7 @@ import time
 
 import numpy as np
 
+from .device_gather import make_copier
 from .enums import StatusCode
 from .memory import Region
 
@@ -62,6 +64,7 @@ class DeviceEngine:
         self.rt = runtime
         self.device = device
         self.stream = runtime.stream(device)
+        self.copier = make_copier(device)  # one kernel per batch where CuPy works (device_gather.py)
         self.rate = link_bytes_per_s()
         self._link_free = 0.0
         self._free_events = [runtime.event(device) for _ in range(_EVENT_POOL)]
@@ -86,7 +89,11 @@ class DeviceEngine:
         event = self._event()
         try:
             with self._submit_lock:
-                self.rt.copy(dsts, srcs, sizes, self.stream, self.device)
+                keep = None
+                if self.copier is not None:
+                    keep = self.copier.copy(dsts, srcs, sizes, self.stream)
+                else:
+                    self.rt.copy(dsts, srcs, sizes, self.stream, self.device)
                 self.rt.record(event, self.stream)
                 now = time.monotonic()
                 paced = 0.0
@@ -102,7 +109,7 @@ class DeviceEngine:
             for status in statuses:
                 status.Update(_ERR_GPU_OP, f"softio device copy failed: {exc}")
             return
-        self._pending.put((event, statuses, paced))
+        self._pending.put((event, statuses, paced, keep))
 
     def _complete_loop(self) -> None:
         self.rt.use_device(self.device)
@@ -110,7 +117,7 @@ class DeviceEngine:
             item = self._pending.get()
             if item is None:
                 return
-            event, statuses, paced = item
+            event, statuses, paced, _keep = item  # _keep: the kernel's range table, alive until here
             try:
                 self.rt.synchronize(event)
             except Exception as exc:  # noqa: BLE001
