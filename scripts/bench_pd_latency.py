@@ -51,7 +51,8 @@ from harness.tiny_model import build_tiny_model  # noqa: E402
 from harness.transfer_stats import TransferProbe  # noqa: E402
 
 CONFIGS = ["mori", "mori_layerwise", "mori_builtin", "mooncake_tcp", "standalone"]
-LAYERWISE_ENV = {"SGLANG_MORI_LAYERWISE": "on", "SGLANG_MORI_LAYERWISE_MIN_TOKENS": "1"}
+LAYERWISE_ENV = {"SGLANG_MORI_LAYERWISE": "on", "SGLANG_MORI_LAYERWISE_MIN_TOKENS": "1",
+                 "SGLANG_MORI_LAYERWISE_MIN_BATCH_TOKENS": "0"}
 LONG_WORDS = ("river mountain city forest engine memory cache prefill decode token batch server router request "
               "transfer page layer kernel tensor signal packet network queue thread worker lane buffer offset "
               "morning evening winter summer stone glass paper music light").split()

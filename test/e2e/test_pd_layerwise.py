@@ -43,6 +43,7 @@ def layerwise_pd(e2e_backend, server_options, tmp_path_factory):
     env = {
         "SGLANG_MORI_LAYERWISE": "on",
         "SGLANG_MORI_LAYERWISE_MIN_TOKENS": "1",
+        "SGLANG_MORI_LAYERWISE_MIN_BATCH_TOKENS": "0",  # CPU forwards: every batch streams
         "SGLANG_MORI_SOFTIO_RECORD_WRITES": "1",
         "SGLANG_MORI_PROBE_DIR": str(probe_dir),
         "PYTHONPATH": launch.plugin_pythonpath(PROBE, launch.CPU_HOOKS),

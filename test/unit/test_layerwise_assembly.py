@@ -70,6 +70,6 @@ def test_on_refuses_an_unsupported_deployment_and_auto_falls_back():
 def test_halving_group_ends():
     from sglang_mori.backend.prefill.layerwise.session import group_ends
 
-    assert group_ends(61) == {30, 45, 53, 57, 59, 60, 61}  # groups of 30, 15, 8, 4, 2, 1, 1
-    assert group_ends(32) == {16, 24, 28, 30, 31, 32}
-    assert group_ends(2) == {1, 2} and group_ends(1) == {1}
+    assert group_ends(61) == {15, 38, 49, 55, 58, 59, 60, 61}  # groups of 15, 23, 11, 6, 3, 1, 1, 1
+    assert group_ends(32) == {8, 20, 26, 29, 30, 31, 32}
+    assert group_ends(4) == {1, 2, 3, 4} and group_ends(2) == {1, 2} and group_ends(1) == {1}

@@ -40,13 +40,14 @@ logger = logging.getLogger(__name__)
 
 
 def group_ends(layers: int) -> frozenset:
-    """Halving groups: after how many layers of a forward a group is written. Each group is half
-    of the layers still to come and the last layer is alone, so a forward costs the worker about
-    log2(layers) + 1 writes per room (not one per layer) while what remains to send after the
-    forward is one layer's KV. 61 layers: groups of 30, 15, 8, 4, 2, 1, 1."""
+    """Halving groups: after how many layers of a forward a group is written. The first group is
+    a quarter of the layers (the link starts early enough to carry the rest while the forward
+    runs), then each group is half of the layers still to come and the last layer is alone: a
+    forward costs the worker about log2(layers) + 2 writes per room (not one per layer) and what
+    remains to send after the forward is one layer's KV. 61 layers: 15, 23, 11, 6, 3, 1, 1, 1."""
     ends, done, left = set(), 0, max(1, int(layers))
     while left > 1:
-        take = max(1, left // 2)
+        take = max(1, left // 4 if done == 0 else left // 2)
         done += take
         left -= take
         ends.add(done)

@@ -1,0 +1,51 @@
+"""softio's device path turns the pairs of one batch_write into one list of copies (DeviceBatch):
+the addresses, the read/write direction and the per-pair failures are checked here on CPU, with a
+recording engine in place of the CUDA one (the copies themselves run in test/gpu)."""
+
+from types import SimpleNamespace
+
+import numpy as np
+
+from sglang_mori.softio.device_path import DeviceBatch, DeviceSession
+from sglang_mori.softio.enums import StatusCode
+from sglang_mori.softio.status import TransferStatus
+
+
+class RecordingEngine:
+    def __init__(self):
+        self.calls = []
+
+    def submit(self, dsts, srcs, sizes, statuses):
+        self.calls.append((dsts.tolist(), srcs.tolist(), sizes.tolist(), list(statuses)))
+
+
+def session(engine, local_ptr, local_size, remote_base, remote_size):
+    return DeviceSession(None, engine, SimpleNamespace(ptr=local_ptr, size=local_size), remote_base, remote_size)
+
+
+def test_pairs_of_one_call_become_one_submission_with_their_addresses():
+    engine = RecordingEngine()
+    a = session(engine, 1000, 100, 50_000, 100)
+    b = session(engine, 2000, 100, 60_000, 100)
+    batch = DeviceBatch()
+    s1, s2, s3 = TransferStatus(), TransferStatus(), TransferStatus()
+    a.add_to(batch, [0, 10], [5, 50], [4, 0], s1, False)  # a zero-size range is dropped
+    b.add_to(batch, np.array([1]), np.array([2]), np.array([3]), s2, True)  # a read: remote -> local
+    a.add_to(batch, [], [], [], s3, False)
+    batch.submit()
+    assert s3.Code() == StatusCode.SUCCESS  # empty: succeeds at once, not submitted
+    assert engine.calls == [([50_005, 2001], [1000, 60_002], [4, 3], [s1, s2])]
+    assert s1.Code() == s2.Code() == StatusCode.IN_PROGRESS
+
+
+def test_a_pair_with_a_range_outside_its_region_fails_alone_and_sends_nothing():
+    engine = RecordingEngine()
+    a = session(engine, 1000, 100, 50_000, 100)
+    batch = DeviceBatch()
+    good, bad, ragged = TransferStatus(), TransferStatus(), TransferStatus()
+    a.add_to(batch, [0], [0], [10], good, False)
+    a.add_to(batch, [0, 95], [0, 0], [10, 10], bad, False)  # 95 + 10 > 100
+    a.add_to(batch, [0, 1], [0], [1, 1], ragged, False)
+    batch.submit()
+    assert bad.Code() == StatusCode.ERR_INVALID_ARGS and ragged.Code() == StatusCode.ERR_INVALID_ARGS
+    assert engine.calls == [([50_000], [1000], [10], [good])]
