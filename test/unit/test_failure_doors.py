@@ -5,7 +5,7 @@
   decided before the request arrived); only the applier (prefill/effects.py) carries the effects
   out: SGLang's failure, its statuses and outstanding counts, the abort ACK tables, the budget and
   the failure metric.
-- Decode: only decode/failures.py fails a room in SGLang, closes a decode room as failed, or
+- Decode: only decode/effects.py fails a room in SGLang, closes a decode room as failed, or
   counts a failed request.
 - Nobody but the adapter itself marks a room Failed through another SGLang call.
 """
@@ -93,11 +93,11 @@ def test_only_the_applier_writes_sglangs_prefill_tables_and_the_budget():
     assert found.get("take or return budget", set()) == {"prefill/effects.py"}
 
 
-def test_decode_rooms_fail_only_through_decode_failures_py():
+def test_decode_rooms_fail_only_through_decode_effects_py():
     found = findings()
-    assert found.get("close a decode room failed", set()) == {"decode/failures.py"}
-    assert found.get("write SGLang's room tables (fail)", set()) == {"prefill/effects.py", "decode/failures.py"}
-    assert found.get("count a failed request", set()) == {"prefill/effects.py", "decode/failures.py"}
+    assert found.get("close a decode room failed", set()) == {"decode/effects.py"}
+    assert found.get("write SGLang's room tables (fail)", set()) == {"prefill/effects.py", "decode/effects.py"}
+    assert found.get("count a failed request", set()) == {"prefill/effects.py", "decode/effects.py"}
     # The adapter's fail() is the one call that marks Failed; SGLang's own prefill status path
     # for Failed is the decode door's.
-    assert found.get("mark Failed in SGLang", set()) <= {"sglang_adapter.py", "decode/failures.py"}
+    assert found.get("mark Failed in SGLang", set()) <= {"sglang_adapter.py", "decode/effects.py"}

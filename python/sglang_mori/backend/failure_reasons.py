@@ -1,5 +1,5 @@
 """Why rooms fail: the metrics label of each cause (metrics.FAILURE_REASONS folds any other value
-into "other"), shared by both roles' failure doors (prefill/failures.py, decode/failures.py)."""
+into "other"), shared by both roles' failure doors (prefill/failures.py, decode/effects.py)."""
 
 TIMEOUT = "timeout"
 PEER_DEAD = "peer_dead"

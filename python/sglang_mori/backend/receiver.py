@@ -7,7 +7,7 @@ from typing import Optional
 
 from sglang_mori.backend import room_status
 from sglang_mori.backend import sglang_compat as compat
-from sglang_mori.backend.decode.failures import ABORTED_UNREACHABLE, DUPLICATE_ROOM
+from sglang_mori.backend.decode.effects import ABORTED_UNREACHABLE, DUPLICATE_ROOM
 from sglang_mori.backend.failure_reasons import ABORTED, PROTOCOL
 from sglang_mori.backend.messenger import Messenger
 

@@ -20,7 +20,7 @@ import zmq
 
 from sglang_mori import protocol
 from sglang_mori.backend import room_status
-from sglang_mori.backend.decode.failures import AUX_DOES_NOT_FIT, TRANSFER_DEADLINE, DecodeFailures
+from sglang_mori.backend.decode.effects import AUX_DOES_NOT_FIT, TRANSFER_DEADLINE, DecodeEffects
 from sglang_mori.backend.decode.rooms import DecodeRoomRegistry
 from sglang_mori.backend.failure_reasons import OTHER, TIMEOUT
 from sglang_mori.backend.messenger import Messenger
@@ -77,7 +77,7 @@ class DecodeService:
     def __init__(self, parts: DecodeParts, reject: Callable[[protocol.ProtocolError, str], None]):
         self.p = parts
         self.reject = reject
-        self.failures = DecodeFailures(parts)
+        self.effects = DecodeEffects(parts)  # every write to SGLang's room tables
         self.deadline_s = parts.config.transfer_timeout_ms / 1000.0 + DEADLINE_GRACE_S
         self.stopped = threading.Event()
         self.thread: Optional[threading.Thread] = None
@@ -134,17 +134,16 @@ class DecodeService:
     def new_receiver(self, room: int) -> int:
         """A receiver starts on `room`: a new attempt (an earlier one's bookkeeping is stale, and
         so is a failure record an earlier request with this id left unread)."""
-        self.p.sglang.drop_stale_failure(int(room))
-        return self.p.rooms.open(int(room)).attempt
+        return self.effects.new_attempt(int(room))
 
     def forget(self, room: int, attempt: int) -> None:
         """The receiver of `attempt` was cleared (a newer attempt's room is left alone)."""
         self.p.rooms.forget(int(room), attempt)
 
-    # --- the one failure path (failures.py) ---------------------------------------------------
+    # --- the one failure path (effects.py) ----------------------------------------------------
     def fail(self, room: int, reason: str, label: str) -> bool:
         """Record the reason, mark the room Failed in SGLang, count it; False if already over."""
-        return self.failures.fail(room, reason, label)
+        return self.effects.fail(room, reason, label)
 
     # --- the status thread ------------------------------------------------------------------
     def _run_status_thread(self) -> None:
@@ -176,7 +175,7 @@ class DecodeService:
             p.rooms.transfer_started(message.room, p.clock())
         elif isinstance(message, protocol.AbortAck):
             if p.sglang.deferred_release and message.generation is not None:
-                p.sglang.note_abort_ack(message.room, message.prefill_rank, message.generation)
+                self.effects.abort_acked(message.room, message.prefill_rank, message.generation)
         else:
             self.reject(protocol.ProtocolError(protocol.REJECT_MALFORMED, f"{type(message).__name__} sent to decode"),
                         "decode status socket")
@@ -187,7 +186,7 @@ class DecodeService:
         if before is None:
             return  # concluded and cleared already; a late or replayed status changes nothing
         if msg.status == room_status.FAILED:
-            self.failures.prefill_failed(msg.room, msg.prefill_rank, msg.reason)
+            self.effects.prefill_failed(msg.room, msg.prefill_rank, msg.reason)
             return
         if msg.status != room_status.SUCCESS:
             self.reject(protocol.ProtocolError(protocol.REJECT_MALFORMED, f"non-terminal status {msg.status}", msg.room),
@@ -197,12 +196,7 @@ class DecodeService:
         if error:
             self.fail(msg.room, error, OTHER)
             return
-        p.sglang.apply_prefill_status(msg.room, msg.status, msg.prefill_rank, msg.reason)
-        # Count the room once, when this message made it terminal (with several prefill ranks,
-        # the last Success does).
-        if p.sglang.status(msg.room) == room_status.SUCCESS and before != room_status.SUCCESS:
-            p.rooms.finish(msg.room, True)
-            p.metrics.request_finished(ok=True, reason=None)
+        self.effects.prefill_succeeded(msg.room, msg.prefill_rank, msg.reason, before)
 
     def _copy_aux(self, msg: protocol.RoomStatus) -> Optional[str]:
         """Copy the aux items into this room's aux slot; an error string if they do not fit.
