@@ -125,5 +125,10 @@ class FakeSGLang:
         else:
             self.set_status(room, status)
 
+    def arm_deferred_abort(self, room):
+        with self.lock:
+            self.abort_generations = getattr(self, "abort_generations", 0) + 1
+            return self.abort_generations
+
     def note_abort_ack(self, room, prefill_rank, generation):
         self.abort_acks_noted.append((room, prefill_rank, generation))

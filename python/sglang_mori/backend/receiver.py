@@ -49,7 +49,7 @@ class MoriKVReceiver(compat.CompatKVReceiver):
         mgr = self.kv_mgr
         if mgr.enable_deferred_decode_kv_release and (force_arm or self.init_time is not None):
             # Arm before sending: an immediate ACK must find the room waiting for it.
-            compat.arm_abort_generation(self)
+            compat.set_abort_generation(self, mgr.service.arm_abort(self.bootstrap_room))
         message = mgr.service.abort(self.bootstrap_room, compat.abort_generation(self), self.attempt)
         for info in self.bootstrap_infos or []:
             try:

@@ -98,3 +98,8 @@ class SGLangAdapter:
 
     def note_abort_ack(self, room: int, prefill_rank: int, generation: int) -> None:
         self._mgr.note_abort_ack(room, prefill_rank, generation)
+
+    def arm_deferred_abort(self, room: int) -> int:
+        """Decode: the room waits for abort ACKs before SGLang reuses its pages; the generation
+        the ACKs must carry."""
+        return self._mgr.register_deferred_abort_room(room)

@@ -187,9 +187,8 @@ def disown_room(receiver) -> None:
     receiver._owns_bootstrap_room = False
 
 
-def arm_abort_generation(receiver) -> int:
-    receiver._abort_generation = receiver.kv_mgr.register_deferred_abort_room(receiver.bootstrap_room)
-    return receiver._abort_generation
+def set_abort_generation(receiver, generation: int) -> None:
+    receiver._abort_generation = generation
 
 
 def abort_generation(receiver) -> Optional[int]:

@@ -79,6 +79,11 @@ class DecodeEffects:
             return True
         return False
 
+    def arm_abort(self, room: int) -> int:
+        """Before an abort is sent: SGLang holds the room's pages until every prefill rank ACKed
+        this generation."""
+        return self.p.sglang.arm_deferred_abort(room)
+
     def abort_acked(self, room: int, prefill_rank: int, generation: int) -> None:
         """A prefill rank acknowledged an abort: SGLang may release the pages once all have."""
         self.p.sglang.note_abort_ack(room, prefill_rank, generation)

@@ -136,6 +136,10 @@ class DecodeService:
         so is a failure record an earlier request with this id left unread)."""
         return self.effects.new_attempt(int(room))
 
+    def arm_abort(self, room: int) -> int:
+        """The receiver of `room` is about to send an abort with deferred release: the generation."""
+        return self.effects.arm_abort(int(room))
+
     def forget(self, room: int, attempt: int) -> None:
         """The receiver of `attempt` was cleared (a newer attempt's room is left alone)."""
         self.p.rooms.forget(int(room), attempt)
