@@ -142,3 +142,15 @@ def test_hook_targets_are_declared_once(target):
 
     used = [plugin.GET_KV_CLASS_TARGET] + [t for t, _ in HOOKS]
     assert used.count(target) == 1
+
+
+def test_start_up_check_skips_modules_this_process_never_loaded(monkeypatch):
+    """At start-up only loaded modules are checked (a scheduler has them all); an owner whose module
+    is not imported is skipped, not imported."""
+    import sys
+
+    monkeypatch.setitem(manifest.OWNERS, "Ghost", "sglang_mori_no_such_module:Ghost")
+    monkeypatch.setitem(manifest.MEMBERS, "Ghost", ("anything",))
+    assert "sglang_mori_no_such_module" not in sys.modules
+    assert not any(m.startswith("Ghost") for m in manifest.missing_members(loaded_only=True))
+    assert "Ghost (sglang_mori_no_such_module:Ghost)" in manifest.missing_members()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import ast
 import functools
 import importlib
+import sys
 import inspect
 import textwrap
 from typing import Dict, List, Tuple
@@ -218,10 +219,20 @@ def has_member(cls: type, name: str) -> bool:
     return False
 
 
-def missing_members(members: Dict[str, Tuple[str, ...]] = None, with_functions: bool = True) -> List[str]:
-    """`Owner.member` for each declared member, function or hook target the installed SGLang lacks."""
+def _not_loaded(spec: str) -> bool:
+    return spec.partition(":")[0] not in sys.modules
+
+
+def missing_members(members: Dict[str, Tuple[str, ...]] = None, with_functions: bool = True,
+                    loaded_only: bool = False) -> List[str]:
+    """`Owner.member` for each declared member, function or hook target the installed SGLang lacks.
+    `loaded_only`: check only what lives in modules this process imported already (start-up: a
+    scheduler process has them all; importing the others would cost seconds and hundreds of MB in
+    processes that never use them)."""
     out = []
     for owner, names in (MEMBERS if members is None else members).items():
+        if loaded_only and _not_loaded(OWNERS[owner]):
+            continue
         try:
             cls = _resolve(OWNERS[owner])
         except (ImportError, AttributeError):
@@ -231,11 +242,15 @@ def missing_members(members: Dict[str, Tuple[str, ...]] = None, with_functions: 
     if not with_functions:
         return out
     for spec in FUNCTIONS:
+        if loaded_only and _not_loaded(spec):
+            continue
         try:
             _resolve(spec)
         except (ImportError, AttributeError):
             out.append(spec)
     for target in HOOK_TARGETS:
+        if loaded_only and target.rsplit(".", 2)[0] not in sys.modules:  # module.Class.method
+            continue
         try:
             _resolve_dotted(target)
         except (ImportError, AttributeError):
@@ -250,8 +265,9 @@ def incompatibility(missing: List[str], installed: str) -> str:
 
 @functools.lru_cache(maxsize=None)
 def check_installed() -> None:
-    """Raise SGLangIncompatible naming every declared member the installed SGLang lacks."""
-    missing = missing_members()
+    """Raise SGLangIncompatible naming every declared member the installed SGLang lacks, of the
+    modules this process has loaded (the unit tests check the whole manifest)."""
+    missing = missing_members(loaded_only=True)
     if missing:
         import sglang
 
