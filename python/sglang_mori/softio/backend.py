@@ -67,12 +67,7 @@ class SoftRdmaBackend:
             with self._sessions_lock:
                 return self._sessions.setdefault(key, sess)
         peer.ensure_lanes()
-        size = peer.region_size(remote_desc._id)
-        if size != remote_desc._size:
-            raise RuntimeError(
-                f"RdmaBackend::CreateSession: remote MR size mismatch for engine "
-                f"{remote_desc._engine_key} memId={remote_desc._id} "
-                f"expected={remote_desc._size} got={size}")
+        size = _remote_size(peer, remote_desc)
         sess = SoftSession(self, peer, local, remote_desc._id, size)
         with self._sessions_lock:
             return self._sessions.setdefault(key, sess)
@@ -85,12 +80,7 @@ class SoftRdmaBackend:
             raise RuntimeError(
                 f"softio: a transfer between host and device memory is not supported (the {side} region of "
                 f"engine {remote_desc._engine_key if side == 'remote' else self.core.key} is host memory)")
-        size = peer.region_size(remote_desc._id)
-        if size != remote_desc._size:
-            raise RuntimeError(
-                f"RdmaBackend::CreateSession: remote MR size mismatch for engine "
-                f"{remote_desc._engine_key} memId={remote_desc._id} "
-                f"expected={remote_desc._size} got={size}")
+        size = _remote_size(peer, remote_desc)
         runtime = cuda_runtime.load()
         base = runtime.open(remote_desc._ipc_handle, local.device)
         return DeviceSession(self, self.core.device_engine(local.device), local, base + remote_desc._ipc_offset, size)
@@ -115,3 +105,15 @@ class SoftRdmaBackend:
         self.server.close()
         for peer in self.peers.all_peers():
             peer.abort(reason, report=False)
+
+
+def _remote_size(peer, remote_desc) -> int:
+    """The remote region's registered size, asked over the control plane; it must be the size the
+    descriptor claims (MORI's CreateSession checks the same)."""
+    size = peer.region_size(remote_desc._id)
+    if size != remote_desc._size:
+        raise RuntimeError(
+            f"RdmaBackend::CreateSession: remote MR size mismatch for engine "
+            f"{remote_desc._engine_key} memId={remote_desc._id} "
+            f"expected={remote_desc._size} got={size}")
+    return size
