@@ -11,6 +11,9 @@ Parts (--parts, comma-separated):
                 also the transfer tail (forward end -> last byte landed) of both modes
   interference  the forward's slowdown (prefill) and the decode step's (decode) while chunk-wise
                 transfers run in the background at fixed request rates; CPU per thread role
+  link          two GPUs (decode on --decode-device): GB/s of one request and of a burst at
+                --link-tokens, ours against a plain copy and the built-in's engine calls
+                (test/gpu/link_bench.py), for each gather grid in --blocks
 Every figure is a median over --iters runs, measured in this run: ratios, not absolutes, are the
 result. The command docs/benchmarks.md reports:
 
@@ -85,13 +88,14 @@ def run_cost(args, results: list) -> None:
         tokens = [int(t) for t in args.tokens.split(",")]
         counts = [int(c) for c in args.requests.split(",")]
         pages = max(pages_for(t, page) * c for t in tokens for c in counts)
-        with GpuPD(shape_key, page, pages, group_size=args.group) as rig:
+        with GpuPD(shape_key, page, pages, group_size=args.group, decode_device=args.decode_device) as rig:
             for t in tokens:
                 for c in counts:
                     for side in ([False, True] if args.side_stream and t in (512, 4096) and c == 1 else [False]):
                         t0 = time.time()
                         point = cost_point(rig, t, c, args.iters, side, seed=t + c)
                         point.update(shape=rig.shape.name, page_size=page, group=args.group,
+                                     decode_device=args.decode_device,
                                      fallbacks=rig.prefill.metrics_snapshot()["fallbacks"])
                         results.append(point)
                         args.save()
@@ -101,15 +105,52 @@ def run_cost(args, results: list) -> None:
                               f"on {point['tail_ms']['on']:7.2f} ms  [{time.time() - t0:.0f}s]", flush=True)
 
 
+def run_link(args, results: list) -> None:
+    from link_bench import device_engine, link_point
+    from pd_rig import GpuPD
+    from shapes import pages_for
+
+    tokens = [int(t) for t in args.link_tokens.split(",")]
+    for spec in args.shapes.split(","):
+        shape_key, page = spec.split(":")
+        page = int(page)
+        pages = max(pages_for(t, page) for t in tokens) * args.link_requests
+        with GpuPD(shape_key, page, pages, decode_device=args.decode_device) as rig:
+            dev = device_engine(rig)
+            copier = dev.copier if dev else None
+            grids = [(0, 0) if g == "default" else tuple(int(x) for x in g.split("x")) for g in args.blocks.split(",")]
+            defaults = (copier.blocks, copier.peer_blocks, copier.threads) if copier is not None else None
+            for t in tokens:
+                for blocks, threads in grids:
+                    if copier is not None and blocks:
+                        copier.blocks = copier.peer_blocks = blocks
+                        copier.threads = threads
+                    elif copier is not None:  # the defaults: what a deployment gets
+                        copier.blocks, copier.peer_blocks, copier.threads = defaults
+                        blocks, threads = copier.peer_blocks, copier.threads
+                    t0 = time.time()
+                    point = link_point(rig, t, args.link_requests, args.iters, seed=t)
+                    point.update(shape=rig.shape.name, page_size=page, blocks=blocks, threads=threads,
+                                 devices=[rig.prefill.device, rig.decode_device])
+                    results.append(point)
+                    args.save()
+                    print(f"link {rig.shape.name} p{page} {t:>6} tok grid {blocks:>3}x{threads}: plain "
+                          f"{point['plain_copy']['gbps']:6.1f} GB/s; ours {point['ours']['gbps']:6.1f} "
+                          f"({point['ours']['vs_plain_copy']:.2f}x), burst {point['ours']['gbps_per_s']:6.1f}, "
+                          f"kernel {point.get('kernel', {}).get('gbps', 0.0):6.1f}; "
+                          f"ours_calls {point['ours_calls']['gbps']:6.1f}; builtin_calls "
+                          f"{point['builtin_calls']['gbps']:6.1f} GB/s; ops {point['ours']['ops']} "
+                          f"[{time.time() - t0:.0f}s]", flush=True)
+
+
 def send_due(rig, bg, rate: float, start: float, sent: int, live: list) -> int:
     """Open and send the background requests due by now at `rate`; release the concluded ones.
     Returns the new count sent."""
     due = int((time.perf_counter() - start) * rate) - sent
     if due > 0:
         rooms = rig.next_rooms(due)
-        frames = rig.ask("open", [(room, bg.dst[k % bg.count]) for k, room in enumerate(rooms)])
+        rig.open_rooms(bg, rooms, [k % bg.count for k in range(len(rooms))])
         for k, room in enumerate(rooms):
-            rig.prefill.open(room, frames[k], bg.row(k % bg.count))
             rig.prefill.send_all(room, bg.src[k % bg.count])
         live += rooms
         sent += due
@@ -227,6 +268,10 @@ def main() -> int:
     ap.add_argument("--fwd-tokens", type=int, default=512)
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--decode-steps", type=int, default=300)
+    ap.add_argument("--decode-device", type=int, default=0, help="decode's GPU (1: across two GPUs)")
+    ap.add_argument("--link-tokens", default="1024,8192,32768")
+    ap.add_argument("--link-requests", type=int, default=4, help="requests of a burst (GB/s per second)")
+    ap.add_argument("--blocks", default="default", help="gather kernel grids to measure (link part): blocks x threads,... or 'default'")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     import faulthandler
@@ -241,7 +286,8 @@ def main() -> int:
     rt = cuda_runtime.load()
     import rig_device
 
-    meta = {"device": torch.cuda.get_device_name(0) if rig_device.ON_GPU else "cpu (rig check only)", "torch": torch.__version__,
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if rig_device.ON_GPU else []
+    meta = {"device": gpus[0] if gpus else "cpu (rig check only)", "gpus": gpus, "torch": torch.__version__,
             "cuda_runtime": rt.version if rt else None,
             "link_gbps": os.environ.get("SGLANG_MORI_SOFTIO_LINK_GBPS", ""), "args": dict(vars(args)), "results": []}
     print(f"device: {meta['device']} torch {meta['torch']} runtime {meta['cuda_runtime']} "
@@ -258,6 +304,8 @@ def main() -> int:
             run_cost(args, meta["results"])
         if "interference" in parts:
             run_interference(args, meta["results"])
+        if "link" in parts:
+            run_link(args, meta["results"])
     finally:
         save()
     return 0

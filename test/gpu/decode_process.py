@@ -14,7 +14,9 @@ import time
 import numpy as np
 
 
-def serve(conn, shape_key: str, page_size: int, pages: int, config_kwargs: dict, paths: list) -> None:
+def serve(conn, shape_key: str, page_size: int, pages: int, config_kwargs: dict, paths: list,
+          device: int = 0) -> None:
+    """Decode TP 1 on GPU `device`, whatever the prefill's TP (its ranks write head slices)."""
     import faulthandler
     import sys
 
@@ -34,9 +36,9 @@ def serve(conn, shape_key: str, page_size: int, pages: int, config_kwargs: dict,
     from thread_roles import ThreadCpu
     import rig_device
 
-    rig_device.set_device()
+    rig_device.set_device(device)
     shape = SHAPES[shape_key]
-    pool = DevicePool("decode", shape, page_size, pages)
+    pool = DevicePool("decode", shape, page_size, pages, device=device)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PULL)
     port = sock.bind_to_random_port("tcp://127.0.0.1")
@@ -57,14 +59,18 @@ def serve(conn, shape_key: str, page_size: int, pages: int, config_kwargs: dict,
             cmd, arg = conn.recv()
             if cmd == "stop":
                 break
-            if cmd == "open":
+            if cmd == "open":  # arg: ([(room, decode pages)], [is_dummy per prefill rank])
                 out = []
-                for room, dst_pages in arg:
+                rooms, dummies = arg
+                for room, dst_pages in rooms:
                     sglang.open(room)
                     service.new_receiver(room)
-                    out.append(protocol.encode(service.metadata(
+                    # what the receiver sends each prefill rank it pairs with (SGLang's receiver:
+                    # with MLA and prefill TP > decode TP, all but the first get dummy metadata)
+                    out.append([protocol.encode(service.metadata(
                         bootstrap_room=room, required_dst_info_num=1, kv_indices=np.asarray(dst_pages),
-                        aux_index=room % 64, state_indices=None, decode_prefix_len=None, is_dummy=False)))
+                        aux_index=room % 64, state_indices=None, decode_prefix_len=None, is_dummy=dummy))
+                        for dummy in dummies])
                 conn.send(out)
             elif cmd == "statuses":
                 conn.send({room: sglang.status(room) for room in arg})
@@ -76,6 +82,8 @@ def serve(conn, shape_key: str, page_size: int, pages: int, config_kwargs: dict,
             elif cmd == "digests":
                 rig_device.synchronize()
                 conn.send([pool.digest([p]) for p in arg])
+            elif cmd == "devices":  # (device ids in the KV registrations, devices the KV tensors are on)
+                conn.send(([d.device_id for d in pool.buffers.kv], sorted({t.device.index for t in pool.kv})))
             elif cmd == "digest":
                 rig_device.synchronize()
                 conn.send(pool.digest(arg))

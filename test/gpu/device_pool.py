@@ -14,7 +14,7 @@ import sglang_mori.softio as io
 from sglang_mori.backend.plans import LocalBuffers, local_layout
 from sglang_mori.engine import TransferEngine
 
-from rig_device import DEVICE, ON_GPU
+from rig_device import ON_GPU, torch_device
 from shapes import Shape, kv_args
 
 AUX_BYTES = 64
@@ -22,17 +22,21 @@ AUX_SLOTS = 64
 
 
 class DevicePool:
-    def __init__(self, role: str, shape: Shape, page_size: int, pages: int, device: int = 0):
+    """`shape` is this rank's share (Shape.sliced); `device` is the GPU, passed to the engine's
+    registration as SGLang passes its `gpu_id`."""
+
+    def __init__(self, role: str, shape: Shape, page_size: int, pages: int, device: int = 0, tp_rank: int = 0):
         self.shape, self.page_size, self.pages, self.device = shape, page_size, pages, device
+        self.tp_rank = tp_rank
         self.item_len = page_size * shape.token_bytes
-        self.kv = [torch.zeros(pages * self.item_len, dtype=torch.uint8, device=DEVICE if DEVICE != "cuda" else f"cuda:{device}")
+        self.kv = [torch.zeros(pages * self.item_len, dtype=torch.uint8, device=torch_device(device))
                    for _ in range(shape.buffers)]
         self.aux = np.zeros(AUX_SLOTS * AUX_BYTES, np.uint8)
         self.engine = TransferEngine(io, role=role, host="127.0.0.1", qp_per_transfer=2, post_batch_size=-1,
                                      num_workers=1)
         self.args = kv_args(shape, page_size, [t.data_ptr() for t in self.kv], [t.numel() for t in self.kv],
                             self.aux.ctypes.data, self.aux.nbytes, AUX_BYTES)
-        self.layout = local_layout(self.args, 1, 0, shape.is_mla)
+        self.layout = local_layout(self.args, shape.tp_size, tp_rank, shape.is_mla)
         self.buffers = LocalBuffers(
             kv=[self.engine.register(t.data_ptr(), t.numel(), device if ON_GPU else -1, True) for t in self.kv],
             aux=[self.engine.register(self.aux.ctypes.data, self.aux.nbytes, -1, False)], state=[])
@@ -58,6 +62,11 @@ class DevicePool:
         for t in self.kv:
             h.update(t.view(self.pages, self.item_len).index_select(0, index).cpu().numpy().tobytes())
         return h.hexdigest()
+
+    def page_bytes(self, buffer: int, pages) -> torch.Tensor:
+        """Buffer `buffer`'s bytes of these pages, [len(pages), item_len], on the pool's device."""
+        index = torch.as_tensor(np.asarray(pages, dtype=np.int64), device=self.kv[0].device)
+        return self.kv[buffer].view(self.pages, self.item_len).index_select(0, index)
 
     def page_mismatches(self, pages, expected_digests) -> int:
         return sum(self.digest([p]) != d for p, d in zip(pages, expected_digests))

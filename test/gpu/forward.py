@@ -17,27 +17,30 @@ import torch
 
 from sglang_mori.backend.prefill.layerwise import hooks
 
-from rig_device import DEVICE, ON_GPU, generator, sleep_cycles
+from rig_device import ON_GPU, generator, sleep_cycles, torch_device
 
 HIDDEN = 2048 if ON_GPU else 64  # the CPU check only exercises the bookkeeping
 
 
 class StandInModel:
-    def __init__(self, shape, hidden: int = HIDDEN, seed: int = 0):
-        g = generator(seed)
+    def __init__(self, shape, hidden: int = HIDDEN, seed: int = 0, device: int | None = None):
+        self.device = device
+        where = torch_device(device)
+        g = generator(seed, device)
         self.shape = shape
         dt = torch.bfloat16
         kv_cols = len(shape.buffers_of_layer(0)) * shape.values_per_token  # K and V (GQA) or the latent (MLA)
-        self.w_qkv = torch.randn(hidden, hidden + kv_cols, device=DEVICE, dtype=dt, generator=g) * hidden ** -0.5
-        self.w_up = torch.randn(hidden, 4 * hidden, device=DEVICE, dtype=dt, generator=g) * hidden ** -0.5
-        self.w_down = torch.randn(4 * hidden, hidden, device=DEVICE, dtype=dt, generator=g) * (4 * hidden) ** -0.5
+        self.w_qkv = torch.randn(hidden, hidden + kv_cols, device=where, dtype=dt, generator=g) * hidden ** -0.5
+        self.w_up = torch.randn(hidden, 4 * hidden, device=where, dtype=dt, generator=g) * hidden ** -0.5
+        self.w_down = torch.randn(4 * hidden, hidden, device=where, dtype=dt, generator=g) * (4 * hidden) ** -0.5
         self.hidden = hidden
         self._extend = SimpleNamespace(is_extend=lambda: True)
         self._backend = SimpleNamespace()  # no pool of its own: the hook uses the scheduler's
         self._layers = [SimpleNamespace(layer_id=i) for i in range(shape.layers)]
 
     def inputs(self, tokens: int, seed: int) -> torch.Tensor:
-        return torch.randn(tokens, self.hidden, device=DEVICE, dtype=torch.bfloat16, generator=generator(seed))
+        return torch.randn(tokens, self.hidden, device=torch_device(self.device), dtype=torch.bfloat16,
+                           generator=generator(seed, self.device))
 
     def forward(self, x: torch.Tensor, pool, slots: torch.Tensor, *, hooked: bool, side=None, scheduler=None,
                 batch=None, store_delay_cycles: int = 0) -> torch.Tensor:

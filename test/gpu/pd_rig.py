@@ -1,5 +1,10 @@
 """The GPU PD rig: the decode side in a spawned process (decode_process.py), the prefill side and
-the stand-in forward in this one, one GPU, KV in device memory moved by softio's device path.
+the stand-in forward in this one, KV in device memory moved by softio's device path.
+
+Devices: by default prefill and decode share GPU 0. `decode_device=1` puts decode on a second GPU
+(the copies cross the GPUs' link); `prefill_devices=(0, 1)` runs prefill at attention TP 2, one rank
+per GPU, into decode TP 1 (MHA: each rank writes its half of every token's heads; MLA: rank 1 gets
+dummy metadata, as SGLang's receiver sends it).
 
 `GpuPD.prefill_batch(...)` is one prefill step as SGLang runs it: the batch's rooms are opened
 (decode's metadata, the sender's claim), the forward runs (through the layer-wise hooks when
@@ -9,6 +14,7 @@ long the forward took and when each room's last byte landed (its Success).
 
 from __future__ import annotations
 
+import hashlib
 import multiprocessing as mp
 import os
 import sys
@@ -20,12 +26,13 @@ from typing import List
 import numpy as np
 import torch
 
+from sglang_mori import protocol
 from sglang_mori.config import MoriConfig
 
 import rig_device
 from forward import StandInModel
 from prefill_side import PrefillSide
-from rig_device import DEVICE, synchronize
+from rig_device import on_device, synchronize, torch_device
 from shapes import SHAPES, pages_for
 
 HERE = Path(__file__).resolve().parent
@@ -65,9 +72,13 @@ class Requests:
 
 class GpuPD:
     def __init__(self, shape_key: str, page_size: int, pages: int, *, group_size: int = 0,
-                 config: MoriConfig | None = None):
+                 config: MoriConfig | None = None, prefill_devices=(0,), decode_device: int = 0):
         self.shape = SHAPES[shape_key]
         self.page_size = page_size
+        self.prefill_devices, self.decode_device = tuple(prefill_devices), decode_device
+        tp = len(self.prefill_devices)
+        # SGLang's receiver: with MLA and prefill TP > decode TP only the first rank writes
+        self.dummies = [self.shape.is_mla and r > 0 for r in range(tp)]
         self.config = config or MoriConfig(engine="soft", transfer_timeout_ms=30000)
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
@@ -75,17 +86,24 @@ class GpuPD:
         import decode_process
 
         self.proc = ctx.Process(target=decode_process.serve, daemon=True,
-                                args=(child, shape_key, page_size, pages, config_kwargs, PATHS))
+                                args=(child, shape_key, page_size, pages, config_kwargs, PATHS, decode_device))
         self.proc.start()
-        self.prefill = None
+        self.prefills: List[PrefillSide] = []
+        self.prefill = None  # rank 0 (the only one at TP 1)
         try:
             registration = self._recv(timeout=120)
-            self.prefill = PrefillSide(self.shape, page_size, pages, self.config, group_size)
-            self.prefill.start(registration)
+            self.registration = protocol.decode(registration)  # decode's Register (its MemoryDescs)
+            for rank, device in enumerate(self.prefill_devices):
+                side = PrefillSide(self.shape.sliced(tp), page_size, pages, self.config, group_size,
+                                   device=device, tp_rank=rank)
+                self.prefills.append(side)
+                side.start(registration)
+            self.prefill = self.prefills[0]
         except BaseException:
             self.close()
             raise
-        self.model = StandInModel(self.shape)
+        self.models = [StandInModel(p.shape, seed=p.tp_rank, device=p.device) for p in self.prefills]
+        self.model = self.models[0]
         self._room = 1000
 
     def _recv(self, timeout: float = WAIT_S):
@@ -101,8 +119,8 @@ class GpuPD:
         return self._recv(timeout)
 
     def close(self) -> None:
-        if self.prefill is not None:
-            self.prefill.stop()
+        for side in self.prefills:
+            side.stop()
         if self.proc.is_alive():
             try:
                 self.conn.send(("stop", None))
@@ -125,48 +143,82 @@ class GpuPD:
         self._room += n
         return rooms
 
-    def open_rooms(self, reqs: Requests, rooms: List[int]) -> None:
-        frames = self.ask("open", [(room, reqs.dst[i]) for i, room in enumerate(rooms)])
-        for i, room in enumerate(rooms):
-            self.prefill.open(room, frames[i], reqs.row(i))
+    def open_rooms(self, reqs: Requests, rooms: List[int], rows=None) -> None:
+        """Decode's receivers send their metadata to every prefill rank; every rank claims.
+        `rows`: request index of each room (default: room i is request i)."""
+        rows = list(range(len(rooms))) if rows is None else rows
+        frames = self.ask("open", ([(room, reqs.dst[rows[k]]) for k, room in enumerate(rooms)], self.dummies))
+        for k, room in enumerate(rooms):
+            for side in self.prefills:
+                side.open(room, frames[k][side.tp_rank], reqs.row(rows[k]))
 
     def prefill_batch(self, reqs: Requests, *, layerwise: bool, side_stream: bool = False,
                       store_delay_cycles: int = 0, seed: int = 0, wait_s: float = WAIT_S) -> StepResult:
-        p = self.prefill
+        """One step. At TP > 1 the ranks' forwards run one after the other (each on its GPU), so
+        forward_ms is their sum: only the bytes, not the times, are meant to be read then."""
         rooms = self.next_rooms(reqs.count)
         self.open_rooms(reqs, rooms)
-        slots = torch.as_tensor(np.concatenate([reqs.row(i) for i in range(reqs.count)]), device=DEVICE)
-        x = self.model.inputs(reqs.tokens * reqs.count, seed)
-        p.layerwise_on = layerwise
+        rows = np.concatenate([reqs.row(i) for i in range(reqs.count)])
+        inputs = []
+        for side, model in zip(self.prefills, self.models):
+            side.layerwise_on = layerwise
+            with on_device(side.device):
+                inputs.append((torch.as_tensor(rows, device=torch_device(side.device)),
+                               model.inputs(reqs.tokens * reqs.count, seed),
+                               rig_device.stream(side_stream, side.device)))
         synchronize()
-        stream = rig_device.stream(side_stream)
         t0 = time.perf_counter()
-        with rig_device.on_stream(stream):
-            self.model.forward(x, p.pool, slots, hooked=layerwise, scheduler=p.scheduler(),
-                               batch=p.batch(rooms, reqs.tokens), store_delay_cycles=store_delay_cycles)
-        # What SGLang does before it sends: the batch's results are ready (the KV is in the pool).
-        stream.synchronize()
+        for side, model, (slots, x, stream) in zip(self.prefills, self.models, inputs):
+            with on_device(side.device), rig_device.on_stream(stream):
+                model.forward(x, side.pool, slots, hooked=layerwise, scheduler=side.scheduler(),
+                              batch=side.batch(rooms, reqs.tokens), store_delay_cycles=store_delay_cycles)
+            # What SGLang does before it sends: the batch's results are ready (the KV is in the pool).
+            stream.synchronize()
         t1 = time.perf_counter()
-        for i, room in enumerate(rooms):
-            p.send_all(room, reqs.src[i])
-        done = p.sglang.wait_concluded(rooms, wait_s)
-        failures = [(room, p.failure(room)) for room in rooms if p.failure(room)]
-        t2 = max(done.values())
+        for side in self.prefills:
+            for i, room in enumerate(rooms):
+                side.send_all(room, reqs.src[i])
+        t2 = t1
+        failures = []
+        for side in self.prefills:
+            done = side.sglang.wait_concluded(rooms, wait_s)
+            failures += [(side.tp_rank, room, side.failure(room)) for room in rooms if side.failure(room)]
+            t2 = max(t2, max(done.values()))
         self.last_rooms = rooms
         return StepResult((t1 - t0) * 1e3, (t2 - t1) * 1e3, (t2 - t0) * 1e3, failures)
 
     def release(self, rooms: List[int]) -> None:
-        for room in rooms:
-            self.prefill.release(room)
+        for side in self.prefills:
+            for room in rooms:
+                side.release(room)
         self.ask("clear", rooms)
 
     # --- checks ---------------------------------------------------------------------------------------
     def mismatched_pages(self, reqs: Requests) -> int:
-        """Request pages whose decode bytes (every buffer) differ from the prefill's."""
+        """Request pages whose decode bytes (every buffer) differ from what the prefill ranks hold."""
         synchronize()
-        src = [self.prefill.pool.digest([int(p)]) for p in reqs.src.reshape(-1)]
+        src = self.expected_digests(reqs.src.reshape(-1))
         dst = self.ask("digests", [int(p) for p in reqs.dst.reshape(-1)], timeout=300)
         return sum(a != b for a, b in zip(src, dst))
+
+    def expected_digests(self, pages) -> List[str]:
+        """What decode's digest of each of these prefill pages must be. One writing rank: its page.
+        MHA at prefill TP > 1: every token's heads are the ranks' slices side by side, rank 0 first."""
+        writers = [side for side, dummy in zip(self.prefills, self.dummies) if not dummy]
+        if len(writers) == 1:
+            return [writers[0].pool.digest([int(p)]) for p in pages]
+        ps = self.page_size
+        per_buffer = []
+        for b in range(self.shape.buffers):
+            parts = [side.pool.page_bytes(b, pages).cpu().view(len(pages), ps, -1) for side in writers]
+            per_buffer.append(torch.cat(parts, dim=2).numpy())
+        out = []
+        for i in range(len(pages)):
+            h = hashlib.sha256()
+            for full in per_buffer:
+                h.update(full[i].tobytes())
+            out.append(h.hexdigest())
+        return out
 
 
 def child_env() -> None:

@@ -91,10 +91,13 @@ class CountingMetrics(NullTransferMetrics):
 
 
 class PrefillSide:
-    def __init__(self, shape, page_size: int, pages: int, config: MoriConfig, group_size: int = 0):
-        self.shape, self.page_size = shape, page_size
-        self.pool = DevicePool("prefill", shape, page_size, pages)
-        self.sglang = TimedSGLang(prefill_rank=0)
+    """One prefill TP rank: `shape` is its share (Shape.sliced), its pool on GPU `device`."""
+
+    def __init__(self, shape, page_size: int, pages: int, config: MoriConfig, group_size: int = 0,
+                 device: int = 0, tp_rank: int = 0):
+        self.shape, self.page_size, self.device, self.tp_rank = shape, page_size, device, tp_rank
+        self.pool = DevicePool("prefill", shape, page_size, pages, device=device, tp_rank=tp_rank)
+        self.sglang = TimedSGLang(prefill_rank=tp_rank)
         self.metrics = CountingMetrics()
         self.ctx = zmq.Context()
         self.rejections: list = []

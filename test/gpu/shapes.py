@@ -8,6 +8,7 @@ SGLang would pass for them (KVArgs), so the planner sees a real layout.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -18,8 +19,10 @@ class Shape:
     name: str
     layers: int
     is_mla: bool
-    values_per_token: int  # bf16 values one token stores in one buffer
-    kv_heads: int = 0
+    values_per_token: int  # bf16 values one token stores in one buffer (of this TP rank)
+    kv_heads: int = 0  # KV heads one rank holds (MHA)
+    total_kv_heads: int = 0  # the model's KV heads (MHA; 0: kv_heads, no TP slicing)
+    tp_size: int = 1
 
     @property
     def buffers(self) -> int:
@@ -31,6 +34,16 @@ class Shape:
 
     def buffers_of_layer(self, layer: int) -> tuple:
         return (layer,) if self.is_mla else (layer, self.layers + layer)
+
+    def sliced(self, tp_size: int) -> "Shape":
+        """One attention-TP rank's share: MHA keeps kv_heads / tp_size heads of every token; MLA's
+        latent is replicated on every rank."""
+        if self.is_mla or tp_size == 1:
+            return dataclasses.replace(self, tp_size=tp_size)
+        if self.kv_heads % tp_size:
+            raise ValueError(f"{self.kv_heads} KV heads do not split over TP {tp_size}")
+        return dataclasses.replace(self, kv_heads=self.kv_heads // tp_size, total_kv_heads=self.kv_heads,
+                                   values_per_token=self.values_per_token // tp_size, tp_size=tp_size)
 
     def bytes_per_token(self) -> int:
         """All layers' KV of one token (what one token costs the link)."""
@@ -56,5 +69,6 @@ def kv_args(shape: Shape, page_size: int, kv_ptrs, kv_lens, aux_ptr: int, aux_le
         page_size=page_size, kv_cache_dtype_str="bfloat16",
     )
     if not shape.is_mla:
-        args.kv_head_num = args.total_kv_head_num = shape.kv_heads
+        args.kv_head_num = shape.kv_heads
+        args.total_kv_head_num = shape.total_kv_heads or shape.kv_heads
     return args

@@ -1,7 +1,7 @@
 """Timeline of one prefill step on the GPU rig (a diagnostic, not a test): when each layer group
 was posted by the worker, when each device copy batch was enqueued and completed, when the
 forward ended, when send() ran and when the room's Success came; then a cProfile of the chunk
-submitter's work for one request. `python3 test/gpu/trace_step.py [shape page tokens]`."""
+submitter's work for one request. `python3 test/gpu/trace_step.py [shape page tokens decode_device]`."""
 
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ def main() -> None:
     from sglang_mori.softio import device_path
 
     child_env()
-    shape, page, tokens = (sys.argv[1:] + ["mla", "64", "16384"][len(sys.argv) - 1:])[:3]
-    page, tokens = int(page), int(tokens)
+    shape, page, tokens, decode_device = (sys.argv[1:] + ["mla", "64", "16384", "0"][len(sys.argv) - 1:])[:4]
+    page, tokens, decode_device = int(page), int(tokens), int(decode_device)
     events = []
     t = time.perf_counter
 
@@ -43,14 +43,14 @@ def main() -> None:
     wrap(ChunkSubmitter, "submit", "shard chunk submit")
     original_submit = device_path.DeviceEngine.submit
 
-    def submit(self, dsts, srcs, sizes, statuses):
+    def submit(self, dsts, srcs, sizes, statuses, *more):
         start = t()
-        original_submit(self, dsts, srcs, sizes, statuses)
+        original_submit(self, dsts, srcs, sizes, statuses, *more)
         mode = "kernel" if self.copier is not None else "memcpy"
         events.append((start, t(), f"device submit ({mode}) {int(sizes.sum()) / 1e6:.1f} MB, {len(sizes)} ranges"))
     device_path.DeviceEngine.submit = submit
 
-    with GpuPD(shape, page, 2 * (tokens // page + 1)) as rig:
+    with GpuPD(shape, page, 2 * (tokens // page + 1), decode_device=decode_device) as rig:
         reqs = Requests(page, tokens, 1, 0, np.random.default_rng(0))
         for mode in (False, True, False, True):
             events.clear()

@@ -516,3 +516,33 @@ def test_close_releases_memory_peers_and_backend():
     assert removed == [eng.io.BackendType.RDMA]
     eng.close()  # idempotent
     assert removed == [eng.io.BackendType.RDMA]
+
+
+# --- plans' arrays across the engine boundary -------------------------------------------------
+
+def test_mori_gets_lists_and_each_shared_array_is_converted_once():
+    import numpy as np
+
+    engine = make_engine()
+    assert not engine.takes_arrays  # the fake, like MORI's bindings, has no _TAKES_OFFSET_ARRAYS
+    shared = np.array([0, 4096], dtype=np.int64)
+    sizes = np.array([4096, 4096], dtype=np.int64)
+    pairs = [WritePair(f"L{i}", f"R{i}", shared, shared, sizes) for i in range(3)]
+    handle = engine.write("peer", pairs, deadline=1e9, retry_max=0)
+    _, lo, _, ro, sz, _ = engine.engine.calls[-1]
+    assert handle.nbytes == 3 * 8192
+    assert all(type(v) is list for column in (lo, ro, sz) for v in column)
+    assert lo[0] == [0, 4096] and sz[2] == [4096, 4096]
+    assert lo[0] is lo[1] is lo[2] is ro[0]  # one list for the one shared array
+
+
+def test_softio_gets_the_arrays_themselves():
+    import numpy as np
+
+    engine = make_engine()
+    engine.takes_arrays = True  # what TransferEngine reads off softio's module
+    offsets = np.array([0, 4096], dtype=np.int64)
+    engine.write("peer", [WritePair("L", "R", offsets, offsets, offsets + 1)], deadline=1e9, retry_max=0)
+    _, lo, _, _, sz, _ = engine.engine.calls[-1]
+    assert lo[0] is offsets and sz[0].tolist() == [1, 4097]
+    assert sglang_mori.softio._TAKES_OFFSET_ARRAYS is True

@@ -15,12 +15,14 @@ class RecordingEngine:
     def __init__(self):
         self.calls = []
 
-    def submit(self, dsts, srcs, sizes, statuses):
+    def submit(self, dsts, srcs, sizes, statuses, to_peer=False):
         self.calls.append((dsts.tolist(), srcs.tolist(), sizes.tolist(), list(statuses)))
+        self.to_peer = to_peer
 
 
-def session(engine, local_ptr, local_size, remote_base, remote_size):
-    return DeviceSession(None, engine, SimpleNamespace(ptr=local_ptr, size=local_size), remote_base, remote_size)
+def session(engine, local_ptr, local_size, remote_base, remote_size, to_peer=False):
+    return DeviceSession(None, engine, SimpleNamespace(ptr=local_ptr, size=local_size), remote_base, remote_size,
+                         to_peer)
 
 
 def test_pairs_of_one_call_become_one_submission_with_their_addresses():
@@ -49,3 +51,30 @@ def test_a_pair_with_a_range_outside_its_region_fails_alone_and_sends_nothing():
     batch.submit()
     assert bad.Code() == StatusCode.ERR_INVALID_ARGS and ragged.Code() == StatusCode.ERR_INVALID_ARGS
     assert engine.calls == [([50_000], [1000], [10], [good])]
+
+
+def test_a_batch_with_a_pair_into_another_gpu_is_submitted_as_crossing_the_link():
+    engine = RecordingEngine()
+    same = session(engine, 1000, 100, 50_000, 100)
+    other = session(engine, 2000, 100, 60_000, 100, to_peer=True)
+    batch = DeviceBatch()
+    same.add_to(batch, [0], [0], [8], TransferStatus(), False)
+    batch.submit()
+    assert engine.to_peer is False
+    batch = DeviceBatch()
+    same.add_to(batch, [0], [0], [8], TransferStatus(), False)
+    other.add_to(batch, [0], [0], [8], TransferStatus(), False)
+    batch.submit()
+    assert engine.to_peer is True and engine.calls[-1][0] == [50_000, 60_000]
+
+
+def test_plans_arrays_and_lists_give_the_same_copies():
+    lists, arrays = RecordingEngine(), RecordingEngine()
+    for engine, kind in ((lists, list), (arrays, np.array)):
+        batch = DeviceBatch()
+        for base in (0, 40):
+            session(engine, 1000 + base, 100, 50_000 + base, 100).add_to(
+                batch, kind([0, 16]), kind([8, 24]), kind([4, 4]), TransferStatus(), False)
+        batch.submit()
+    assert lists.calls[0][:3] == arrays.calls[0][:3] == ([50_008, 50_024, 50_048, 50_064],
+                                                         [1000, 1016, 1040, 1056], [4, 4, 4, 4])

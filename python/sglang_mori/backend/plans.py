@@ -141,12 +141,10 @@ class KVPlanner:
 
 
 def to_pairs(plan: TransferPlan, local_descs, remote_descs) -> list:
-    if plan.empty:
-        return []
-    args = plan.as_batch_args()
+    """The plan's pairs with its (read-only, often shared) arrays: the engine wrapper turns them
+    into lists only for an engine that needs lists (TransferEngine.takes_arrays)."""
     return [
-        WritePair(local_descs[i], remote_descs[j], lo, ro, sz)
-        for i, j, lo, ro, sz in zip(
-            args.local_indices, args.remote_indices, args.local_offsets, args.remote_offsets, args.sizes
-        )
+        WritePair(local_descs[t.local_index], remote_descs[t.remote_index], t.local_offsets, t.remote_offsets,
+                  t.sizes)
+        for t in plan
     ]

@@ -21,6 +21,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+import numpy as np
+
 logger = logging.getLogger(__name__)
 
 from sglang_mori.engine.outcomes import (  # noqa: F401  (codes re-exported for engine tests)
@@ -52,13 +54,34 @@ class SubmitError(RuntimeError):
 
 @dataclass(frozen=True)
 class WritePair:
-    """Byte ranges from one local region into one remote region."""
+    """Byte ranges from one local region into one remote region: lists or int64 numpy arrays
+    (the planner's, often one array shared by every layer's pair)."""
 
     local: object  # MemoryDesc
     remote: object  # MemoryDesc
-    local_offsets: list
-    remote_offsets: list
-    sizes: list
+    local_offsets: Sequence[int]
+    remote_offsets: Sequence[int]
+    sizes: Sequence[int]
+
+
+def _total(sizes) -> int:
+    return int(sizes.sum()) if isinstance(sizes, np.ndarray) else int(sum(sizes))
+
+
+def _as_lists(columns: list) -> list:
+    """MORI's bindings take lists: each distinct array becomes a list once (a plan shares one
+    array across all layers' pairs, so a 61-layer chunk converts 3 arrays, not 183)."""
+    done: dict = {}
+
+    def one(values):
+        if not isinstance(values, np.ndarray):
+            return values
+        key = id(values)
+        if key not in done:
+            done[key] = (values, values.tolist())  # the array is kept so its id stays unique
+        return done[key][1]
+
+    return [[one(v) for v in column] for column in columns]
 
 
 @dataclass
@@ -196,6 +219,8 @@ class TransferEngine:
         enable_notification: bool = False,
     ):
         self.io = io
+        # softio takes the plans' numpy arrays as they are; MORI's bindings get lists (_as_lists)
+        self.takes_arrays = bool(getattr(io, "_TAKES_OFFSET_ARRAYS", False))
         self.key = make_engine_key(role, host)
         self.engine = io.IOEngine(self.key, io.IOEngineConfig(host, 0))
         rdma = io.RdmaBackendConfig(
@@ -305,7 +330,7 @@ class TransferEngine:
         retry_max: int,
     ) -> TransferHandle:
         handle = TransferHandle(
-            peer_key=peer_key, nbytes=sum(int(sum(p.sizes)) for p in pairs), started_at=self.clock()
+            peer_key=peer_key, nbytes=sum(_total(p.sizes) for p in pairs), started_at=self.clock()
         )
         if not pairs:
             return handle
@@ -327,14 +352,12 @@ class TransferEngine:
 
     def _submit(self, pairs: Sequence[WritePair], handle: TransferHandle) -> list:
         uids = [self.engine.allocate_transfer_uid() for _ in pairs]
+        columns = [[p.local_offsets for p in pairs], [p.remote_offsets for p in pairs], [p.sizes for p in pairs]]
+        if not self.takes_arrays:
+            columns = _as_lists(columns)
         try:
             statuses = self.engine.batch_write(
-                [p.local for p in pairs],
-                [p.local_offsets for p in pairs],
-                [p.remote for p in pairs],
-                [p.remote_offsets for p in pairs],
-                [p.sizes for p in pairs],
-                uids,
+                [p.local for p in pairs], columns[0], [p.remote for p in pairs], columns[1], columns[2], uids
             )
         except Exception as exc:
             # Earlier pairs of this call may have been posted, and we hold no status for them.

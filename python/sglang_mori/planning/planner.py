@@ -53,9 +53,10 @@ from sglang_mori.planning.transfer_plan import BufferTransfer, TransferPlan
 
 
 def _read_only(ranges: Ranges) -> Ranges:
-    for array in ranges:
-        array.setflags(write=False)
-    return ranges
+    """The ranges checked (1-D, equal lengths) and frozen as int64, once per geometry; every
+    pair of that geometry then shares them (BufferTransfer.of_frozen)."""
+    checked = BufferTransfer(0, 0, *ranges)
+    return checked.local_offsets, checked.remote_offsets, checked.sizes
 
 
 class TransferPlanner:
@@ -134,7 +135,7 @@ class TransferPlanner:
                 else:
                     ranges = contiguous_item_ranges(src, dst, geometry)
                 ranges = by_geometry[geometry] = _read_only(ranges)
-            transfers.append(BufferTransfer(i, j, *ranges))
+            transfers.append(BufferTransfer.of_frozen(i, j, ranges))
         return TransferPlan("kv", tuple(transfers))
 
     def plan_kv_dcp(self, src_pages, dst_pages, *, page_offset: int, decode_prefix_len: int = 0,
@@ -173,7 +174,7 @@ class TransferPlanner:
             if ranges is None:
                 draft, token_bytes = geometry
                 ranges = by_geometry[geometry] = _read_only(token_ranges(*rows[draft], token_bytes))
-            transfers.append(BufferTransfer(i, j, *ranges))
+            transfers.append(BufferTransfer.of_frozen(i, j, ranges))
         return TransferPlan("kv", tuple(transfers))
 
 

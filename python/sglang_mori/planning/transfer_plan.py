@@ -47,6 +47,17 @@ class BufferTransfer:
         object.__setattr__(self, "remote_offsets", arrays[1])
         object.__setattr__(self, "sizes", arrays[2])
 
+    @classmethod
+    def of_frozen(cls, local_index: int, remote_index: int, ranges) -> "BufferTransfer":
+        """A transfer over (local offsets, remote offsets, sizes) the planner already made
+        read-only, 1-D int64 and equal in length (planner._read_only): no check again, since a
+        chunk of a 61-layer model makes 61 of these over the same three arrays."""
+        out = object.__new__(cls)
+        for name, value in zip(("local_index", "remote_index", "local_offsets", "remote_offsets", "sizes"),
+                               (local_index, remote_index, *ranges)):
+            object.__setattr__(out, name, value)
+        return out
+
     @property
     def num_ranges(self) -> int:
         return int(self.sizes.size)
@@ -90,7 +101,12 @@ class TransferPlan:
     def __post_init__(self) -> None:
         transfers = tuple(t for t in self.transfers if t.num_ranges)
         object.__setattr__(self, "transfers", transfers)
-        object.__setattr__(self, "total_bytes", sum(t.total_bytes for t in transfers))
+        # Pairs share arrays (every layer of one item length): sum each distinct one once.
+        totals: dict = {}
+        for t in transfers:
+            if id(t.sizes) not in totals:
+                totals[id(t.sizes)] = t.total_bytes
+        object.__setattr__(self, "total_bytes", sum(totals[id(t.sizes)] for t in transfers))
         object.__setattr__(self, "num_ranges", sum(t.num_ranges for t in transfers))
 
     @property

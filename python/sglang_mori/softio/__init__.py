@@ -19,6 +19,11 @@ from .status import TransferStatus
 
 _apply_env_log_level()
 
+# Not part of MORI's API: batch_write/batch_read here take numpy int64 arrays for the offsets and
+# sizes as well as lists, so the backend can hand its plans over without turning them into lists
+# (MORI's bindings take lists; sglang_mori.engine converts for them).
+_TAKES_OFFSET_ARRAYS = True
+
 __all__ = [
     "BackendType",
     "EngineDesc",

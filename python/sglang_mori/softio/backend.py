@@ -83,7 +83,9 @@ class SoftRdmaBackend:
         size = _remote_size(peer, remote_desc)
         runtime = cuda_runtime.load()
         base = runtime.open(remote_desc._ipc_handle, local.device)
-        return DeviceSession(self, self.core.device_engine(local.device), local, base + remote_desc._ipc_offset, size)
+        remote_device = runtime.device_of(base)  # in this process's numbering, wherever it was registered
+        return DeviceSession(self, self.core.device_engine(local.device), local, base + remote_desc._ipc_offset, size,
+                             to_peer=remote_device is not None and remote_device != local.device)
 
     def forget_memory(self, mem_id: int) -> None:
         """Drop cached sessions that use a deregistered local region (as MORI does)."""

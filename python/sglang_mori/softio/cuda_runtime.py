@@ -27,6 +27,7 @@ IPC_HANDLE_BYTES = 64
 _SONAMES = ("libcudart.so.13", "libcudart.so.12", "libcudart.so")
 _MEMORY_TYPE_DEVICE = 2  # cudaMemoryTypeDevice
 _IPC_LAZY_ENABLE_PEER_ACCESS = 1
+_PEER_ACCESS_ALREADY_ENABLED = 704  # cudaErrorPeerAccessAlreadyEnabled
 _EVENT_DISABLE_TIMING = 2
 _STREAM_NON_BLOCKING = 1
 _SRC_ACCESS_ORDER_STREAM = 1
@@ -91,8 +92,10 @@ class CudaRuntime:
         self._batch = getattr(lib, "cudaMemcpyBatchAsync", None)
         self.batch_calls = self._batch is not None  # confirmed or withdrawn by the first batch
         self._device_of_thread = threading.local()
-        self._opened: dict[bytes, int] = {}
-        self._exported: dict[bytes, int] = {}  # handles of this process's own allocations
+        # (handle, device asking) -> (base address, device whose context mapped it)
+        self._opened: dict[tuple[bytes, int], tuple[int, int]] = {}
+        self._exported: dict[bytes, tuple[int, int]] = {}  # handles of this process's own allocations
+        self._peers: set[tuple[int, int]] = set()
         self._lock = threading.Lock()
 
     # ---- errors and devices --------------------------------------------------------------------
@@ -132,22 +135,53 @@ class CudaRuntime:
         self._check(self.lib.cudaIpcGetMemHandle(handle, ctypes.c_void_p(base.value)), "cudaIpcGetMemHandle")
         raw = handle.raw
         with self._lock:
-            self._exported[raw] = base.value
+            self._exported[raw] = (base.value, device)
         return raw, ptr - base.value
 
     def open(self, handle: bytes, device: int) -> int:
-        """The base address of a peer's exported allocation in this process (opened once)."""
+        """The base address of a peer's exported allocation, usable by kernels on `device`.
+
+        Mapped once per (handle, device): prefill TP ranks of one process, each on its GPU, each
+        map decode's memory into their own device's context. Where CUDA refuses a second mapping
+        of a handle in one process, the rank reaches the first one through peer access to the
+        device that mapped it. An allocation of this very process needs no mapping (peer access
+        where it lives on another device)."""
         with self._lock:
-            base = self._exported.get(handle) or self._opened.get(handle)
-        if base:
-            return base  # our own allocation (engines of one process), or already open
+            own = self._exported.get(handle)
+            mine = self._opened.get((handle, device))
+            other = next((v for (h, _), v in self._opened.items() if h == handle), None)
+        if own is not None or mine is not None:
+            base, where = own if own is not None else mine
+            if where != device:
+                self.enable_peer_access(device, where)
+            return base
         self.use_device(device)
         out = ctypes.c_void_p()
         value = _IpcMemHandle.from_buffer_copy(handle)
-        self._check(self.lib.cudaIpcOpenMemHandle(ctypes.byref(out), value, ctypes.c_uint(_IPC_LAZY_ENABLE_PEER_ACCESS)),
-                    "cudaIpcOpenMemHandle")
+        rc = self.lib.cudaIpcOpenMemHandle(ctypes.byref(out), value, ctypes.c_uint(_IPC_LAZY_ENABLE_PEER_ACCESS))
+        if rc != 0 and other is not None:
+            self.lib.cudaGetLastError()
+            base, where = other
+            self.enable_peer_access(device, where)
+            with self._lock:
+                return self._opened.setdefault((handle, device), (base, where))[0]
+        self._check(rc, "cudaIpcOpenMemHandle")
         with self._lock:
-            return self._opened.setdefault(handle, out.value)
+            return self._opened.setdefault((handle, device), (out.value, device))[0]
+
+    def enable_peer_access(self, device: int, peer: int) -> None:
+        """Let kernels on `device` reach memory of `peer`'s context (once per pair)."""
+        with self._lock:
+            if (device, peer) in self._peers:
+                return
+        self.use_device(device)
+        rc = self.lib.cudaDeviceEnablePeerAccess(ctypes.c_int(peer), ctypes.c_uint(0))
+        if rc == _PEER_ACCESS_ALREADY_ENABLED:
+            self.lib.cudaGetLastError()
+        else:
+            self._check(rc, f"cudaDeviceEnablePeerAccess({device} -> {peer})")
+        with self._lock:
+            self._peers.add((device, peer))
 
     # ---- streams, events, copies -----------------------------------------------------------------
     def stream(self, device: int) -> int:

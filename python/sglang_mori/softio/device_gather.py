@@ -11,6 +11,15 @@ than the NIC the path is paced like.
 
 Used when CuPy and its runtime compiler work (SGLANG_MORI_SOFTIO_DEVICE_COPY=kernel, the default
 where they do); `memcpy` keeps the copy engines (cuda_runtime.copy).
+
+Grid: GRID_BLOCKS blocks for a copy within one GPU (the forward keeps the rest of the SMs); one
+block per SM for a batch that writes to another GPU, whose link (NVLink here, XGMI on AMD) needs
+stores from every SM to come near a plain copy's speed (docs/benchmarks.md, "Two GPUs"). Such a
+batch holds every SM of the source GPU while it runs. SGLANG_MORI_SOFTIO_GATHER_BLOCKS sets one
+grid for both.
+
+The range table travels through pinned host memory and an asynchronous copy on the engine's
+stream, so posting never waits for the batches still copying ahead of it on that stream.
 """
 
 from __future__ import annotations
@@ -23,8 +32,9 @@ import numpy as np
 logger = logging.getLogger("sglang_mori.softio")
 
 COPY_ENV = "SGLANG_MORI_SOFTIO_DEVICE_COPY"
+BLOCKS_ENV = "SGLANG_MORI_SOFTIO_GATHER_BLOCKS"
 GRID_BLOCKS = 16
-THREADS = 256
+THREADS = 512
 
 _SOURCE = r"""
 extern "C" __global__ void gather_copy(const unsigned long long* table, long long n) {
@@ -32,6 +42,7 @@ extern "C" __global__ void gather_copy(const unsigned long long* table, long lon
     const unsigned long long* dsts = table;
     const unsigned long long* srcs = table + n;
     const unsigned long long* sizes = table + 2 * n;
+    const unsigned long long step = blockDim.x;
     for (long long r = blockIdx.x; r < n; r += gridDim.x) {
         char* dst = (char*)dsts[r];
         const char* src = (const char*)srcs[r];
@@ -39,9 +50,17 @@ extern "C" __global__ void gather_copy(const unsigned long long* table, long lon
         if ((((unsigned long long)dst | (unsigned long long)src | size) & 15) == 0) {
             uint4* d = (uint4*)dst;
             const uint4* s = (const uint4*)src;
-            for (unsigned long long i = threadIdx.x; i < size / 16; i += blockDim.x) d[i] = s[i];
+            unsigned long long m = size / 16;
+            unsigned long long i = threadIdx.x;
+            // four loads in flight per thread before their stores: a store to another GPU's
+            // memory is slow to retire, and one load/store pair per thread leaves the link idle
+            for (; i + 3 * step < m; i += 4 * step) {
+                uint4 a = s[i], b = s[i + step], c = s[i + 2 * step], e = s[i + 3 * step];
+                d[i] = a; d[i + step] = b; d[i + 2 * step] = c; d[i + 3 * step] = e;
+            }
+            for (; i < m; i += step) d[i] = s[i];
         } else {
-            for (unsigned long long i = threadIdx.x; i < size; i += blockDim.x) dst[i] = src[i];
+            for (unsigned long long i = threadIdx.x; i < size; i += step) dst[i] = src[i];
         }
     }
 }
@@ -56,22 +75,41 @@ class GatherCopier:
 
         self.cupy = cupy
         self.device = device
-        with cupy.cuda.Device(device):
+        self.threads = THREADS
+        with cupy.cuda.Device(device) as dev:
             self.kernel = cupy.RawKernel(_SOURCE, "gather_copy")
             self.kernel.compile()
+            sms = int(dev.attributes["MultiProcessorCount"])
+        chosen = grid_blocks()
+        self.blocks = chosen or GRID_BLOCKS  # within one GPU
+        self.peer_blocks = chosen or sms  # to another GPU
 
-    def copy(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int):
-        """Enqueue the copies on `stream`; returns the device table, which must outlive the
-        kernel (the caller keeps it until the batch's event fired)."""
+    def copy(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int, to_peer: bool = False):
+        """Enqueue the copies on `stream`; returns what must outlive them (the table on the
+        device and its pinned host copy), which the caller keeps until the batch's event fired."""
         cupy = self.cupy
-        host = np.concatenate([dsts, srcs, sizes]).astype(np.uint64)
+        n = len(sizes)
+        pinned = cupy.cuda.alloc_pinned_memory(3 * n * 8)
+        host = np.frombuffer(pinned, np.uint64, 3 * n)
+        host[:n], host[n:2 * n], host[2 * n:] = dsts, srcs, sizes
+        blocks = self.peer_blocks if to_peer else self.blocks
         with cupy.cuda.Device(self.device):
             s = cupy.cuda.ExternalStream(stream)
             with s:
-                table = cupy.asarray(host)
-                n = len(sizes)
-                self.kernel((min(n, GRID_BLOCKS),), (THREADS,), (table, np.int64(n)))
-        return table
+                table = cupy.empty(3 * n, dtype=cupy.uint64)
+                table.set(host, stream=s)  # from pinned memory: asynchronous, ordered before the kernel
+                self.kernel((min(n, blocks),), (self.threads,), (table, np.int64(n)))
+        return table, pinned
+
+
+def grid_blocks() -> int:
+    """The grid SGLANG_MORI_SOFTIO_GATHER_BLOCKS sets, or 0 (the defaults)."""
+    raw = os.environ.get(BLOCKS_ENV, "").strip()
+    if not raw:
+        return 0
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{BLOCKS_ENV} must be a positive number of thread blocks, got {raw!r}")
+    return int(raw)
 
 
 def make_copier(device: int):

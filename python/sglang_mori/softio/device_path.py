@@ -84,15 +84,17 @@ class DeviceEngine:
                 return self._free_events.pop()
         return self.rt.event(self.device)
 
-    def submit(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, statuses: list) -> None:
-        """Enqueue the copies and one event after them; `statuses` complete when it fires."""
+    def submit(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, statuses: list,
+               to_peer: bool = False) -> None:
+        """Enqueue the copies and one event after them; `statuses` complete when it fires.
+        `to_peer`: some destination is another GPU's memory (the copy crosses their link)."""
         nbytes = int(sizes.sum())
         event = self._event()
         try:
             with self._submit_lock:
                 keep = None
                 if self.copier is not None:
-                    keep = self.copier.copy(dsts, srcs, sizes, self.stream)
+                    keep = self.copier.copy(dsts, srcs, sizes, self.stream, to_peer)
                 else:
                     self.rt.copy(dsts, srcs, sizes, self.stream, self.device)
                 self.rt.record(event, self.stream)
@@ -140,12 +142,14 @@ class DeviceEngine:
 class DeviceSession:
     """A (local device region, remote device region) pair; `transfer` enqueues copies."""
 
-    def __init__(self, backend, engine: DeviceEngine, local: Region, remote_base: int, remote_size: int):
+    def __init__(self, backend, engine: DeviceEngine, local: Region, remote_base: int, remote_size: int,
+                 to_peer: bool = False):
         self.backend = backend  # IOEngineSession.allocate_transfer_uid reaches the engine through it
         self.engine = engine
         self.local = local
         self.remote_base = remote_base
         self.remote_size = remote_size
+        self.to_peer = to_peer  # the remote region lives on another GPU than the local one
 
     def transfer(self, local_offsets, remote_offsets, sizes, status, uid: int, is_read: bool) -> None:
         batch = DeviceBatch()
@@ -190,6 +194,8 @@ class DeviceBatch:
 def _flat(values, total: int) -> np.ndarray:
     if len(values) == 1:
         return np.asarray(values[0], dtype=np.int64).reshape(-1)
+    if all(isinstance(v, np.ndarray) for v in values):  # the backend's plans: no per-element work
+        return np.concatenate(values).astype(np.int64, copy=False)
     return np.fromiter(itertools.chain.from_iterable(values), dtype=np.int64, count=total)
 
 
@@ -230,4 +236,5 @@ def _submit_pairs(engine: DeviceEngine, pairs: list) -> None:
         dsts, srcs = np.where(read, local, remote), np.where(read, remote, local)
     else:
         dsts, srcs = remote, local
-    engine.submit(dsts.astype(np.uint64), srcs.astype(np.uint64), sz.astype(np.uint64), statuses)
+    to_peer = any(p[0].to_peer for p in pairs)
+    engine.submit(dsts.astype(np.uint64), srcs.astype(np.uint64), sz.astype(np.uint64), statuses, to_peer)

@@ -55,6 +55,11 @@ class LocalMemory:
             runtime = cuda_runtime.load()
             device = runtime.device_of(ptr) if runtime is not None else None
             if device is not None:
+                if device_id >= 0 and device != device_id:
+                    # A pool on one GPU registered under another's id (a wrong gpu_id): the copies
+                    # would be posted from the wrong device's stream. Fail at start-up, by name.
+                    raise RuntimeError(f"register_memory: memory at {ptr:#x} is on GPU {device} but was "
+                                       f"registered as device {device_id}")
                 handle, offset = runtime.export(ptr, device)
         with self._lock:
             mem_id = self._next_id
