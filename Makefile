@@ -6,7 +6,7 @@ PIP     := $(VPY) -m pip --disable-pip-version-check -q
 STAMP   := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast demo bench bench-serving-deps bench-serving clean
+.PHONY: install test test-all test-fast demo bench bench-serving-deps bench-serving clean
 
 install: $(STAMP)
 
@@ -29,7 +29,12 @@ $(STAMP): requirements/cpu.txt requirements/sglang.txt requirements/model.txt re
 	touch $(STAMP)
 
 # Tests run in a private loopback-only network namespace when the machine allows it.
+# `test` (CI) leaves out the `slow` variants (pytest.ini): each has a faster sibling in CI that
+# runs the same code path; `test-all` runs them too.
 test: install
+	scripts/in_private_netns.sh $(VPY) -m pytest test -m "not slow" $(PYTEST_ARGS)
+
+test-all: install
 	scripts/in_private_netns.sh $(VPY) -m pytest test $(PYTEST_ARGS)
 
 test-fast: install

@@ -37,7 +37,9 @@ VICTIM = "decode0.i1"
 PEER_FAILED = ("peer unreachable", "peer failure", "failed recently", "replaced by a restarted engine")
 
 
-@pytest.mark.parametrize("same_ports", [True, False], ids=["same-endpoint", "fresh-ports"])
+# same-endpoint is slow-only (`make test-all`): fresh-ports exercises the same re-registration
+@pytest.mark.parametrize("same_ports", [pytest.param(True, marks=pytest.mark.slow), False],
+                         ids=["same-endpoint", "fresh-ports"])
 def test_decode_restart_is_served_without_restarting_prefill(same_ports):
     # Detection must come from the peer-failure report, not the transfer deadline.
     cfg = two_decode_config(ROUNDS, SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT="6")
