@@ -204,17 +204,22 @@ def run_interference(args, results: list) -> None:
             slots = torch.as_tensor(fwd.row(0), device=rig_device.DEVICE)
             x = model.inputs(fwd_tokens, 0)
 
-            def forwards(seconds: float, load: bool):
-                """Forwards back to back; with `load`, background requests sent between them."""
+            def forwards(seconds: float, load, builtin=None):
+                """Forwards back to back; with `load`, background requests sent between them
+                (ours through the service, or `builtin`'s pattern from its own thread)."""
                 times, sent, live = [], 0, []
                 start = time.perf_counter()
                 while time.perf_counter() - start < seconds:
-                    if load:
+                    if builtin is not None:
+                        sent = builtin.due(rate, start, sent)
+                    elif load:
                         sent = send_due(rig, bg, rate, start, sent, live)
                     t0 = time.perf_counter()
                     model.forward(x, pool, slots, hooked=False)
                     rig_device.synchronize()
                     times.append((time.perf_counter() - t0) * 1e3)
+                if builtin is not None:
+                    builtin.drain()
                 drain(rig, live)
                 return times, sent
 
@@ -225,6 +230,24 @@ def run_interference(args, results: list) -> None:
             loaded, sent = forwards(args.seconds, True)
             prefill_cpu = meter.since()
             decode_cpu = rig.ask("cpu")
+            builtin_point = None
+            if args.builtin:
+                from builtin_load import BuiltinPatternLoad
+
+                load = BuiltinPatternLoad(rig, bg)
+                try:
+                    forwards(1.0, True, load)  # warm-up of its pattern
+                    meter_b = ThreadCpu()
+                    loaded_b, sent_b = forwards(args.seconds, True, load)
+                    cpu_b = meter_b.since()
+                finally:
+                    load.close()
+                builtin_point = {
+                    "forward_ms": median(loaded_b), "requests_sent": sent_b, "failures": load.failures,
+                    "slowdown_pct": 100.0 * (median(loaded_b) / median(base) - 1.0),
+                    "prefill_cpu_ms_per_request": {k: round(v * 1e3 / max(sent_b, 1), 3) for k, v in
+                                                   sorted(cpu_b.items(), key=lambda kv: -kv[1])[:6]},
+                }
             # decode: its step loop alone, then while the prefill sends at the same rate (no prefill
             # forward meanwhile); the decode process receives the KV and its status thread works
             steps_alone = rig.ask("steps", args.decode_steps, timeout=120)
@@ -246,6 +269,8 @@ def run_interference(args, results: list) -> None:
             point["decode_slowdown_pct"] = 100.0 * (point["decode_step_ms"]["loaded"] /
                                                     point["decode_step_ms"]["alone"] - 1.0)
             point["slowdown_pct"] = 100.0 * (point["forward_ms"]["loaded"] / point["forward_ms"]["alone"] - 1.0)
+            if builtin_point is not None:
+                point["builtin_pattern"] = builtin_point
             results.append(point)
             args.save()
             print(f"interference {rate}/s x {bg_tokens} tok (fwd {fwd_tokens} tok): fwd alone "
@@ -253,6 +278,11 @@ def run_interference(args, results: list) -> None:
                   f"({point['slowdown_pct']:+.1f}%), {sent} requests; decode step {point['decode_step_ms']['alone']:.2f} -> "
                   f"{point['decode_step_ms']['loaded']:.2f} ms ({point['decode_slowdown_pct']:+.1f}%); prefill CPU/request "
                   f"{point['prefill_cpu_ms_per_request']}", flush=True)
+            if builtin_point is not None:
+                print(f"  built-in pattern, same load: fwd loaded {builtin_point['forward_ms']:.2f} ms "
+                      f"({builtin_point['slowdown_pct']:+.1f}%), {builtin_point['requests_sent']} requests, "
+                      f"{builtin_point['failures']} failed; CPU/request {builtin_point['prefill_cpu_ms_per_request']}",
+                      flush=True)
 
 
 def main() -> int:
@@ -268,6 +298,8 @@ def main() -> int:
     ap.add_argument("--fwd-tokens", type=int, default=512)
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--decode-steps", type=int, default=300)
+    ap.add_argument("--builtin", action="store_true",
+                    help="interference: also the same load in SGLang's built-in mori's pattern (test/gpu/builtin_load.py)")
     ap.add_argument("--decode-device", type=int, default=0, help="decode's GPU (1: across two GPUs)")
     ap.add_argument("--link-tokens", default="1024,8192,32768")
     ap.add_argument("--link-requests", type=int, default=4, help="requests of a burst (GB/s per second)")
