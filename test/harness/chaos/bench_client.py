@@ -28,12 +28,9 @@ from pathlib import Path
 _STUBS = Path(__file__).resolve().parent / "client_stubs"
 
 
-def _install(records_path: Path, timeout_s: float):
-    if importlib.util.find_spec("datasets") is None:
-        sys.path.append(str(_STUBS))
-    import aiohttp
-    import sglang.benchmark.serving as serving
-
+def record_requests(original, records_path: Path):
+    """`original` (one of the client's request functions) wrapped to write a start and an end line
+    per request to `records_path`."""
     out = open(records_path, "a", buffering=1)  # line-buffered: each record reaches the file whole
     lock = threading.Lock()
     counter = iter(range(1 << 30))
@@ -42,23 +39,29 @@ def _install(records_path: Path, timeout_s: float):
         with lock:
             out.write(json.dumps(record) + "\n")
 
+    async def recorded(request_func_input, pbar=None):
+        i = next(counter)
+        write({"event": "start", "i": i, "t": time.monotonic(), "prompt": request_func_input.prompt,
+               "output_len": request_func_input.output_len})
+        result = await original(request_func_input, pbar)
+        write({"event": "end", "i": i, "t": time.monotonic(), "success": bool(result.success),
+               "error": result.error or "", "text": result.generated_text, "got_len": result.output_len})
+        return result
+
+    return recorded
+
+
+def _install(records_path: Path, timeout_s: float):
+    if importlib.util.find_spec("datasets") is None and str(_STUBS) not in sys.path:
+        sys.path.append(str(_STUBS))
+    import aiohttp
+    import sglang.benchmark.serving as serving
+
     def session():
         return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s),
                                      read_bufsize=10 * 1024 ** 2)
 
-    original = serving.ASYNC_REQUEST_FUNCS["sglang"]
-
-    async def recorded(request_func_input, pbar=None):
-        i = next(counter)
-        prompt = request_func_input.prompt
-        write({"event": "start", "i": i, "t": time.monotonic(), "prompt": prompt,
-               "output_len": request_func_input.output_len})
-        result = await original(request_func_input, pbar)
-        write({"event": "end", "i": i, "t": time.monotonic(), "success": bool(result.success),
-               "error": result.error or "", "text": result.generated_text,
-               "got_len": result.output_len})
-        return result
-
+    recorded = record_requests(serving.ASYNC_REQUEST_FUNCS["sglang"], records_path)
     serving._create_bench_client_session = session
     for name in ("sglang", "sglang-native"):
         serving.ASYNC_REQUEST_FUNCS[name] = recorded

@@ -25,7 +25,9 @@ import socket
 import subprocess
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, TypeVar
+
+T = TypeVar("T")
 
 SUBNET_PREFIX = "10.77.0."
 CONTROLLER_ADDR = SUBNET_PREFIX + "254"
@@ -177,21 +179,53 @@ class Topology:
         self.close()
 
 
+_CLONE_NEWNET = 0x40000000
+
+
+def on_host(host: Host, fn: Callable[[], T]) -> T:
+    """fn() run on `host`: in a thread of ours that joined the host's network namespace (setns
+    changes only the calling thread), so a check costs no process start-up."""
+    import ctypes
+    import threading
+
+    box: Dict[str, object] = {}
+
+    def body() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fd = os.open(host.netns, os.O_RDONLY)
+        try:
+            if libc.setns(fd, _CLONE_NEWNET) != 0:
+                box["error"] = OSError(ctypes.get_errno(), f"setns into {host.name}")
+                return
+        finally:
+            os.close(fd)
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # handed to the caller's thread
+            box["error"] = exc
+
+    t = threading.Thread(target=body, name=f"on-{host.name}")  # never reused: it stays in that namespace
+    t.start()
+    t.join()
+    if "error" in box:
+        raise box["error"]  # type: ignore[misc]
+    return box["value"]  # type: ignore[return-value]
+
+
 def can_connect(host: Host, addr: str, port: int, timeout_s: float = 1.0) -> bool:
-    """Whether a TCP connection from `host` to addr:port is accepted (or refused: the peer answered)."""
-    code = (f"import socket,sys\ns=socket.socket();s.settimeout({timeout_s})\n"
-            f"try:\n s.connect(({addr!r},{port}))\nexcept ConnectionRefusedError:\n pass\n"
-            f"except OSError:\n sys.exit(1)\n")
-    done = subprocess.run(host.prefix() + ["python3", "-c", code], capture_output=True, timeout=timeout_s + 10)
-    return done.returncode == 0
-
-
-def listen_on(addr: str) -> socket.socket:
-    """A listening socket on addr, any free port (tests of the topology)."""
-    s = socket.socket()
-    s.bind((addr, 0))
-    s.listen(8)
-    return s
+    """Whether a TCP connection from `host` to addr:port is answered (accepted, or refused: the
+    peer's kernel answered) within timeout_s."""
+    def attempt() -> bool:
+        with socket.socket() as s:
+            s.settimeout(timeout_s)
+            try:
+                s.connect((addr, port))
+            except ConnectionRefusedError:
+                pass
+            except OSError:
+                return False
+        return True
+    return on_host(host, attempt)
 
 
 def run_on(host: Host, argv: Sequence[str], timeout_s: float = 30.0) -> subprocess.CompletedProcess:
