@@ -62,6 +62,25 @@ def connections_to(host: Host, peer_addr: str) -> int:
     return len([ln for ln in done.stdout.splitlines() if ln.strip()])
 
 
+def our_gauges(url: str) -> Dict[str, float]:
+    """Our backend's gauges on `url`/metrics, summed over ranks; NaN for one that is not exported
+    (a missing series must not read as 0)."""
+    import requests
+    from prometheus_client.parser import text_string_to_metric_families
+
+    found: Dict[str, float] = {}
+    try:
+        r = requests.get(f"{url}/metrics", timeout=10)
+        r.raise_for_status()
+        for family in text_string_to_metric_families(r.text):
+            for s in family.samples:
+                if s.name in OUR_GAUGES:
+                    found[s.name] = found.get(s.name, 0.0) + s.value
+    except Exception:
+        pass
+    return {name: found.get(name, float("nan")) for name in OUR_GAUGES}
+
+
 @dataclass
 class Snapshot:
     pid: Optional[int]
@@ -71,8 +90,9 @@ class Snapshot:
     rss_mib: float = 0.0
     link_conns: int = 0
 
-    def backend_state(self) -> float:
-        return sum(self.gauges.values())
+    def idle(self) -> bool:
+        """No request held and none of our gauges above 0 (or missing)."""
+        return self.requests == 0 and all(v == 0 for v in self.gauges.values())
 
 
 def snapshot(url: str, pgid: Optional[int], host: Host, peer_addr: str, ours: bool) -> Snapshot:
@@ -82,11 +102,7 @@ def snapshot(url: str, pgid: Optional[int], host: Host, peer_addr: str, ours: bo
     except Exception:
         snap.requests = -1
     if ours:
-        for name in OUR_GAUGES:
-            try:
-                snap.gauges[name] = client.metric_total(url, name)
-            except Exception:
-                snap.gauges[name] = float("nan")
+        snap.gauges = our_gauges(url)
     pids = group_pids(pgid) if pgid else []
     snap.fds = sum(_fds(p) for p in pids)
     snap.rss_mib = sum(_rss_mib(p) for p in pids)

@@ -111,16 +111,15 @@ def snapshots(dep: NetnsPD, topo: Topology) -> Dict[str, lo.Snapshot]:
     }
 
 
-def _drain(dep: NetnsPD, limit_s: float) -> None:
-    """Wait (bounded) until neither server holds a request: failed rooms may take a deadline."""
+def drain(dep: NetnsPD, topo: Topology, limit_s: float) -> Dict[str, lo.Snapshot]:
+    """Snapshots once neither server holds a request or backend state, or the last ones at the
+    limit (failed rooms may take a deadline or two to be released)."""
     end = time.monotonic() + limit_s
-    while time.monotonic() < end:
-        try:
-            if client.requests_in_server(dep.prefill_url) + client.requests_in_server(dep.decode_url) == 0:
-                return
-        except Exception:
-            pass
-        time.sleep(0.5)  # poll interval of a bounded wait
+    while True:
+        snaps = snapshots(dep, topo)
+        if all(s.idle() for s in snaps.values()) or time.monotonic() > end:
+            return snaps
+        time.sleep(1.0)  # poll interval of a bounded wait
 
 
 def run_fault(dep: NetnsPD, topo: Topology, fault: Fault, settings: RunSettings, refs: Dict[Key, str],
@@ -153,8 +152,7 @@ def run_fault(dep: NetnsPD, topo: Topology, fault: Fault, settings: RunSettings,
     result.recovered_s = min(served) if served else None
     result.other_restarts = [role for role, pid in pids.items()
                              if role != fault.restarts and (dep.pid(role) != pid or not dep.procs[role].alive())]
-    _drain(dep, settings.drain_s)
-    result.snapshots = snapshots(dep, topo)
+    result.snapshots = drain(dep, topo, settings.drain_s)
     result.leftovers = {role: lo.leftover_problems(snap, baseline[role], settings.bounds)
                         for role, snap in result.snapshots.items()}
     return result
