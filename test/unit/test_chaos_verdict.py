@@ -44,11 +44,13 @@ def test_classify_every_request_once(tmp_path):
         start(3, 0.0), end(3, HANG + 1, success=False, error="TimeoutError"),  # past the bound: hung
         start(4, 0.0),  # never answered: hung
         start(5, 0.0, prompt=(7,)), end(5, 1.0),  # no reference for this prompt
+        start(6, 0.0), end(6, 2.0, success=False, error="Bad Gateway: "),  # failed, names nothing
     ])
     refs = {((1, 2, 3), 8): "abc", ((9,), 8): "abc"}
     c = classify(read_records(path), refs, HANG, until=100.0)
-    assert (c.requests, c.completed, c.mismatch, c.failed, c.hung, c.no_reference) == (6, 1, 1, 1, 2, 1)
-    assert c.causes == {"KV transfer of room N failed: peer dead": 1}
+    assert (c.requests, c.completed, c.mismatch, c.failed, c.hung, c.no_reference) == (7, 1, 1, 2, 2, 1)
+    assert c.causes == {"KV transfer of room N failed: peer dead": 1, "Bad Gateway:": 1}
+    assert c.unnamed == 1
     assert c.slowest_failure_s == 12.0
 
 

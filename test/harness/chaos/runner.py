@@ -60,6 +60,8 @@ class FaultResult:
             out.append(f"{self.counts.hung} hung")
         if self.counts.mismatch:
             out.append(f"{self.counts.mismatch} token mismatches")
+        if self.counts.unnamed:
+            out.append(f"{self.counts.unnamed} failures without a cause")
         if self.recovered_s is None or self.recovered_s > recovery_goal_s:
             out.append("not serving again in time" if self.recovered_s is None
                        else f"serving again after {self.recovered_s:.1f} s > {recovery_goal_s:.0f} s")

@@ -38,7 +38,7 @@ def render(results: Sequence[FaultResult]) -> str:
         label = BY_NAME[r.fault].label if r.fault in BY_NAME else r.fault
         lines.append(
             f"| {label} | {LABELS.get(r.backend, r.backend)} | {c.completed}/{c.requests} | {c.mismatch} "
-            f"| {c.failed} | {c.slowest_failure_s:.1f} s | {c.hung} | {_recovered(r)} | {_leftovers(r)} "
+            f"| {c.failed}{f' ({c.unnamed} without cause)' if c.unnamed else ''} | {c.slowest_failure_s:.1f} s | {c.hung} | {_recovered(r)} | {_leftovers(r)} "
             f"| {verdict(r)} |")
     return "\n".join(lines)
 

@@ -93,12 +93,17 @@ def cause(error: str, width: int = 100) -> str:
     return (text[:width] + "...") if len(text) > width else (text or "(no message)")
 
 
+# Causes that name nothing: an empty error, or only an HTTP reason phrase without a body.
+UNNAMED = {"(no message)", "Internal Server Error:", "Bad Gateway:", "Service Unavailable:", "Gateway Timeout:"}
+
+
 @dataclass
 class Counts:
     requests: int = 0
     completed: int = 0
     mismatch: int = 0
     failed: int = 0
+    unnamed: int = 0  # failed without a cause in the error
     hung: int = 0
     no_reference: int = 0
     slowest_failure_s: float = 0.0
@@ -116,7 +121,9 @@ def classify(reqs: Sequence[Request], refs: Dict[Key, str], hang_bound_s: float,
         elif not r.success:
             c.failed += 1
             c.slowest_failure_s = max(c.slowest_failure_s, took)
-            c.causes[cause(r.error)] += 1
+            why = cause(r.error)
+            c.causes[why] += 1
+            c.unnamed += why in UNNAMED
         elif r.key not in refs:
             c.no_reference += 1
         elif r.text == refs[r.key]:
