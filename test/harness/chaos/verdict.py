@@ -52,7 +52,7 @@ def read_records(path: Path) -> List[Request]:
             continue
         if rec.get("event") == "start":
             prompt = rec["prompt"]
-            ids = tuple(prompt) if isinstance(prompt, list) else (hash(prompt),)
+            ids = tuple(prompt) if isinstance(prompt, list) else (prompt,)  # a text prompt keys as itself
             reqs[rec["i"]] = Request(rec["i"], ids, int(rec["output_len"]), float(rec["t"]))
         elif rec.get("event") == "end" and rec.get("i") in reqs:
             r = reqs[rec["i"]]
