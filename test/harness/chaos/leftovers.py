@@ -13,12 +13,17 @@ from __future__ import annotations
 import os
 import subprocess
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 from harness import client
 from harness.chaos.hosts import Host
 
-OUR_GAUGES = ("sglang_mori_inflight_transfers", "sglang_mori_queue_depth", "sglang_mori_open_rooms")
+# Our gauges each role exports (the transfer shards, hence in-flight writes and queued chunks, are
+# the prefill's).
+OUR_GAUGES = {
+    "prefill": ("sglang_mori_inflight_transfers", "sglang_mori_queue_depth", "sglang_mori_open_rooms"),
+    "decode": ("sglang_mori_open_rooms",),
+}
 
 
 def group_pids(pgid: int) -> List[int]:
@@ -62,7 +67,7 @@ def connections_to(host: Host, peer_addr: str) -> int:
     return len([ln for ln in done.stdout.splitlines() if ln.strip()])
 
 
-def our_gauges(url: str) -> Dict[str, float]:
+def our_gauges(url: str, names: Sequence[str]) -> Dict[str, float]:
     """Our backend's gauges on `url`/metrics, summed over ranks; NaN for one that is not exported
     (a missing series must not read as 0)."""
     import requests
@@ -74,11 +79,11 @@ def our_gauges(url: str) -> Dict[str, float]:
         r.raise_for_status()
         for family in text_string_to_metric_families(r.text):
             for s in family.samples:
-                if s.name in OUR_GAUGES:
+                if s.name in names:
                     found[s.name] = found.get(s.name, 0.0) + s.value
     except Exception:
         pass
-    return {name: found.get(name, float("nan")) for name in OUR_GAUGES}
+    return {name: found.get(name, float("nan")) for name in names}
 
 
 @dataclass
@@ -95,14 +100,14 @@ class Snapshot:
         return self.requests == 0 and all(v == 0 for v in self.gauges.values())
 
 
-def snapshot(url: str, pgid: Optional[int], host: Host, peer_addr: str, ours: bool) -> Snapshot:
+def snapshot(role: str, url: str, pgid: Optional[int], host: Host, peer_addr: str, ours: bool) -> Snapshot:
     snap = Snapshot(pgid)
     try:
         snap.requests = client.requests_in_server(url)
     except Exception:
         snap.requests = -1
     if ours:
-        snap.gauges = our_gauges(url)
+        snap.gauges = our_gauges(url, OUR_GAUGES[role])
     pids = group_pids(pgid) if pgid else []
     snap.fds = sum(_fds(p) for p in pids)
     snap.rss_mib = sum(_rss_mib(p) for p in pids)

@@ -18,7 +18,7 @@ from harness.chaos.deployment import NetnsPD
 from harness.chaos.faults import Fault, FaultContext
 from harness.chaos.hosts import ADDRS, Topology
 from harness.chaos.load import LoadSpec, start_client, wait_client
-from harness.chaos.verdict import Counts, Key, classify, read_records
+from harness.chaos.verdict import Counts, Key, classify, read_records, replay_references
 
 PROBE_PROMPT = "The network came back and the next request"
 PROBE_TOKENS = 4
@@ -108,8 +108,8 @@ def _first_served_after(reqs, refs, fault_end: float) -> Optional[float]:
 def snapshots(dep: NetnsPD, topo: Topology) -> Dict[str, lo.Snapshot]:
     ours = dep.backend == "mori"
     return {
-        "prefill": lo.snapshot(dep.prefill_url, dep.pid("prefill"), topo.hosts["prefill"], ADDRS["decode"], ours),
-        "decode": lo.snapshot(dep.decode_url, dep.pid("decode"), topo.hosts["decode"], ADDRS["prefill"], ours),
+        "prefill": lo.snapshot("prefill", dep.prefill_url, dep.pid("prefill"), topo.hosts["prefill"], ADDRS["decode"], ours),
+        "decode": lo.snapshot("decode", dep.decode_url, dep.pid("decode"), topo.hosts["decode"], ADDRS["prefill"], ours),
     }
 
 
@@ -125,7 +125,10 @@ def drain(dep: NetnsPD, topo: Topology, limit_s: float) -> Dict[str, lo.Snapshot
 
 
 def run_fault(dep: NetnsPD, topo: Topology, fault: Fault, settings: RunSettings, refs: Dict[Key, str],
-              probe_ids: List[int], baseline: Dict[str, lo.Snapshot], work: Path) -> FaultResult:
+              probe_ids: List[int], baseline: Dict[str, lo.Snapshot], work: Path,
+              replay_reference: bool = False) -> FaultResult:
+    """`refs` maps prompts to the reference texts; with `replay_reference` it is filled after the
+    load from the deployment itself (verdict.replay_references), for runs without a standalone."""
     records = work / f"{dep.backend}-{fault.name}.jsonl"
     pids = {role: dep.pid(role) for role in ("prefill", "decode", "router")}
     proc = start_client(settings.load, dep.router_url, settings.model_dir, records,
@@ -149,6 +152,8 @@ def run_fault(dep: NetnsPD, topo: Topology, fault: Fault, settings: RunSettings,
         proc.stop(grace_s=2.0)
     until = time.monotonic()
     reqs = read_records(records)
+    if replay_reference:
+        refs.update(replay_references(dep.router_url, reqs, settings.load.max_concurrency))
     result.counts = classify(reqs, refs, settings.hang_bound_s, until)
     served = [s for s in (probed, _first_served_after(reqs, refs, fault_end)) if s is not None]
     result.recovered_s = min(served) if served else None

@@ -132,3 +132,23 @@ def classify(reqs: Sequence[Request], refs: Dict[Key, str], hang_bound_s: float,
             c.mismatch += 1
             c.mismatches.append(f"request {r.i}: {len(r.text)} chars, reference {len(refs[r.key])}")
     return c
+
+
+def replay_references(url: str, reqs: Sequence[Request], concurrency: int = 8, timeout_s: float = 60.0
+                      ) -> Dict[Key, str]:
+    """Each distinct prompt of `reqs` sent again to `url` (greedy, ignore_eos, non-streamed, as the
+    client sends it): the texts to compare with. For a fault-free deployment (CI's reference)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import requests
+
+    def one(key: Key) -> Tuple[Key, Optional[str]]:
+        prompt, out_len = key
+        payload = {"input_ids": list(prompt), "sampling_params": {
+            "max_new_tokens": out_len, "temperature": 0.0, "ignore_eos": True}}
+        r = requests.post(f"{url}/generate", json=payload, timeout=timeout_s)
+        return key, (r.json().get("text") if r.status_code == 200 else None)
+
+    keys = sorted({r.key for r in reqs if all(isinstance(t, int) for t in r.prompt)})
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        return {k: text for k, text in pool.map(one, keys) if text is not None}
