@@ -76,7 +76,12 @@ def _restart(role: str):
     return inject
 
 
+def _no_fault(ctx: FaultContext) -> None:
+    """The baseline row: the same load and checks with nothing injected."""
+
+
 FAULTS = (
+    Fault("none", "no fault (baseline)", _no_fault),
     Fault("link_1s", "P-D link down 1 s", _link_down(1.0)),
     Fault("link_10s", "P-D link down 10 s", _link_down(10.0)),
     Fault("link_long", "P-D link down 1.5 x deadline", _link_down(None)),

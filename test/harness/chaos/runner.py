@@ -47,6 +47,7 @@ class FaultResult:
     fault: str
     counts: Counts
     fault_s: float = 0.0  # how long the fault lasted (restarts: kill until ready again)
+    fault_window: tuple = ()  # (start, end) of the fault, CLOCK_MONOTONIC as in the records
     inject_note: str = ""
     recovered_s: Optional[float] = None  # fault end -> first request sent that was served
     other_restarts: List[str] = field(default_factory=list)
@@ -146,6 +147,7 @@ def run_fault(dep: NetnsPD, topo: Topology, fault: Fault, settings: RunSettings,
         fault.inject(FaultContext(dep, topo, settings.deadline_s))
         fault_end = time.monotonic()
         result.fault_s = fault_end - t0
+        result.fault_window = (t0, fault_end)
         probed = _wait_recovery(dep, probe_ids, fault_end, settings.recovery_limit_s)
         result.client_exit = wait_client(proc, max(10.0, settings.client_cap_s - (time.monotonic() - started)))
     finally:

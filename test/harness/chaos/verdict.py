@@ -130,7 +130,8 @@ def classify(reqs: Sequence[Request], refs: Dict[Key, str], hang_bound_s: float,
             c.completed += 1
         else:
             c.mismatch += 1
-            c.mismatches.append(f"request {r.i}: {len(r.text)} chars, reference {len(refs[r.key])}")
+            c.mismatches.append(f"request {r.i} ({len(r.prompt)} prompt tokens, sent at {r.start:.1f}, "
+                                f"answered at {r.end:.1f}): {r.text[:80]!r}, reference {refs[r.key][:80]!r}")
     return c
 
 
