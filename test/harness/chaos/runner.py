@@ -85,6 +85,14 @@ def transfers_in_flight(dep: NetnsPD) -> bool:
             + (d.get("disaggregation") or {}).get("decode_transfer_queue_reqs", 0)) > 0
 
 
+def _answered(records: Path) -> bool:
+    """Whether the client has had an answer (its warm-up request came back)."""
+    try:
+        return '"event": "end"' in records.read_text()
+    except FileNotFoundError:
+        return False
+
+
 def probe_ok(dep: NetnsPD, expected_ids: List[int], timeout_s: float = 30.0) -> bool:
     gen = client.generate(dep.router_url, PROBE_PROMPT, PROBE_TOKENS, timeout_s=timeout_s)
     return gen.ok and gen.output_ids == expected_ids
@@ -138,7 +146,9 @@ def run_fault(dep: NetnsPD, topo: Topology, fault: Fault, settings: RunSettings,
     result = FaultResult(dep.backend, fault.name, Counts())
     try:
         started = time.monotonic()
-        while not transfers_in_flight(dep):
+        # After the client's warm-up request (a failed warm-up ends bench_serving's whole run),
+        # while KV moves.
+        while not (_answered(records) and transfers_in_flight(dep)):
             if time.monotonic() - started > settings.inject_within_s:
                 result.inject_note = "no transfer seen in flight; injected anyway"
                 break
