@@ -7,6 +7,7 @@ The backend makes one ``TransferMetrics`` per KV manager and calls it at a handf
     m.transfer_finished(peer_key, nbytes, time.monotonic() - t0, ok=False, reason="timeout")
     m.request_finished(ok=False, reason="peer_dead")  # a room reached Success or Failed
     m.retry("submit_error"); m.set_queue_depth(n); m.peer_up(key); m.peer_down(key)
+    m.set_open_rooms(n)                               # each pass of the completion / status thread
 
 Failures are counted at two levels that never overlap: ``sglang_mori_transfer_failures_total``
 (each failed transfer, from ``transfer_finished``) and ``sglang_mori_failures_total`` (each failed
@@ -151,6 +152,10 @@ class _Collectors:
         self.peers_up = Gauge(
             PREFIX + "peers_up", "Peers currently registered and not known to be down.",
             RANK_LABELS, **gauge_kw)
+        self.open_rooms = Gauge(
+            PREFIX + "open_rooms", "Rooms this rank's backend still holds, in any state (draining "
+            "included); 0 once idle, so a room that is never released shows here.",
+            RANK_LABELS, **gauge_kw)
         self.states: Dict[Tuple[str, ...], _SeriesState] = {}
 
 
@@ -238,6 +243,9 @@ class TransferMetrics:
     def set_queue_depth(self, n: int) -> None:
         self._c.queue_depth.labels(*self._labels).set(max(0, int(n)))
 
+    def set_open_rooms(self, n: int) -> None:
+        self._c.open_rooms.labels(*self._labels).set(max(0, int(n)))
+
     def peer_up(self, key: str) -> None:
         """Idempotent: a peer that registers twice is one peer."""
         with self._state.lock:
@@ -264,6 +272,7 @@ class TransferMetrics:
             self._publish_inflight_locked()
             self._c.peers_up.labels(*self._labels).set(len(self._state.peers))
         self._c.queue_depth.labels(*self._labels)
+        self._c.open_rooms.labels(*self._labels)
 
 
 class NullTransferMetrics:
@@ -297,6 +306,9 @@ class NullTransferMetrics:
         pass
 
     def set_queue_depth(self, n: int) -> None:
+        pass
+
+    def set_open_rooms(self, n: int) -> None:
         pass
 
     def peer_up(self, key: str) -> None:

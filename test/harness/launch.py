@@ -130,12 +130,12 @@ def sglang_backend_flag(backend: str) -> str:
     return "mori" if backend == "mori_builtin" else backend
 
 
-def _server_argv(opts: ServerOptions, port: int) -> List[str]:
+def _server_argv(opts: ServerOptions, port: int, host: str = HOST) -> List[str]:
     return [
         sys.executable, "-m", "sglang.launch_server",
         "--model-path", str(opts.model_dir),
         "--device", "cpu",
-        "--host", HOST,
+        "--host", host,
         "--port", str(port),
         # float32 end to end: SGLang's "auto" turns a float32 config into float16 weights and KV.
         "--dtype", "float32",
@@ -150,12 +150,13 @@ def _server_argv(opts: ServerOptions, port: int) -> List[str]:
     ] + list(opts.extra_args)
 
 
-def standalone_argv(opts: ServerOptions, port: int) -> List[str]:
-    return _server_argv(opts, port)
+def standalone_argv(opts: ServerOptions, port: int, host: str = HOST) -> List[str]:
+    return _server_argv(opts, port, host)
 
 
-def prefill_argv(opts: ServerOptions, port: int, bootstrap_port: int, backend: str) -> List[str]:
-    return _server_argv(opts, port) + [
+def prefill_argv(opts: ServerOptions, port: int, bootstrap_port: int, backend: str,
+                 host: str = HOST) -> List[str]:
+    return _server_argv(opts, port, host) + [
         "--disaggregation-mode", "prefill",
         "--disaggregation-transfer-backend", sglang_backend_flag(backend),
         "--disaggregation-bootstrap-port", str(bootstrap_port),
@@ -166,8 +167,8 @@ def prefill_argv(opts: ServerOptions, port: int, bootstrap_port: int, backend: s
     ])
 
 
-def decode_argv(opts: ServerOptions, port: int, backend: str) -> List[str]:
-    return _server_argv(opts, port) + [
+def decode_argv(opts: ServerOptions, port: int, backend: str, host: str = HOST) -> List[str]:
+    return _server_argv(opts, port, host) + [
         "--disaggregation-mode", "decode",
         "--disaggregation-transfer-backend", sglang_backend_flag(backend),
         # The default retraction backup ("host_pool") registers pinned host memory through
@@ -177,16 +178,19 @@ def decode_argv(opts: ServerOptions, port: int, backend: str) -> List[str]:
 
 
 def router_argv(port: int, prefill_port: int, bootstrap_port: int, decode_port: int,
-                prometheus_port: int) -> List[str]:
+                prometheus_port: int, host: str = HOST, prefill_host: str = HOST,
+                decode_host: str = HOST) -> List[str]:
+    """The router on `host`; the servers on their own hosts (all 127.0.0.1 unless a test puts them
+    in separate network namespaces)."""
     return [
         sys.executable, "-m", "sglang_router.launch_router",
         "--pd-disaggregation",
-        "--prefill", f"http://{HOST}:{prefill_port}", str(bootstrap_port),
-        "--decode", f"http://{HOST}:{decode_port}",
-        "--host", HOST,
+        "--prefill", f"http://{prefill_host}:{prefill_port}", str(bootstrap_port),
+        "--decode", f"http://{decode_host}:{decode_port}",
+        "--host", host,
         "--port", str(port),
-        # The metrics listener defaults to 0.0.0.0:29000; keep it on loopback and off shared ports.
-        "--prometheus-host", HOST,
+        # The metrics listener defaults to 0.0.0.0:29000; keep it on its host and off shared ports.
+        "--prometheus-host", host,
         "--prometheus-port", str(prometheus_port),
         "--log-level", "info",
     ]

@@ -9,7 +9,7 @@ import pytest
 from sglang_mori.config import KNOBS
 
 REPO = Path(__file__).resolve().parents[2]
-DOCS = ["deployment.md", "tuning.md", "troubleshooting.md", "design.md", "configuration.md"]
+DOCS = ["deployment.md", "tuning.md", "troubleshooting.md", "design.md", "configuration.md", "reliability.md"]
 PATH = re.compile(r"(?<![\w/.-])((?:python/sglang_mori|scripts|docker|test|docs)/[\w./-]*[\w/])")
 
 

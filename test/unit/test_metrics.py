@@ -96,6 +96,11 @@ def test_requests_queue_and_peers(reg):
     m.request_finished(False)  # reason counted separately by failure(): not here
     assert value(reg, "sglang_mori_failures_total", reason="other") == 0
     m.set_queue_depth(7)
+    assert reg.get_sample_value("sglang_mori_open_rooms", LABELS) == 0  # exported before any room
+    m.set_open_rooms(3)
+    assert value(reg, "sglang_mori_open_rooms") == 3
+    m.set_open_rooms(0)
+    assert value(reg, "sglang_mori_open_rooms") == 0
     assert value(reg, "sglang_mori_requests_total", outcome="ok") == 1
     assert value(reg, "sglang_mori_requests_total", outcome="failed") == 1
     assert value(reg, "sglang_mori_queue_depth") == 7

@@ -214,6 +214,7 @@ def test_a_new_attempt_while_the_life_runs_waits_for_the_next_life():
         ended = reg.release_sender(7, now=2.0)
     assert ended is r and r.concluded and not r.succeeded
     assert reg.draining_lives(7) == [r]  # its write still drains, aside
+    assert reg.open_count() == 2  # the open-rooms gauge counts the draining life too
     fresh = reg.get(7)
     assert fresh is not r and fresh.phase is R.Phase.READY and fresh.targets["decode-A"].attempt == 2
     assert not reg.owns_sglang_state(fresh)  # nobody claimed it yet: SGLang holds nothing for it
@@ -223,6 +224,7 @@ def test_a_new_attempt_while_the_life_runs_waits_for_the_next_life():
     # A failed life whose every write succeeded proves its drain: decode may reuse the pages.
     assert r.try_finish(3.0, 100.0) is R.Phase.DRAINED
     assert reg.forget_if_done(r) and reg.draining_lives(7) == []
+    assert reg.open_count() == 1
 
 
 def test_abort_before_the_request_arrives_fails_its_sender_later():

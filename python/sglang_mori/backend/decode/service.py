@@ -159,6 +159,7 @@ class DecodeService:
                 if poller.poll(100):
                     self.handle(sock.recv_multipart())
                 self.enforce_deadlines(self.p.clock())
+                self.p.metrics.set_open_rooms(len(self.p.rooms))
             except zmq.ZMQError:
                 if self.stopped.is_set():
                     return

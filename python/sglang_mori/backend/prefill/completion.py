@@ -51,6 +51,7 @@ class Completion:
         for r in rooms:
             self.advance(r, now)
         self.handle_peer_failures()
+        p.metrics.set_open_rooms(p.rooms.open_count())
         running = next((w.handle for r in rooms for w in r.writes if w.handle.state() is WriteState.RUNNING), None)
         if running is not None:
             running.wait_running(self.poll_ms)

@@ -293,6 +293,11 @@ class PrefillRoomRegistry:
         # may still run; the next forward waits for them (layerwise/session.py).
         self.hazards: List[PrefillRoom] = []
 
+    def open_count(self) -> int:
+        """Rooms held in any state, draining lives included (the open-rooms gauge)."""
+        with self.lock:
+            return len(self.rooms) + len(self.draining)
+
     # --- lookups (lock held) --------------------------------------------------------------
     def get(self, room: int) -> Optional[PrefillRoom]:
         return self.rooms.get(room)

@@ -1,0 +1,63 @@
+"""The chaos run's results as markdown (a fault x backend table, then every failure cause) and JSON."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Dict, List, Sequence
+
+from harness.chaos.faults import BY_NAME
+from harness.chaos.runner import FaultResult
+
+LABELS = {"mori": "ours", "mooncake_tcp": "Mooncake TCP", "mori_builtin": "built-in mori"}
+
+
+def _recovered(r: FaultResult) -> str:
+    return "no" if r.recovered_s is None else f"{r.recovered_s:.1f} s"
+
+
+def _leftovers(r: FaultResult) -> str:
+    problems = [f"{role}: {', '.join(p)}" for role, p in r.leftovers.items() if p]
+    return "; ".join(problems) if problems else "none"
+
+
+def verdict(r: FaultResult) -> str:
+    fault = BY_NAME.get(r.fault)
+    misses = r.goal_failures(fault.recovery_goal_s if fault else 10.0)
+    return "pass" if not misses else "FAIL: " + "; ".join(misses)
+
+
+def render(results: Sequence[FaultResult]) -> str:
+    lines = [
+        "| fault | backend | completed (token-identical) | mismatched | failed with cause | slowest failure | "
+        "hung | serving again after | leftovers | goals |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        c = r.counts
+        label = BY_NAME[r.fault].label if r.fault in BY_NAME else r.fault
+        lines.append(
+            f"| {label} | {LABELS.get(r.backend, r.backend)} | {c.completed}/{c.requests} | {c.mismatch} "
+            f"| {c.failed}{f' ({c.unnamed} without cause)' if c.unnamed else ''} | {c.slowest_failure_s:.1f} s | {c.hung} | {_recovered(r)} | {_leftovers(r)} "
+            f"| {verdict(r)} |")
+    return "\n".join(lines)
+
+
+def render_causes(results: Sequence[FaultResult]) -> str:
+    """Every distinct failure cause the client saw, per fault and backend, with its count."""
+    out: List[str] = []
+    for r in results:
+        if r.counts.causes:
+            label = BY_NAME[r.fault].label if r.fault in BY_NAME else r.fault
+            causes = "; ".join(f"{n} x `{text}`" for text, n in r.counts.causes.most_common())
+            out.append(f"- {label}, {LABELS.get(r.backend, r.backend)}: {causes}")
+    return "\n".join(out) or "- (no request failed)"
+
+
+def to_json(results: Sequence[FaultResult]) -> str:
+    def plain(r: FaultResult) -> Dict:
+        d = dataclasses.asdict(r)
+        d["counts"]["causes"] = dict(r.counts.causes)
+        d["verdict"] = verdict(r)
+        return d
+    return json.dumps([plain(r) for r in results], indent=1, default=str)
