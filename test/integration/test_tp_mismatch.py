@@ -16,7 +16,9 @@ from integration_support import config
 from harness.pd.run import KVLayout, RoomShape
 
 
-@pytest.mark.parametrize("prefill_tp,decode_tp", [(1, 2), (2, 1)], ids=["tp1to2", "tp2to1"])
+# tp1to2 is slow-only (`make test-all`): tp2to1 and the in-process TP tests slice the same heads
+@pytest.mark.parametrize("prefill_tp,decode_tp", [pytest.param(1, 2, marks=pytest.mark.slow), (2, 1)],
+                         ids=["tp1to2", "tp2to1"])
 def test_mha_heads_split_across_ranks(run_clean, prefill_tp, decode_tp):
     cfg = config(
         rooms=64,
