@@ -187,6 +187,7 @@ def forwards_free_load(rig, bg, rate: float, seconds: float):
 def run_interference(args, results: list) -> None:
     import numpy as np
     from pd_rig import GpuPD, Requests
+    from engine_meter import metered_engine
     from thread_roles import ThreadCpu
 
     fwd_tokens = args.fwd_tokens
@@ -224,11 +225,20 @@ def run_interference(args, results: list) -> None:
                 return times, sent
 
             forwards(1.0, False)  # warm-up
-            base, _ = forwards(args.seconds, False)
-            meter = ThreadCpu()
+            # Alone and loaded windows alternate (--rounds): this rig's launch-bound forward drifts
+            # by tens of percent between minutes, so a ratio needs its two sides interleaved.
+            base, loaded, sent, prefill_cpu = [], [], 0, {}
             rig.ask("cpu_reset")
-            loaded, sent = forwards(args.seconds, True)
-            prefill_cpu = meter.since()
+            with metered_engine() as engine_meter:
+                for _ in range(args.rounds):
+                    base += forwards(args.seconds, False)[0]
+                    meter = ThreadCpu()
+                    times, n = forwards(args.seconds, True)
+                    for key, value in meter.since().items():
+                        prefill_cpu[key] = prefill_cpu.get(key, 0.0) + value
+                    loaded += times
+                    sent += n
+                engine_cpu = engine_meter.since_reset()
             decode_cpu = rig.ask("cpu")
             builtin_point = None
             if args.builtin:
@@ -261,6 +271,14 @@ def run_interference(args, results: list) -> None:
                 "requests_sent": sent, "seconds": args.seconds,
                 "prefill_cpu_ms_per_request": {k: round(v * 1e3 / max(sent, 1), 3) for k, v in
                                                sorted(prefill_cpu.items(), key=lambda kv: -kv[1])[:10]},
+                # Of each role's CPU above, the part spent inside softio's IOEngine calls (on
+                # MORI-IO those are C++ that release the GIL); the rest is ours.
+                "prefill_engine_call_cpu_ms_per_request": {k: round(v * 1e3 / max(sent, 1), 3)
+                                                           for k, v in sorted(engine_cpu.items())},
+                "prefill_ours_cpu_ms_per_request": {
+                    k: round((v - engine_cpu.get(k, 0.0)) * 1e3 / max(sent, 1), 3)
+                    for k, v in prefill_cpu.items() if k.startswith("mori-")},
+                "rounds": args.rounds,
                 "decode_cpu_ms_per_request": {k: round(v * 1e3 / max(sent, 1), 3) for k, v in
                                               sorted(decode_cpu.items(), key=lambda kv: -kv[1])[:8]},
                 "decode_step_ms": {"alone": median(steps_alone), "loaded": median(steps_loaded)},
@@ -277,7 +295,8 @@ def run_interference(args, results: list) -> None:
                   f"{point['forward_ms']['alone']:.2f} loaded {point['forward_ms']['loaded']:.2f} ms "
                   f"({point['slowdown_pct']:+.1f}%), {sent} requests; decode step {point['decode_step_ms']['alone']:.2f} -> "
                   f"{point['decode_step_ms']['loaded']:.2f} ms ({point['decode_slowdown_pct']:+.1f}%); prefill CPU/request "
-                  f"{point['prefill_cpu_ms_per_request']}", flush=True)
+                  f"{point['prefill_cpu_ms_per_request']}; inside engine calls {point['prefill_engine_call_cpu_ms_per_request']}; "
+                  f"ours {point['prefill_ours_cpu_ms_per_request']}", flush=True)
             if builtin_point is not None:
                 print(f"  built-in pattern, same load: fwd loaded {builtin_point['forward_ms']:.2f} ms "
                       f"({builtin_point['slowdown_pct']:+.1f}%), {builtin_point['requests_sent']} requests, "
@@ -297,6 +316,8 @@ def main() -> int:
     ap.add_argument("--loads", default="50x1024,200x128", help="background chunk-wise loads: rate x tokens")
     ap.add_argument("--fwd-tokens", type=int, default=512)
     ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="interference: alone/loaded window pairs, interleaved (each --seconds long)")
     ap.add_argument("--decode-steps", type=int, default=300)
     ap.add_argument("--builtin", action="store_true",
                     help="interference: also the same load in SGLang's built-in mori's pattern (test/gpu/builtin_load.py)")

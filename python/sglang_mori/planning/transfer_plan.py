@@ -53,9 +53,9 @@ class BufferTransfer:
         read-only, 1-D int64 and equal in length (planner._read_only): no check again, since a
         chunk of a 61-layer model makes 61 of these over the same three arrays."""
         out = object.__new__(cls)
-        for name, value in zip(("local_index", "remote_index", "local_offsets", "remote_offsets", "sizes"),
-                               (local_index, remote_index, *ranges)):
-            object.__setattr__(out, name, value)
+        # One dict update instead of five frozen-dataclass setattr calls (61 per chunk).
+        out.__dict__.update(local_index=local_index, remote_index=remote_index, local_offsets=ranges[0],
+                            remote_offsets=ranges[1], sizes=ranges[2])
         return out
 
     @property
