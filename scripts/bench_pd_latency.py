@@ -4,7 +4,10 @@
 One run measures, one configuration at a time (only one deployment alive, so they do not compete
 for the 2 cores):
   mori          our backend through the plugin, softio engine (SGLANG_MORI_ENGINE=soft)
-  mori_layerwise  the same with layer-wise streaming (SGLANG_MORI_LAYERWISE=on, MIN_TOKENS=1)
+  mori_layerwise  the same with layer-wise streaming forced (SGLANG_MORI_LAYERWISE=on, MIN_TOKENS=1,
+                MIN_BATCH_TOKENS=0: every batch streams, however short)
+  mori_layerwise_default  SGLANG_MORI_LAYERWISE=on with the default thresholds (batches under 8192
+                tokens go chunk-wise: the `short_batch` fallback)
   mori_builtin  SGLang 0.5.23's own mori backend, on softio through the mori shim (PYTHONPATH)
   mooncake_tcp  SGLang's Mooncake backend over TCP (needs libibverbs.so.1 installed)
   standalone    one ordinary server, no disaggregation: the baseline of the ratios
@@ -50,15 +53,17 @@ from harness.prompts import varied_prompts  # noqa: E402
 from harness.tiny_model import build_tiny_model  # noqa: E402
 from harness.transfer_stats import TransferProbe  # noqa: E402
 
-CONFIGS = ["mori", "mori_layerwise", "mori_builtin", "mooncake_tcp", "standalone"]
+CONFIGS = ["mori", "mori_layerwise", "mori_layerwise_default", "mori_builtin", "mooncake_tcp", "standalone"]
 LAYERWISE_ENV = {"SGLANG_MORI_LAYERWISE": "on", "SGLANG_MORI_LAYERWISE_MIN_TOKENS": "1",
                  "SGLANG_MORI_LAYERWISE_MIN_BATCH_TOKENS": "0"}
+# Ours with layer-wise on as a user turns it on: the default thresholds decide per batch.
+BACKEND_ENV = {"mori_layerwise": LAYERWISE_ENV, "mori_layerwise_default": {"SGLANG_MORI_LAYERWISE": "on"}}
 LONG_WORDS = ("river mountain city forest engine memory cache prefill decode token batch server router request "
               "transfer page layer kernel tensor signal packet network queue thread worker lane buffer offset "
               "morning evening winter summer stone glass paper music light").split()
 
 
-SOFTIO_CONFIGS = ("mori", "mori_layerwise", "mori_builtin")  # the configurations whose bytes move over softio
+SOFTIO_CONFIGS = ("mori", "mori_layerwise", "mori_layerwise_default", "mori_builtin")  # the configurations whose bytes move over softio
 
 
 def link_cap_env(mbps: float) -> Dict[str, str]:
@@ -129,7 +134,7 @@ def run_phase(url: str, prompts: List[str], max_new_tokens: int, concurrency: in
 
 
 def unavailable_reason(name: str) -> str:
-    if name in ("mori", "mori_layerwise"):
+    if name in ("mori", "mori_layerwise", "mori_layerwise_default"):
         ok, detail = plugin_serves_mori()
         return "" if ok else f"plugin does not serve mori: {detail.splitlines()[-1] if detail else '?'}"
     if name == "mori_builtin" and not (launch.MORI_SHIM / "mori").is_dir():
@@ -146,7 +151,7 @@ def bench_config(name: str, model: Path, work: Path, args) -> ConfigResult:
     opts = launch.ServerOptions(model_dir=model, chunked_prefill_size=args.chunked_prefill_size,
                                 max_total_tokens=args.max_total_tokens, extra_args=["--enable-metrics"])
     log_dir = work / f"logs-{name}"
-    backend, env = ("mori", dict(LAYERWISE_ENV)) if name == "mori_layerwise" else (name, {})
+    backend, env = ("mori", dict(BACKEND_ENV[name])) if name in BACKEND_ENV else (name, {})
     if args.link_mbps and name in SOFTIO_CONFIGS:
         env.update(link_cap_env(args.link_mbps))
     dep = Standalone(opts, log_dir) if name == "standalone" else PDDeployment(opts, backend, log_dir, env=env)

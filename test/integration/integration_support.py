@@ -35,3 +35,6 @@ def assert_clean(result: HarnessResult, cfg: HarnessConfig) -> None:
     assert result.byte_exact(), summary
     assert all(r.checked_bytes > 0 for r in result.side("decode")), summary
     assert result.alive_at_end and all(result.alive_at_end.values()), result.alive_at_end
+    if cfg.start_method == "forkserver":
+        # Workers fork with SGLang imported; a silently failed preload costs every run ~15 s.
+        assert result.ready is not None and all(result.ready.preloaded.values()), result.ready.preloaded

@@ -81,8 +81,7 @@ def test_deepseek_shaped_prefill_tp2_into_dp_attention_decode(run_clean):
     assert {(r.dp_rank, r.rank) for r in result.side("decode")} == {(0, 0), (1, 1)}
 
 
-# v3 (no state) is slow-only: v32_dsa runs the same KV path plus the DSA state in CI
-@pytest.mark.parametrize("state", [pytest.param((), marks=pytest.mark.slow), DEEPSEEK_V32_DSA_STATE], ids=["v3", "v32_dsa"])
+@pytest.mark.parametrize("state", [(), DEEPSEEK_V32_DSA_STATE], ids=["v3", "v32_dsa"])
 def test_deepseek_shaped_prefill_tp4_into_dp_attention_decode(run_clean, state):
     # The DeepSeek-V3/R1 deployment at small scale: MLA with an MTP layer, prefill TP 4 into a
     # decode with DP attention (2 DP ranks of attention TP 1; 6 rank processes), and the same

@@ -49,7 +49,7 @@ def _config(backend: str, prefill_tp: int, decode_tp: int, mamba: HybridMambaSha
     )
 
 
-@pytest.mark.parametrize("prefill_tp,decode_tp", [pytest.param(1, 2, marks=pytest.mark.slow), (2, 1)],
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(1, 2), (2, 1)],
                          ids=["tp1to2", "tp2to1"])  # tp1to2: `make test-all` (the state split is tp2to1's mirror)
 def test_qwen3_next_shaped_hybrid_kv_and_mamba_state(run_clean, prefill_tp, decode_tp):
     result = run_clean(_config("mori", prefill_tp, decode_tp))
@@ -59,7 +59,7 @@ def test_qwen3_next_shaped_hybrid_kv_and_mamba_state(run_clean, prefill_tp, deco
     assert all(r.checked_bytes > 0 and r.mismatch_count == 0 for r in decode), result.summary()
 
 
-@pytest.mark.parametrize("prefill_tp,decode_tp", [pytest.param(1, 2, marks=pytest.mark.slow), (2, 1)],
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(1, 2), (2, 1)],
                          ids=["tp1to2", "tp2to1"])  # tp1to2: `make test-all` (the state split is tp2to1's mirror)
 def test_kimi_linear_shaped_state_and_a_replicated_sibling(run_clean, prefill_tp, decode_tp):
     result = run_clean(_config("mori", prefill_tp, decode_tp, KIMI))

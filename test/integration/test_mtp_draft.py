@@ -47,10 +47,7 @@ CASES = {
 }
 
 
-# mla_dp_attention is slow-only (`make test-all`): mha_tp2to1 moves the draft KV and aux in CI,
-# test_dp_attention.py the DP-attention routing
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c == "mla_dp_attention" else c
-                                  for c in CASES])
+@pytest.mark.parametrize("case", list(CASES))
 def test_draft_kv_and_draft_aux(run_clean, case):
     kw = CASES[case]
     page = kw["layout"].page_size

@@ -37,8 +37,7 @@ VICTIM = "decode0.i1"
 PEER_FAILED = ("peer unreachable", "peer failure", "failed recently", "replaced by a restarted engine")
 
 
-# same-endpoint is slow-only (`make test-all`): fresh-ports exercises the same re-registration
-@pytest.mark.parametrize("same_ports", [pytest.param(True, marks=pytest.mark.slow), False],
+@pytest.mark.parametrize("same_ports", [True, False],
                          ids=["same-endpoint", "fresh-ports"])
 def test_decode_restart_is_served_without_restarting_prefill(same_ports):
     # Detection must come from the peer-failure report, not the transfer deadline.

@@ -16,8 +16,7 @@ from integration_support import config
 from harness.pd.run import KVLayout, RoomShape
 
 
-# tp1to2 is slow-only (`make test-all`): tp2to1 and the in-process TP tests slice the same heads
-@pytest.mark.parametrize("prefill_tp,decode_tp", [pytest.param(1, 2, marks=pytest.mark.slow), (2, 1)],
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(1, 2), (2, 1)],
                          ids=["tp1to2", "tp2to1"])
 def test_mha_heads_split_across_ranks(run_clean, prefill_tp, decode_tp):
     cfg = config(
@@ -32,9 +31,7 @@ def test_mha_heads_split_across_ranks(run_clean, prefill_tp, decode_tp):
     assert len(heads) == decode_tp and all(v > 0 for v in heads.values())
 
 
-# tp1to2 is slow-only: the same replicated-latent planning runs in CI through tp2to1 and the
-# in-process TP tests (test/inprocess); `make test-all` runs it.
-@pytest.mark.parametrize("prefill_tp,decode_tp", [pytest.param(1, 2, marks=pytest.mark.slow), (2, 1)],
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(1, 2), (2, 1)],
                          ids=["tp1to2", "tp2to1"])
 def test_mla_replicated_latent(run_clean, prefill_tp, decode_tp):
     cfg = config(

@@ -29,7 +29,7 @@ def test_mha_every_layer_aux_and_state_64_rooms_chunked(run_clean):
         assert o.t_ready is not None and o.t_sent is not None and o.t_done >= o.t_sent
 
 
-@pytest.mark.parametrize("page_size", [1, pytest.param(16, marks=pytest.mark.slow), 64])  # 16: `make test-all`
+@pytest.mark.parametrize("page_size", [1, 16, 64])
 def test_page_sizes(run_clean, page_size):
     # Token counts straddle page boundaries: full pages, a partial last page and one-token rooms.
     cfg = config(

@@ -254,7 +254,7 @@ class HarnessConfig:
     thread_cpu: bool = False
     # Deadlines (seconds): worker start-up (imports + manager construction), all rooms terminal,
     # the whole run including teardown.
-    startup_timeout_s: float = 120.0
+    startup_timeout_s: float = 300.0
     transfer_timeout_s: float = 120.0
     # SGLang's own bootstrap/waiting timeouts inside the workers, so a lost room fails instead of
     # hanging; they must stay below transfer_timeout_s to be observed.

@@ -108,6 +108,8 @@ class ReadyInfo:
     # such message), so fuzz tests can replay a genuine message.
     decode_registrations: List[Optional[List[bytes]]] = field(default_factory=list)
     manager_classes: Dict[str, str] = field(default_factory=dict)
+    # Per worker: whether it forked with SGLang already imported (the forkserver's preload).
+    preloaded: Dict[str, bool] = field(default_factory=dict)
     # Latest room counts per worker name ({"open", "ready", "sent", "done"}), kept current by the
     # orchestrator while the rooms run; read it from a `during` hook.
     progress: Dict[str, Dict[str, int]] = field(default_factory=dict)

@@ -76,11 +76,41 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+# The folder that holds the `harness` package (test/): the forkserver must be able to import it.
+_HARNESS_ROOT = str(Path(__file__).resolve().parents[2])
+PRELOAD_MODULE = "harness.pd.preload"
+
+
 def _context(method: str):
     ctx = mp.get_context(method)
     if method == "forkserver":
-        ctx.set_forkserver_preload(["harness.pd.preload"])
+        ctx.set_forkserver_preload([PRELOAD_MODULE])
+        _start_forkserver()
     return ctx
+
+
+def _start_forkserver() -> None:
+    """Start the forkserver (once per process) with the harness importable.
+
+    Python 3.11's forkserver is handed the parent's sys.path but never applies it, and it skips a
+    preload module that fails to import without a word: under pytest (whose `pythonpath = test`
+    edits sys.path, not PYTHONPATH) the preload never happened and every worker imported SGLang
+    itself, about 15 s of each harness run's start-up on two cores. The server inherits this
+    process's environment when it starts, so PYTHONPATH carries the harness root for that moment
+    only; workers report whether they forked with SGLang loaded (ready["preloaded"]).
+    """
+    from multiprocessing import forkserver
+
+    before = os.environ.get("PYTHONPATH")
+    parts = [p for p in (before or "").split(os.pathsep) if p]
+    os.environ["PYTHONPATH"] = os.pathsep.join([_HARNESS_ROOT, *parts])
+    try:
+        forkserver.ensure_running()
+    finally:
+        if before is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = before
 
 
 class _Worker:
@@ -230,6 +260,7 @@ def run_transfer(cfg: HarnessConfig, *, on_ready: Optional[Hook] = None, during:
                 pids={w.name: w.ready["pid"] for w in workers},
                 decode_registrations=[w.ready.get("registration") for w in decode],
                 manager_classes={w.name: w.ready.get("class", "") for w in workers},
+                preloaded={w.name: bool(w.ready.get("preloaded")) for w in workers},
             )
             if on_ready is not None:
                 on_ready(result.ready)

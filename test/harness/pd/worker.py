@@ -33,6 +33,9 @@ from harness.pd.thread_cpu import ThreadCpu
 LINGER_S = 600.0
 
 
+_PRELOADED = False  # set by worker_main, reported in "ready"
+
+
 def worker_main(
     role: str,
     rank: int,
@@ -51,7 +54,11 @@ def worker_main(
     `pin` binds the dead one's ports ({"rank_port", "engine_port"}). `rank` is the rank in the
     side's whole TP group (DP attention included); `pp_rank`, `pp_links`: a prefill PP stage and
     its pipes to the other stages of its (DP, TP) rank."""
+    global _PRELOADED
     code = 0
+    # Whether this process forked with SGLang already imported (the forkserver's preload); read
+    # before any import below can load it.
+    _PRELOADED = "sglang.srt.server_args" in sys.modules
     try:
         if role == "bootstrap":
             _run_bootstrap(cfg, model_dir, bootstrap_port, conn)
@@ -179,7 +186,8 @@ def _run_bootstrap(cfg: HarnessConfig, model_dir: str, port: int, conn) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"bootstrap server on {url} did not come up")
         time.sleep(0.05)
-    conn.send(("ready", {"pid": os.getpid(), "class": f"{type(server).__module__}.{type(server).__name__}"}))
+    conn.send(("ready", {"pid": os.getpid(), "class": f"{type(server).__module__}.{type(server).__name__}",
+                         "preloaded": _PRELOADED}))
     _serve_until_stop(conn, time.monotonic() + cfg.startup_timeout_s + cfg.transfer_timeout_s + LINGER_S)
 
 
@@ -231,6 +239,7 @@ def _run_rank(
                 "class": f"{type(mgr).__module__}.{type(mgr).__name__}",
                 "registration": _registration_frames(mgr) if side == "decode" else None,
                 "engine_port": _engine_port(mgr),
+                "preloaded": _PRELOADED,
             },
         )
     )
