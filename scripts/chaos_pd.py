@@ -133,10 +133,10 @@ def run_backend(backend: str, faults, topo, model: Path, refs, probe_ids, work: 
             if fault.restarts in baseline:  # a new process: its own state is the baseline from now on
                 baseline[fault.restarts] = r.snapshots[fault.restarts]
             results.append(r)
-            from harness.chaos.table import verdict
+            from harness.chaos import table
             print(f"[{backend}] {fault.name} ({time.monotonic() - t1:.0f} s): {r.counts.completed}/"
                   f"{r.counts.requests} ok, {r.counts.mismatch} mismatched, {r.counts.failed} failed, "
-                  f"{r.counts.hung} hung, serving again {r.recovered_s}; {verdict(r)}", flush=True)
+                  f"{r.counts.hung} hung, serving again {table.recovered(r)}; {table.verdict(r)}", flush=True)
     except Exception as exc:
         print(f"[{backend}] stopped: {exc}\n{dep.tails(20)}", flush=True)
         results.append(None)

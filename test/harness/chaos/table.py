@@ -12,7 +12,7 @@ from harness.chaos.runner import FaultResult
 LABELS = {"mori": "ours", "mooncake_tcp": "Mooncake TCP", "mori_builtin": "built-in mori"}
 
 
-def _recovered(r: FaultResult) -> str:
+def recovered(r: FaultResult) -> str:
     return "no" if r.recovered_s is None else f"{r.recovered_s:.1f} s"
 
 
@@ -52,7 +52,7 @@ def render(results: Sequence[FaultResult]) -> str:
         lines.append(
             f"| {label} | {LABELS.get(r.backend, r.backend)} | {c.completed}/{c.requests}"
             f"{f', {batch_note(r)}' if c.batch_dependent else ''} | {c.mismatch} "
-            f"| {c.failed}{f' ({c.unnamed} without cause)' if c.unnamed else ''} | {c.slowest_failure_s:.1f} s | {c.hung} | {_recovered(r)} | {_leftovers(r)} "
+            f"| {c.failed}{f' ({c.unnamed} without cause)' if c.unnamed else ''} | {c.slowest_failure_s:.1f} s | {c.hung} | {recovered(r)} | {_leftovers(r)} "
             f"| {verdict(r)} |")
     return "\n".join(lines)
 
