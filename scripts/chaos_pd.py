@@ -13,8 +13,10 @@ SGLang's own client (bench_serving, random token-id prompts of mixed lengths) dr
 
 For each backend: start the deployment, a warm-up load (its leftovers are the baseline), then one
 run per fault (test/harness/chaos/faults.py), each injected while transfers are in flight. Every
-completed request is compared with a standalone server's answer to the same prompt ids (greedy),
-computed once up front by the same client with the same seed. Prints and writes the fault x backend
+completed request is compared with a standalone server's answers to the same prompt ids (greedy),
+computed up front by the same client with the same seed, once at the load's concurrency and once at
+concurrency 1: a prompt the standalone server itself answers in more than one way (a near-tie that
+the batch company breaks) accepts each of its answers and is counted apart as batch-dependent. Prints and writes the fault x backend
 table (completed / mismatched / failed with cause / hung / serving again / leftovers) and the
 failure causes; exits 1 if any goal of issue 20 is missed.
 
@@ -63,25 +65,35 @@ def server_options(model: Path, deadline_s: float):
 
 
 def reference(model: Path, spec, work: Path, args):
-    """The standalone server's answers to the run's prompts (and to the recovery probe)."""
+    """The standalone server's answers to the run's prompts (and to the recovery probe): one pass of
+    the load per concurrency in --reference-concurrency, so that a prompt whose greedy answer
+    depends on its batch company shows up with each answer the standalone server itself gives it."""
+    import dataclasses
+
     from harness import client
     from harness.chaos import runner
     from harness.chaos.load import start_client, wait_client
-    from harness.chaos.verdict import read_records, references
+    from harness.chaos.verdict import merge_references, read_records, references
     from harness.deployment import Standalone
 
     std = Standalone(server_options(model, args.deadline), work / "logs-standalone")
     try:
         std.start().wait_ready(args.startup_timeout)
-        records = work / "reference.jsonl"
-        proc = start_client(spec, std.url, model, records, args.client_cap, work / "reference.client.log", pd=False)
-        if wait_client(proc, args.client_cap) != 0:
-            raise RuntimeError(f"reference client failed:\n{proc.tail(20)}")
-        refs = references(read_records(records))
+        passes = []
+        for conc in args.reference_concurrency:
+            records = work / f"reference-c{conc}.jsonl"
+            proc = start_client(dataclasses.replace(spec, max_concurrency=conc), std.url, model, records,
+                                args.client_cap, work / f"reference-c{conc}.client.log", pd=False)
+            if wait_client(proc, args.client_cap) != 0:
+                raise RuntimeError(f"reference client (concurrency {conc}) failed:\n{proc.tail(20)}")
+            passes.append(references(read_records(records)))
+            if len(passes[-1]) < spec.num_prompts:
+                raise RuntimeError(f"reference incomplete at concurrency {conc}: "
+                                   f"{len(passes[-1])}/{spec.num_prompts}")
         probe = client.generate(std.url, runner.PROBE_PROMPT, runner.PROBE_TOKENS)
-        if not probe.ok or len(refs) < spec.num_prompts:
-            raise RuntimeError(f"reference incomplete: {len(refs)}/{spec.num_prompts}, probe {probe.status}")
-        return refs, probe.output_ids
+        if not probe.ok:
+            raise RuntimeError(f"reference probe failed: {probe.status}")
+        return merge_references(passes), probe.output_ids
     finally:
         std.stop()
 
@@ -121,10 +133,10 @@ def run_backend(backend: str, faults, topo, model: Path, refs, probe_ids, work: 
             if fault.restarts in baseline:  # a new process: its own state is the baseline from now on
                 baseline[fault.restarts] = r.snapshots[fault.restarts]
             results.append(r)
-            from harness.chaos.table import verdict
+            from harness.chaos import table
             print(f"[{backend}] {fault.name} ({time.monotonic() - t1:.0f} s): {r.counts.completed}/"
                   f"{r.counts.requests} ok, {r.counts.mismatch} mismatched, {r.counts.failed} failed, "
-                  f"{r.counts.hung} hung, serving again {r.recovered_s}; {verdict(r)}", flush=True)
+                  f"{r.counts.hung} hung, serving again {table.recovered(r)}; {table.verdict(r)}", flush=True)
     except Exception as exc:
         print(f"[{backend}] stopped: {exc}\n{dep.tails(20)}", flush=True)
         results.append(None)
@@ -148,6 +160,9 @@ def parse_args(argv: Optional[Sequence[str]] = None):
     p.add_argument("--max-concurrency", type=int, default=8)
     p.add_argument("--request-rate", type=float, default=8.0)
     p.add_argument("--seed", type=int, default=20)
+    p.add_argument("--reference-concurrency", default="",
+                   help="comma-separated client concurrencies of the standalone reference passes "
+                        "(default: the load's, then 1)")
     p.add_argument("--deadline", type=float, default=12.0, help="transfer deadline, seconds (all backends)")
     p.add_argument("--margin", type=float, default=40.0, help="hung: no answer within deadline + margin")
     p.add_argument("--client-cap", type=float, default=420.0, help="seconds per client run")
@@ -162,6 +177,8 @@ def parse_args(argv: Optional[Sequence[str]] = None):
     if unknown:
         p.error(f"unknown backends or faults: {unknown}")
     args.fault_list = [names[f] for f in args.faults.split(",")]
+    args.reference_concurrency = ([int(c) for c in args.reference_concurrency.split(",") if c]
+                                  or [args.max_concurrency, 1])
     args.spec = LoadSpec(args.num_prompts, args.input_len, args.output_len, args.range_ratio,
                          args.max_concurrency, args.request_rate, args.seed)
     return args
@@ -178,6 +195,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, _sigterm)
     from harness.chaos import table
     from harness.chaos.hosts import Topology
+    from harness.chaos.verdict import batch_dependent
     from harness.real_model import ensure_real_model
 
     model = ensure_real_model()
@@ -189,7 +207,11 @@ def main() -> int:
     with Topology() as topo:
         t0 = time.monotonic()
         refs, probe_ids = reference(model, args.spec, work, args)
-        print(f"reference: {len(refs)} answers from a standalone server in {time.monotonic() - t0:.0f} s", flush=True)
+        print(f"reference: {len(refs)} prompts from a standalone server in {len(args.reference_concurrency)} passes "
+              f"(concurrency {args.reference_concurrency}) in {time.monotonic() - t0:.0f} s", flush=True)
+        for key, texts in batch_dependent(refs).items():
+            print(f"reference: batch-dependent prompt ({len(key[0])} tokens from id {key[0][0]}, {key[1]} output "
+                  f"tokens): standalone gives {len(texts)} answers: {[t[:40] for t in texts]}", flush=True)
         for backend in args.backends:
             results += run_backend(backend, args.fault_list, topo, model, refs, probe_ids, work, args)
     done = [r for r in results if r is not None]
@@ -201,7 +223,7 @@ def main() -> int:
         args.markdown.write_text(text)
     if args.json:
         args.json.write_text(table.to_json(done))
-    ok = len(done) == len(results) and all(table.verdict(r) == "pass" for r in done)
+    ok = len(done) == len(results) and all(table.passed(r) for r in done)
     if ok and not args.keep_work:
         shutil.rmtree(work, ignore_errors=True)
     else:

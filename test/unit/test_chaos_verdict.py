@@ -4,8 +4,9 @@ import json
 
 from harness.chaos import leftovers as lo
 from harness.chaos.runner import FaultResult
-from harness.chaos.table import render, render_causes, verdict
-from harness.chaos.verdict import Counts, cause, classify, read_records, references
+from harness.chaos.table import passed, render, render_causes, verdict
+from harness.chaos.verdict import (Counts, batch_dependent, cause, classify, merge_references, read_records,
+                                   references)
 
 HANG = 50.0
 
@@ -61,6 +62,37 @@ def test_references_keep_only_answered_successes(tmp_path):
     assert references(read_records(path)) == {((1, 2, 3), 8): "x"}
 
 
+def test_merge_references_keeps_every_answer_the_standalone_server_gave():
+    tie, plain = ((17126, 17127), 20), ((5,), 8)
+    passes = [{tie: "sampfantastrai", plain: "x"}, {tie: "sampfantasamp", plain: "x"}, {tie: "sampfantastrai"}]
+    refs = merge_references(passes)
+    assert refs == {tie: ("sampfantastrai", "sampfantasamp"), plain: ("x",)}
+    assert batch_dependent(refs) == {tie: ("sampfantastrai", "sampfantasamp")}
+
+
+def test_a_batch_dependent_prompt_accepts_only_the_standalone_servers_answers(tmp_path):
+    """PD's answer to a near-tie prompt completes when the standalone server gave it too (and is
+    counted apart); any other answer stays a mismatch, as does another answer to a plain prompt."""
+    tie, plain = (17126, 17127), (5,)
+    path = tmp_path / "r.jsonl"
+    write_records(path, [
+        start(0, 0.0, prompt=tie), end(0, 1.0, text="sampfantasamp"),  # the standalone's 2nd answer
+        start(1, 0.0, prompt=tie), end(1, 1.0, text="sampfantastrai"),  # its 1st
+        start(2, 0.0, prompt=tie), end(2, 1.0, text="sampfantaXXXX"),  # neither: a real failure
+        start(3, 0.0, prompt=plain), end(3, 1.0, text="sampfantasamp"),  # not this prompt's
+        start(4, 0.0, prompt=plain), end(4, 1.0, text="x"),
+    ])
+    refs = merge_references([{(tie, 8): "sampfantastrai", (plain, 8): "x"},
+                             {(tie, 8): "sampfantasamp", (plain, 8): "x"}])
+    c = classify(read_records(path), refs, HANG, until=10.0)
+    assert (c.completed, c.mismatch, c.batch_dependent, c.batch_dependent_answers) == (3, 2, 2, 2)
+    assert [m.split(" (")[0] for m in c.mismatches] == ["request 2", "request 3"]
+    assert "reference 'sampfantastrai' or 'sampfantasamp'" in c.mismatches[0]
+    # A one-pass reference (a plain text per prompt) still classifies as before.
+    one = classify(read_records(path), {(tie, 8): "sampfantastrai", (plain, 8): "x"}, HANG, until=10.0)
+    assert (one.completed, one.mismatch, one.batch_dependent) == (2, 3, 0)
+
+
 def test_cause_takes_the_message_or_the_last_traceback_line():
     assert cause('Bad Gateway: {"error": {"message": "prefill 10.77.0.1:31234 unreachable"}}') == \
         "prefill X.X:31234 unreachable"
@@ -111,3 +143,12 @@ def test_goals_and_table():
     assert "| P-D link down 1 s | ours | 8/10 | 0 | 2 | 0.0 s | 0 | 2.0 s | none | pass |" in table
     assert "| no | decode: fds +99 |" in table
     assert render_causes([ok]) == "- P-D link down 1 s, ours: 2 x `peer dead`"
+
+
+def test_batch_dependent_answers_pass_but_are_said_in_the_table_and_verdict():
+    tie = result()
+    tie.counts.batch_dependent, tie.counts.batch_dependent_answers = 1, 2
+    assert verdict(tie) == "pass; 1 batch-dependent (standalone gives 2 answers)" and passed(tie)
+    assert "| ours | 8/10, 1 batch-dependent (standalone gives 2 answers) | 0 |" in render([tie])
+    tie.counts.mismatch = 1
+    assert verdict(tie) == "FAIL: 1 token mismatches" and not passed(tie)

@@ -37,35 +37,31 @@ class Fault:
         return 30.0 if self.restarts else 10.0
 
 
-def _link_down(seconds: Optional[float] = None):
+def _held(apply: Callable[[FaultContext], None], undo: Callable[[FaultContext], None],
+          seconds: Callable[[FaultContext], float]):
+    """A fault that is applied, held for its length, then undone (also if the hold is interrupted)."""
     def inject(ctx: FaultContext) -> None:
-        down_s = seconds if seconds is not None else 1.5 * ctx.deadline_s
-        ctx.topo.cut()
+        length_s = seconds(ctx)
+        apply(ctx)
         try:
-            time.sleep(down_s)  # the fault's length: the link stays down this long
+            time.sleep(length_s)  # the fault's length: it stays in place this long
         finally:
-            ctx.topo.restore()
+            undo(ctx)
     return inject
+
+
+def _link_down(seconds: Optional[float] = None):
+    """The P-D link down for `seconds`, or for 1.5 x the transfer deadline."""
+    return _held(lambda ctx: ctx.topo.cut(), lambda ctx: ctx.topo.restore(),
+                 lambda ctx: seconds if seconds is not None else 1.5 * ctx.deadline_s)
 
 
 def _throttle(rate: str, seconds: float):
-    def inject(ctx: FaultContext) -> None:
-        ctx.topo.throttle(rate)
-        try:
-            time.sleep(seconds)
-        finally:
-            ctx.topo.unthrottle()
-    return inject
+    return _held(lambda ctx: ctx.topo.throttle(rate), lambda ctx: ctx.topo.unthrottle(), lambda ctx: seconds)
 
 
 def _stall(role: str, seconds: float):
-    def inject(ctx: FaultContext) -> None:
-        ctx.dep.stall(role)
-        try:
-            time.sleep(seconds)
-        finally:
-            ctx.dep.resume(role)
-    return inject
+    return _held(lambda ctx: ctx.dep.stall(role), lambda ctx: ctx.dep.resume(role), lambda ctx: seconds)
 
 
 def _restart(role: str):

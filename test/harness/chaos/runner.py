@@ -18,7 +18,7 @@ from harness.chaos.deployment import NetnsPD
 from harness.chaos.faults import Fault, FaultContext
 from harness.chaos.hosts import ADDRS, Topology
 from harness.chaos.load import LoadSpec, start_client, wait_client
-from harness.chaos.verdict import Counts, Key, classify, read_records, replay_references
+from harness.chaos.verdict import Counts, Key, Reference, answers, classify, read_records, replay_references
 
 PROBE_PROMPT = "The network came back and the next request"
 PROBE_TOKENS = 4
@@ -110,7 +110,7 @@ def _wait_recovery(dep: NetnsPD, expected_ids: List[int], fault_end: float, limi
 
 def _first_served_after(reqs, refs, fault_end: float) -> Optional[float]:
     sent = [r.start - fault_end for r in reqs
-            if r.start >= fault_end and r.success and refs.get(r.key) == r.text]
+            if r.start >= fault_end and r.success and r.text in answers(refs.get(r.key))]
     return min(sent) if sent else None
 
 
@@ -133,11 +133,12 @@ def drain(dep: NetnsPD, topo: Topology, limit_s: float) -> Dict[str, lo.Snapshot
         time.sleep(1.0)  # poll interval of a bounded wait
 
 
-def run_fault(dep: NetnsPD, topo: Topology, fault: Fault, settings: RunSettings, refs: Dict[Key, str],
+def run_fault(dep: NetnsPD, topo: Topology, fault: Fault, settings: RunSettings, refs: Dict[Key, Reference],
               probe_ids: List[int], baseline: Dict[str, lo.Snapshot], work: Path,
               replay_reference: bool = False) -> FaultResult:
-    """`refs` maps prompts to the reference texts; with `replay_reference` it is filled after the
-    load from the deployment itself (verdict.replay_references), for runs without a standalone."""
+    """`refs` maps prompts to their reference texts (verdict.Reference); with `replay_reference` it
+    is filled after the load from the deployment itself (verdict.replay_references), for runs
+    without a standalone."""
     records = work / f"{dep.backend}-{fault.name}.jsonl"
     pids = {role: dep.pid(role) for role in ("prefill", "decode", "router")}
     proc = start_client(settings.load, dep.router_url, settings.model_dir, records,

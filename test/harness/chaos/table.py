@@ -12,7 +12,7 @@ from harness.chaos.runner import FaultResult
 LABELS = {"mori": "ours", "mooncake_tcp": "Mooncake TCP", "mori_builtin": "built-in mori"}
 
 
-def _recovered(r: FaultResult) -> str:
+def recovered(r: FaultResult) -> str:
     return "no" if r.recovered_s is None else f"{r.recovered_s:.1f} s"
 
 
@@ -21,10 +21,23 @@ def _leftovers(r: FaultResult) -> str:
     return "; ".join(problems) if problems else "none"
 
 
+def batch_note(r: FaultResult) -> str:
+    """The completed requests accepted on a batch-dependent prompt, said apart ("" if none)."""
+    c = r.counts
+    return (f"{c.batch_dependent} batch-dependent (standalone gives {c.batch_dependent_answers} answers)"
+            if c.batch_dependent else "")
+
+
 def verdict(r: FaultResult) -> str:
     fault = BY_NAME.get(r.fault)
     misses = r.goal_failures(fault.recovery_goal_s if fault else 10.0)
-    return "pass" if not misses else "FAIL: " + "; ".join(misses)
+    if misses:
+        return "FAIL: " + "; ".join(misses)
+    return f"pass; {batch_note(r)}" if r.counts.batch_dependent else "pass"
+
+
+def passed(r: FaultResult) -> bool:
+    return verdict(r).startswith("pass")
 
 
 def render(results: Sequence[FaultResult]) -> str:
@@ -37,8 +50,9 @@ def render(results: Sequence[FaultResult]) -> str:
         c = r.counts
         label = BY_NAME[r.fault].label if r.fault in BY_NAME else r.fault
         lines.append(
-            f"| {label} | {LABELS.get(r.backend, r.backend)} | {c.completed}/{c.requests} | {c.mismatch} "
-            f"| {c.failed}{f' ({c.unnamed} without cause)' if c.unnamed else ''} | {c.slowest_failure_s:.1f} s | {c.hung} | {_recovered(r)} | {_leftovers(r)} "
+            f"| {label} | {LABELS.get(r.backend, r.backend)} | {c.completed}/{c.requests}"
+            f"{f', {batch_note(r)}' if c.batch_dependent else ''} | {c.mismatch} "
+            f"| {c.failed}{f' ({c.unnamed} without cause)' if c.unnamed else ''} | {c.slowest_failure_s:.1f} s | {c.hung} | {recovered(r)} | {_leftovers(r)} "
             f"| {verdict(r)} |")
     return "\n".join(lines)
 
@@ -59,5 +73,6 @@ def to_json(results: Sequence[FaultResult]) -> str:
         d = dataclasses.asdict(r)
         d["counts"]["causes"] = dict(r.counts.causes)
         d["verdict"] = verdict(r)
+        d["passed"] = passed(r)
         return d
     return json.dumps([plain(r) for r in results], indent=1, default=str)

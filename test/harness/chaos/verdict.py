@@ -2,9 +2,13 @@
 
 Each request of a fault run ends in exactly one class:
 
-- `completed`: success, and its text is the standalone reference's for the same prompt ids and
+- `completed`: success, and its text is one the standalone server gave for the same prompt ids and
   output length (greedy; bench_serving keeps the text, not the ids: equal ids give equal text);
-- `mismatch`: success, but another text (wrong tokens, or a stream cut short): a silent loss;
+  the reference is computed in several passes with different batch company, and a prompt to
+  which the standalone server itself gave more than one answer is *batch-dependent*: a PD answer
+  equal to any of them completes, and is also counted apart (`batch_dependent`), never hidden;
+- `mismatch`: success, but a text the standalone server never gave (wrong tokens, or a stream cut
+  short): a silent loss;
 - `failed`: an error the client saw, within the hang bound; its cause is the error's own words;
 - `hung`: no answer within the hang bound (the transfer deadline plus a stated margin), or no
   answer at all before the client was stopped.
@@ -17,9 +21,11 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 Key = Tuple[Tuple[int, ...], int]  # (prompt token ids, asked output length)
+# A prompt's reference: its one text, or every distinct text the standalone server gave it.
+Reference = Union[str, Tuple[str, ...]]
 
 
 @dataclass
@@ -65,6 +71,26 @@ def references(reqs: Iterable[Request]) -> Dict[Key, str]:
     return {r.key: r.text for r in reqs if r.success and r.end is not None}
 
 
+def merge_references(passes: Sequence[Mapping[Key, str]]) -> Dict[Key, Tuple[str, ...]]:
+    """Every distinct answer per prompt over several reference passes (first pass's first)."""
+    merged: Dict[Key, Tuple[str, ...]] = {}
+    for refs in passes:
+        for key, text in refs.items():
+            seen = merged.get(key, ())
+            merged[key] = seen if text in seen else seen + (text,)
+    return merged
+
+
+def answers(ref: Optional[Reference]) -> Tuple[str, ...]:
+    """The texts a reference accepts: none for a missing one."""
+    return () if ref is None else (ref,) if isinstance(ref, str) else tuple(ref)
+
+
+def batch_dependent(refs: Mapping[Key, Reference]) -> Dict[Key, Tuple[str, ...]]:
+    """The prompts to which the standalone server gave more than one answer."""
+    return {k: answers(v) for k, v in refs.items() if len(answers(v)) > 1}
+
+
 _NOISE = [
     (re.compile(r"\b\d{6,}\b"), "N"),  # room ids, request ids, ports
     (re.compile(r"0x[0-9a-f]+", re.I), "0x?"),
@@ -106,12 +132,16 @@ class Counts:
     unnamed: int = 0  # failed without a cause in the error
     hung: int = 0
     no_reference: int = 0
+    # completed requests whose prompt the standalone server answered in several ways (included in
+    # `completed`), and the most answers such a prompt had
+    batch_dependent: int = 0
+    batch_dependent_answers: int = 0
     slowest_failure_s: float = 0.0
     causes: Counter = field(default_factory=Counter)
     mismatches: List[str] = field(default_factory=list)
 
 
-def classify(reqs: Sequence[Request], refs: Dict[Key, str], hang_bound_s: float, until: float) -> Counts:
+def classify(reqs: Sequence[Request], refs: Mapping[Key, Reference], hang_bound_s: float, until: float) -> Counts:
     """Count every request of a run; `until` is when the client stopped (for unanswered ones)."""
     c = Counts(requests=len(reqs))
     for r in reqs:
@@ -126,12 +156,16 @@ def classify(reqs: Sequence[Request], refs: Dict[Key, str], hang_bound_s: float,
             c.unnamed += why in UNNAMED
         elif r.key not in refs:
             c.no_reference += 1
-        elif r.text == refs[r.key]:
+        elif r.text in answers(refs[r.key]):
             c.completed += 1
+            if len(answers(refs[r.key])) > 1:
+                c.batch_dependent += 1
+                c.batch_dependent_answers = max(c.batch_dependent_answers, len(answers(refs[r.key])))
         else:
             c.mismatch += 1
+            ref = " or ".join(repr(t[:80]) for t in answers(refs[r.key]))
             c.mismatches.append(f"request {r.i} ({len(r.prompt)} prompt tokens, sent at {r.start:.1f}, "
-                                f"answered at {r.end:.1f}): {r.text[:80]!r}, reference {refs[r.key][:80]!r}")
+                                f"answered at {r.end:.1f}): {r.text[:80]!r}, reference {ref}")
     return c
 
 
