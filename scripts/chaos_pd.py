@@ -153,8 +153,10 @@ def parse_args(argv: Optional[Sequence[str]] = None):
     p.add_argument("--backends", default="mori,mooncake_tcp", help=f"comma-separated, from {BACKENDS}")
     p.add_argument("--faults", default=",".join(f.name for f in FAULTS),
                    help=f"comma-separated, from {[f.name for f in FAULTS]}")
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--input-len", type=int, default=512)
+    # The load this 2-core host carries within the hang bound (docs/reliability.md): 64 requests
+    # of up to 512 tokens overloaded it (the no-fault warm-up alone took 49 s of the 52 s bound).
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--range-ratio", type=float, default=0.125)
     p.add_argument("--max-concurrency", type=int, default=8)
