@@ -277,7 +277,7 @@ def _run_rank(
         index = {r.room: r.index for r in plan.rooms}
         report.statuses = {index[room]: list(seen) for room, seen in list(statuses.items()) if room in index}
     if hasattr(mgr, "debug_snapshot"):  # ours: what its per-room tables still hold
-        report.tables = mgr.debug_snapshot()
+        report.tables = _settled_tables(mgr)
     report.cpu_s = time.process_time() - cpu0
     if threads_cpu is not None:
         report.thread_cpu = threads_cpu.since()
@@ -292,6 +292,22 @@ def _run_rank(
     # Stay up (manager threads keep serving) until the orchestrator has every report; then it may
     # ask decode to look again at the pages of released failed rooms.
     _serve_until_stop(conn, time.monotonic() + LINGER_S, lambda: late_writes(pool, plan, snapshots))
+
+
+TABLES_SETTLE_S = 10.0
+
+
+def _settled_tables(mgr) -> dict:
+    """The manager's per-room table sizes once they are all zero, or as they are after
+    TABLES_SETTLE_S. A room's Success is published before the completion thread returns its write's
+    budget and forgets it (the next pass, microseconds later), so a snapshot taken the moment the
+    last room polls Success can still count it; a leftover is what never drains."""
+    deadline = time.monotonic() + TABLES_SETTLE_S
+    tables = mgr.debug_snapshot()
+    while any(tables.values()) and time.monotonic() < deadline:
+        time.sleep(0.01)  # polling a state another thread changes; bounded by the deadline
+        tables = mgr.debug_snapshot()
+    return tables
 
 
 def _record_statuses(mgr) -> dict:
