@@ -8,7 +8,6 @@ the abort / drain / poison / replay races that otherwise only the multi-process 
 import time
 
 import numpy as np
-import pytest
 
 import sglang_mori.softio.faults as faults
 from sglang_mori import protocol
@@ -16,13 +15,6 @@ from sglang_mori.backend import room_status as S
 from sglang_mori.backend.prefill.rooms import Phase
 
 from rig import PrefillRig
-
-
-@pytest.fixture
-def rig():
-    with PrefillRig() as r:
-        r.register()
-        yield r
 
 
 def test_bytes_land_then_success_with_aux(rig):

@@ -6,13 +6,11 @@ rig's fake SGLang tables."""
 
 from types import SimpleNamespace
 
-import pytest
 
 from sglang_mori import protocol
 from sglang_mori.backend import room_status as S
 from sglang_mori.backend.sender import MoriKVSender
 
-from rig import PrefillRig
 
 
 class KvMgrOverRig:
@@ -43,13 +41,6 @@ def sender_for(rig, room: int) -> MoriKVSender:
     sender.kv_mgr, sender.bootstrap_room, sender.conclude_state = KvMgrOverRig(rig), room, None
     sender.trace_ctx = SimpleNamespace(abort=lambda **_: None, trace_req_finish=lambda: None)
     return sender
-
-
-@pytest.fixture
-def rig():
-    with PrefillRig() as r:
-        r.register()
-        yield r
 
 
 def test_abort_without_clear_ends_the_room_life(rig):
