@@ -1,0 +1,262 @@
+"""Real SGLang 0.5.23 servers on the GPU machine: standalone, then prefill + decode with our backend
+(`--disaggregation-transfer-backend mori`, softio's device path), greedy outputs compared token by token.
+
+Run by device_run.sh there (it installs the wheels and sets PYTHONPATH). The PD front is `PDClient`
+below, doing for /generate what sglang_router's mini_lb does (sglang_router's 30 MB wheel does not fit
+beside sglang in one device call): the same body, plus bootstrap_host / bootstrap_port / a random
+63-bit bootstrap_room, POSTed to the prefill and the decode server at once; the decode reply is the
+answer.
+
+Phases (--phases, comma-separated; each runs every prompt at concurrency 1, then 16):
+  standalone       one server, the reference
+  pd               prefill + decode, chunk-wise
+  pd_lw            the same with SGLANG_MORI_LAYERWISE=on and thresholds lowered so it streams
+  pd_lw_nograph    pd_lw with the prefill CUDA graph disabled on the prefill server
+Results: OUT/pd_identity.json (per phase: outputs' digest, mismatches vs standalone, start-up times,
+our metrics from both servers); OUT/logs/*.log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import requests
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1] / "test"))
+from harness.procs import ManagedProcess, wait_until  # noqa: E402
+
+HOST = "127.0.0.1"
+CHUNK = 1024  # --chunked-prefill-size: prompts up to 3x this are prefilled (and sent) in chunks
+LAYERWISE_ENV = {"SGLANG_MORI_LAYERWISE": "on", "SGLANG_MORI_LAYERWISE_MIN_TOKENS": "16",
+                 "SGLANG_MORI_LAYERWISE_MIN_BATCH_TOKENS": "16"}
+
+
+def prompts(count: int, vocab: int, seed: int = 27) -> List[Dict]:
+    """Mixed lengths (a few tokens to 3 chunks); every fourth prompt extends a shared prefix of an
+    earlier one, so decode's radix cache (and prefill's) hold part of it."""
+    rng = random.Random(seed)
+    lengths = [3, 9, 17, 40, 64, 100, 200, 333, 512, 700, 1000, 1023, 1025, 1500, 2100, 3000]
+    out, prefixes = [], []
+    for i in range(count):
+        n = lengths[i % len(lengths)] + rng.randint(0, 7)
+        if i % 4 == 3 and prefixes:
+            base = prefixes[rng.randrange(len(prefixes))]
+            ids = base + [rng.randrange(10, vocab) for _ in range(max(1, n // 4))]
+        else:
+            ids = [rng.randrange(10, vocab) for _ in range(n)]
+            if n >= 64:
+                prefixes.append(ids)
+        out.append({"input_ids": ids, "max_new_tokens": 8 + (i * 7) % 41})
+    return out
+
+
+def sampling(max_new_tokens: int) -> Dict:
+    return {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}
+
+
+class Server:
+    def __init__(self, name: str, argv: List[str], env: Dict[str, str], logs: Path, port: int):
+        self.name, self.port = name, port
+        self.url = f"http://{HOST}:{port}"
+        self.proc = ManagedProcess(name, argv, env, logs / f"{name}.log")
+        self.ready_s: Optional[float] = None
+
+    def start(self) -> "Server":
+        self.proc.start()
+        return self
+
+    def wait_ready(self, deadline_s: float) -> None:
+        def healthy() -> bool:
+            try:
+                return requests.get(f"{self.url}/health", timeout=2).status_code == 200
+            except requests.RequestException:
+                return False
+        self.ready_s = wait_until(healthy, deadline_s, self.name, interval_s=1.0, alive=self.proc.alive)
+
+    def metrics(self) -> Dict[str, float]:
+        try:
+            text = requests.get(f"{self.url}/metrics", timeout=5).text
+        except requests.RequestException as exc:
+            return {"error": str(exc)}
+        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                if line.startswith("sglang_mori_") and not line.startswith("#")}
+
+    def stop(self) -> None:
+        self.proc.stop()
+
+
+def server_argv(model: str, port: int, gpu: int, mem: float, extra: List[str]) -> List[str]:
+    return [sys.executable, "-m", "sglang.launch_server", "--model-path", model,
+            "--skip-tokenizer-init", "--host", HOST, "--port", str(port), "--base-gpu-id", str(gpu),
+            # The kernels SGLang has without sgl_kernel: Triton attention, torch sampling.
+            "--attention-backend", "triton", "--sampling-backend", "pytorch",
+            "--mem-fraction-static", str(mem), "--chunked-prefill-size", str(CHUNK),
+            # Small pools (fp32 KV: 16 KiB a token) register and start fast; graphs as SGLang sizes them
+            # except decode's batch cap (its default, 256+, only lengthens capture here).
+            "--max-total-tokens", "262144", "--cuda-graph-max-bs-decode", "32",
+            "--random-seed", "1234", "--enable-metrics", "--log-level", "info"] + extra
+
+
+def generate(url: str, body: Dict, timeout_s: float = 300) -> Dict:
+    r = requests.post(f"{url}/generate", json=body, timeout=timeout_s)
+    if r.status_code != 200:
+        return {"error": f"HTTP {r.status_code}: {r.text[:500]}"}
+    return r.json()
+
+
+class PDClient:
+    """What sglang_router (mini_lb) does for one /generate: bootstrap fields, both servers at once."""
+
+    def __init__(self, prefill: Server, decode: Server, bootstrap_port: int):
+        self.prefill, self.decode, self.bootstrap_port = prefill, decode, bootstrap_port
+        self.pool = ThreadPoolExecutor(max_workers=64)
+
+    def __call__(self, body: Dict) -> Dict:
+        body = dict(body, bootstrap_host=HOST, bootstrap_port=self.bootstrap_port,
+                    bootstrap_room=random.randint(0, 2**63 - 1))
+        pre = self.pool.submit(generate, self.prefill.url, body)
+        dec = self.pool.submit(generate, self.decode.url, body)
+        pre_reply = pre.result()
+        reply = dec.result()
+        if "error" in pre_reply and "error" not in reply:
+            reply = dict(reply, prefill_error=pre_reply["error"])
+        return reply
+
+
+def run_prompts(send, items: List[Dict], concurrency: int) -> Dict:
+    def one(item: Dict) -> Dict:
+        body = {"input_ids": item["input_ids"], "sampling_params": sampling(item["max_new_tokens"])}
+        start = time.monotonic()
+        try:
+            reply = send(body)
+        except Exception as exc:  # a transport failure is a failed request, recorded with its cause
+            reply = {"error": f"{type(exc).__name__}: {exc}"}
+        return {"output_ids": reply.get("output_ids"), "error": reply.get("error"),
+                "e2e_s": round(time.monotonic() - start, 4)}
+
+    start = time.monotonic()
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        results = list(pool.map(one, items))
+    return {"results": results, "wall_s": round(time.monotonic() - start, 3)}
+
+
+def digest(results: List[Dict]) -> str:
+    return hashlib.sha256(json.dumps([r["output_ids"] for r in results]).encode()).hexdigest()[:16]
+
+
+def compare(ref: List[Dict], got: List[Dict]) -> Dict:
+    bad = [i for i, (a, b) in enumerate(zip(ref, got)) if a["output_ids"] != b["output_ids"] or b["error"]]
+    errors = [got[i]["error"] for i in bad if got[i]["error"]]
+    return {"identical": len(ref) - len(bad), "total": len(ref), "mismatched": bad[:20],
+            "errors": errors[:5]}
+
+
+def run_phase(name: str, args, items: List[Dict], logs: Path, ports: List[int]) -> Dict:
+    env = dict(os.environ)
+    model, two = args.model, args.gpus >= 2
+    # Batch-invariant kernels (SGLang's own switch): without it the Triton decode attention splits
+    # the KV by batch size, so even one standalone server's greedy tokens change with concurrency.
+    det = ["--enable-deterministic-inference"] if args.deterministic else []
+    phase: Dict = {"phase": name}
+    servers: List[Server] = []
+    try:
+        if name == "standalone":
+            srv = Server(name, server_argv(model, ports[0], 0, args.mem, det), env, logs, ports[0]).start()
+            servers.append(srv)
+            srv.wait_ready(args.start_timeout)
+            send = lambda body: generate(srv.url, body)  # noqa: E731
+        else:
+            penv = dict(env, SGLANG_MORI_ENGINE="soft")
+            if name.startswith("pd_lw"):
+                penv.update(LAYERWISE_ENV)
+            boot = ports[2]
+            pextra = ["--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "mori",
+                      "--disaggregation-bootstrap-port", str(boot)]
+            if name == "pd_lw_nograph":
+                pextra += ["--cuda-graph-backend-prefill", "disabled"]
+            dextra = ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "mori"]
+            pre = Server(f"{name}-prefill", server_argv(model, ports[0], 0, args.mem, pextra + det),
+                         penv, logs, ports[0])
+            # On one GPU the decode sizes its pool from what the prefill left: start it after.
+            dmem = args.mem if two else args.mem_decode_shared
+            dec = Server(f"{name}-decode", server_argv(model, ports[1], 1 if two else 0, dmem, dextra + det),
+                         penv, logs, ports[1])
+            servers.append(pre.start())
+            if not two:
+                pre.wait_ready(args.start_timeout)
+            servers.append(dec.start())
+            pre.wait_ready(args.start_timeout)
+            dec.wait_ready(args.start_timeout)
+            send = PDClient(pre, dec, boot)
+        phase["ready_s"] = {s.name: round(s.ready_s, 1) for s in servers}
+        for conc in args.concurrency:
+            phase[f"c{conc}"] = run_prompts(send, items, conc)
+            print(f"[{name}] concurrency {conc}: {phase[f'c{conc}']['wall_s']} s", flush=True)
+        phase["metrics"] = {s.name: s.metrics() for s in servers}
+    except Exception as exc:
+        phase["failed"] = f"{type(exc).__name__}: {exc}"
+        phase["log_tails"] = {s.name: s.proc.tail(40) for s in servers}
+        print(f"[{name}] FAILED: {phase['failed']}", flush=True)
+        for s in servers:
+            print(f"--- {s.name}\n{s.proc.tail(40)}", flush=True)
+    finally:
+        for s in servers:
+            s.stop()
+    return phase
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--phases", default="standalone,pd")
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--concurrency", default="1,16")
+    ap.add_argument("--gpus", type=int, default=1)
+    ap.add_argument("--mem", type=float, default=0.3)
+    ap.add_argument("--mem-decode-shared", type=float, default=0.65)
+    ap.add_argument("--deterministic", action="store_true")
+    ap.add_argument("--start-timeout", type=float, default=420)
+    args = ap.parse_args()
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    out = Path(args.out)
+    logs = out / "logs"
+    items = prompts(args.prompts, args.vocab)
+    report: Dict = {"prompts": len(items), "prompt_tokens": [len(p["input_ids"]) for p in items],
+                    "chunked_prefill_size": CHUNK, "gpus": args.gpus,
+                    "deterministic": args.deterministic, "phases": {}}
+    ports = [31000, 31010, 31020]
+    for name in args.phases.split(","):
+        phase = run_phase(name, args, items, logs, ports)
+        ports = [p + 100 for p in ports]  # no reuse of a port a stopped server may still hold
+        ref = report["phases"].get("standalone")
+        for conc in args.concurrency:
+            key = f"c{conc}"
+            if key in phase:
+                phase[key]["digest"] = digest(phase[key]["results"])
+                if ref and key in ref:
+                    phase[key]["vs_standalone"] = compare(ref[key]["results"], phase[key]["results"])
+                    print(f"[{name}] {key} vs standalone: {phase[key]['vs_standalone']}", flush=True)
+        report["phases"][name] = phase
+        (out / "pd_identity.json").write_text(json.dumps(report, indent=1))
+        if "failed" in phase:
+            break  # the next phases start the same servers: the first wall is the finding
+    summary = {n: {k: v.get("vs_standalone", v.get("digest")) for k, v in p.items()
+                   if k.startswith("c") and isinstance(v, dict)} | ({"failed": p["failed"]} if "failed" in p else {})
+               for n, p in report["phases"].items()}
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
