@@ -71,7 +71,7 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--intermediate", type=int, default=2816)
     ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default="bfloat16")  # what SGLang's --dtype auto serves
     a = ap.parse_args()
     print(build(Path(a.out), a.layers, a.hidden, a.heads, a.kv_heads, a.intermediate, a.vocab, a.dtype))
 

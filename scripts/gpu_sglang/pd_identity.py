@@ -12,6 +12,8 @@ Phases (--phases, comma-separated; each runs every prompt at concurrency 1, then
   pd               prefill + decode, chunk-wise
   pd_lw            the same with SGLANG_MORI_LAYERWISE=on and thresholds lowered so it streams
   pd_lw_nograph    pd_lw with the prefill CUDA graph disabled on the prefill server
+  pd_dcache        pd with decode's radix cache on (--disaggregation-decode-enable-radix-cache), so
+                   prompts sharing a prefix with an earlier one are sent only past decode's cached part
 Results: OUT/pd_identity.json (per phase: outputs' digest, mismatches vs standalone, start-up times,
 our metrics from both servers); OUT/logs/*.log.
 """
@@ -185,6 +187,8 @@ def run_phase(name: str, args, items: List[Dict], logs: Path, ports: List[int]) 
             if name == "pd_lw_nograph":
                 pextra += ["--cuda-graph-backend-prefill", "disabled"]
             dextra = ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "mori"]
+            if name == "pd_dcache":
+                dextra.append("--disaggregation-decode-enable-radix-cache")
             pre = Server(f"{name}-prefill", server_argv(model, ports[0], 0, args.mem, pextra + det),
                          penv, logs, ports[0])
             # On one GPU the decode sizes its pool from what the prefill left: start it after.
@@ -250,8 +254,8 @@ def main() -> None:
                     print(f"[{name}] {key} vs standalone: {phase[key]['vs_standalone']}", flush=True)
         report["phases"][name] = phase
         (out / "pd_identity.json").write_text(json.dumps(report, indent=1))
-        if "failed" in phase:
-            break  # the next phases start the same servers: the first wall is the finding
+        if "failed" in phase and name == "standalone":
+            break  # without the reference nothing can be compared
     summary = {n: {k: v.get("vs_standalone", v.get("digest")) for k, v in p.items()
                    if k.startswith("c") and isinstance(v, dict)} | ({"failed": p["failed"]} if "failed" in p else {})
                for n, p in report["phases"].items()}
