@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU machine, from the device copy's root: install the carried wheels, register our plugin's
-# entry point, build the random-weight model, and run pd_identity.py (its arguments follow).
-# Expects the worktree copy in .gpu/ and the wheels in .whl/ (run_device.md: how to send it).
+# entry point, and run `identity` (pd_identity.py on a random-weight model built here) or `latency`
+# (pd_latency.py). Usage: device_run.sh identity|latency [ARGS of that script]
+# Expects the worktree copy in .gpu/ and the wheels in .whl/ (README.md beside this file: how to send it).
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 WHL=${WHL:-$(pwd)/.whl}
@@ -27,8 +28,13 @@ export SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 echo "install: $(( $(date +%s) - t0 )) s"
 python3 -c "import torch, sglang, sglang_mori; print('torch', torch.__version__, 'sglang', sglang.__version__, torch.cuda.device_count(), 'GPUs')"
-python3 "$ROOT/scripts/gpu_sglang/build_model.py" /tmp/gpu-llama > /dev/null || exit 1
-python3 "$ROOT/scripts/gpu_sglang/pd_identity.py" --model /tmp/gpu-llama --out "$OUT" "$@"
+what=$1; shift
+if [ "$what" = identity ]; then
+  python3 "$ROOT/scripts/gpu_sglang/build_model.py" /tmp/gpu-llama > /dev/null || exit 1
+  python3 "$ROOT/scripts/gpu_sglang/pd_identity.py" --model /tmp/gpu-llama --out "$OUT" "$@"
+else
+  python3 "$ROOT/scripts/gpu_sglang/pd_latency.py" --out "$OUT" "$@"
+fi
 rc=$?
 echo "total: $(( $(date +%s) - t0 )) s"
 exit $rc

@@ -1,11 +1,8 @@
 """Real SGLang 0.5.23 servers on the GPU machine: standalone, then prefill + decode with our backend
 (`--disaggregation-transfer-backend mori`, softio's device path), greedy outputs compared token by token.
 
-Run by device_run.sh there (it installs the wheels and sets PYTHONPATH). The PD front is `PDClient`
-below, doing for /generate what sglang_router's mini_lb does (sglang_router's 30 MB wheel does not fit
-beside sglang in one device call): the same body, plus bootstrap_host / bootstrap_port / a random
-63-bit bootstrap_room, POSTed to the prefill and the decode server at once; the decode reply is the
-answer.
+Run by device_run.sh there (it installs the wheels and sets PYTHONPATH); the PD front is
+servers.PDClient (what sglang_router's mini_lb does).
 
 Phases (--phases, comma-separated; each runs every prompt at concurrency 1, then 16):
   standalone       one server, the reference
@@ -25,19 +22,13 @@ import hashlib
 import json
 import os
 import random
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List
 
-import requests
+from servers import PDClient, Server, generate, sampling, server_argv
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parents[1] / "test"))
-from harness.procs import ManagedProcess, wait_until  # noqa: E402
-
-HOST = "127.0.0.1"
 CHUNK = 1024  # --chunked-prefill-size: prompts up to 3x this are prefilled (and sent) in chunks
 LAYERWISE_ENV = {"SGLANG_MORI_LAYERWISE": "on", "SGLANG_MORI_LAYERWISE_MIN_TOKENS": "16",
                  "SGLANG_MORI_LAYERWISE_MIN_BATCH_TOKENS": "16"}
@@ -60,79 +51,6 @@ def prompts(count: int, vocab: int, seed: int = 27) -> List[Dict]:
                 prefixes.append(ids)
         out.append({"input_ids": ids, "max_new_tokens": 8 + (i * 7) % 41})
     return out
-
-
-def sampling(max_new_tokens: int) -> Dict:
-    return {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}
-
-
-class Server:
-    def __init__(self, name: str, argv: List[str], env: Dict[str, str], logs: Path, port: int):
-        self.name, self.port = name, port
-        self.url = f"http://{HOST}:{port}"
-        self.proc = ManagedProcess(name, argv, env, logs / f"{name}.log")
-        self.ready_s: Optional[float] = None
-
-    def start(self) -> "Server":
-        self.proc.start()
-        return self
-
-    def wait_ready(self, deadline_s: float) -> None:
-        def healthy() -> bool:
-            try:
-                return requests.get(f"{self.url}/health", timeout=2).status_code == 200
-            except requests.RequestException:
-                return False
-        self.ready_s = wait_until(healthy, deadline_s, self.name, interval_s=1.0, alive=self.proc.alive)
-
-    def metrics(self) -> Dict[str, float]:
-        try:
-            text = requests.get(f"{self.url}/metrics", timeout=5).text
-        except requests.RequestException as exc:
-            return {"error": str(exc)}
-        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                if line.startswith("sglang_mori_") and not line.startswith("#")}
-
-    def stop(self) -> None:
-        self.proc.stop()
-
-
-def server_argv(model: str, port: int, gpu: int, mem: float, extra: List[str]) -> List[str]:
-    return [sys.executable, "-m", "sglang.launch_server", "--model-path", model,
-            "--skip-tokenizer-init", "--host", HOST, "--port", str(port), "--base-gpu-id", str(gpu),
-            # The kernels SGLang has without sgl_kernel: Triton attention, torch sampling.
-            "--attention-backend", "triton", "--sampling-backend", "pytorch",
-            "--mem-fraction-static", str(mem), "--chunked-prefill-size", str(CHUNK),
-            # Small pools (fp32 KV: 16 KiB a token) register and start fast; graphs as SGLang sizes them
-            # except decode's batch cap (its default, 256+, only lengthens capture here).
-            "--max-total-tokens", "262144", "--cuda-graph-max-bs-decode", "32",
-            "--random-seed", "1234", "--enable-metrics", "--log-level", "info"] + extra
-
-
-def generate(url: str, body: Dict, timeout_s: float = 300) -> Dict:
-    r = requests.post(f"{url}/generate", json=body, timeout=timeout_s)
-    if r.status_code != 200:
-        return {"error": f"HTTP {r.status_code}: {r.text[:500]}"}
-    return r.json()
-
-
-class PDClient:
-    """What sglang_router (mini_lb) does for one /generate: bootstrap fields, both servers at once."""
-
-    def __init__(self, prefill: Server, decode: Server, bootstrap_port: int):
-        self.prefill, self.decode, self.bootstrap_port = prefill, decode, bootstrap_port
-        self.pool = ThreadPoolExecutor(max_workers=64)
-
-    def __call__(self, body: Dict) -> Dict:
-        body = dict(body, bootstrap_host=HOST, bootstrap_port=self.bootstrap_port,
-                    bootstrap_room=random.randint(0, 2**63 - 1))
-        pre = self.pool.submit(generate, self.prefill.url, body)
-        dec = self.pool.submit(generate, self.decode.url, body)
-        pre_reply = pre.result()
-        reply = dec.result()
-        if "error" in pre_reply and "error" not in reply:
-            reply = dict(reply, prefill_error=pre_reply["error"])
-        return reply
 
 
 def run_prompts(send, items: List[Dict], concurrency: int) -> Dict:
@@ -168,12 +86,16 @@ def run_phase(name: str, args, items: List[Dict], logs: Path, ports: List[int]) 
     model, two = args.model, args.gpus >= 2
     # Batch-invariant kernels (SGLang's own switch): without it the Triton decode attention splits
     # the KV by batch size, so even one standalone server's greedy tokens change with concurrency.
-    det = ["--enable-deterministic-inference"] if args.deterministic else []
+    flags = ["--enable-deterministic-inference"] if args.deterministic else []
+    # Prompts up to 3 chunks; small pools (register and start fast); decode graphs up to batch 32
+    # (SGLang's 256+ only lengthens capture here).
+    flags += ["--chunked-prefill-size", str(CHUNK), "--max-total-tokens", "262144",
+            "--cuda-graph-max-bs-decode", "32"]
     phase: Dict = {"phase": name}
     servers: List[Server] = []
     try:
         if name == "standalone":
-            srv = Server(name, server_argv(model, ports[0], 0, args.mem, det), env, logs, ports[0]).start()
+            srv = Server(name, server_argv(model, ports[0], 0, args.mem, flags), env, logs, ports[0]).start()
             servers.append(srv)
             srv.wait_ready(args.start_timeout)
             send = lambda body: generate(srv.url, body)  # noqa: E731
@@ -189,11 +111,11 @@ def run_phase(name: str, args, items: List[Dict], logs: Path, ports: List[int]) 
             dextra = ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "mori"]
             if name == "pd_dcache":
                 dextra.append("--disaggregation-decode-enable-radix-cache")
-            pre = Server(f"{name}-prefill", server_argv(model, ports[0], 0, args.mem, pextra + det),
+            pre = Server(f"{name}-prefill", server_argv(model, ports[0], 0, args.mem, pextra + flags),
                          penv, logs, ports[0])
             # On one GPU the decode sizes its pool from what the prefill left: start it after.
             dmem = args.mem if two else args.mem_decode_shared
-            dec = Server(f"{name}-decode", server_argv(model, ports[1], 1 if two else 0, dmem, dextra + det),
+            dec = Server(f"{name}-decode", server_argv(model, ports[1], 1 if two else 0, dmem, dextra + flags),
                          penv, logs, ports[1])
             servers.append(pre.start())
             if not two:

@@ -1,0 +1,142 @@
+"""TTFT, ITL and throughput of real SGLang PD (our backend, softio's device path) against a standalone
+server, at about 1K and 8K-token prompts, concurrency 1 and 16, layer-wise off and `auto`.
+
+The model is GPU-bound on purpose: Llama-3-8B's widths (hidden 4096, 32 heads, 8 KV heads,
+intermediate 14336) with fewer layers, `--load-format dummy` weights (timing only: no token identity
+is claimed here). Servers keep SGLang's defaults (overlap scheduler, prefill and decode CUDA graphs,
+chunked prefill size) except Triton attention and torch sampling (no sgl_kernel). Prefill on GPU 0,
+decode on GPU 1; the standalone server on GPU 0.
+
+Results: OUT/pd_latency.json and a table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Dict, List
+
+from servers import PDClient, Server, generate_stream, sampling, server_argv
+
+SHAPE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+         "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
+         "head_dim": 128, "hidden_act": "silu", "max_position_embeddings": 16384,
+         "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False,
+         "vocab_size": 32768, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16"}
+
+
+def write_model(path: Path, layers: int) -> str:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(dict(SHAPE, num_hidden_layers=layers)))
+    return str(path)
+
+
+def workload(prompt_tokens: int, count: int, seed: int) -> List[Dict]:
+    rng = random.Random(seed)  # distinct random prompts: no prefix-cache hits
+    return [{"input_ids": [rng.randrange(10, SHAPE["vocab_size"]) for _ in range(prompt_tokens)],
+             "sampling_params": sampling(64)} for _ in range(count)]
+
+
+def measure(send, items: List[Dict], concurrency: int) -> Dict:
+    start = time.monotonic()
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        replies = list(pool.map(send, items))
+    wall = time.monotonic() - start
+    ok = [r for r in replies if "error" not in r and r.get("ttft_s") is not None]
+    ttft = sorted(r["ttft_s"] for r in ok)
+    itl = sorted(x for r in ok for x in r["itl_s"])
+
+    def pct(xs, q):
+        return round(xs[min(len(xs) - 1, int(q * len(xs)))] * 1000, 2) if xs else None
+
+    return {"requests": len(items), "ok": len(ok), "errors": [r["error"] for r in replies if "error" in r][:3],
+            "ttft_ms_p50": pct(ttft, 0.5), "ttft_ms_p90": pct(ttft, 0.9),
+            "ttft_ms_mean": round(statistics.mean(ttft) * 1000, 2) if ttft else None,
+            "itl_ms_p50": pct(itl, 0.5), "itl_ms_p90": pct(itl, 0.9),
+            "output_tok_s": round(sum(r["tokens"] for r in ok) / wall, 1), "wall_s": round(wall, 2)}
+
+
+def run_config(name: str, args, logs: Path, ports: List[int]) -> Dict:
+    env = dict(os.environ)
+    dummy = ["--load-format", "dummy"]
+    result: Dict = {"config": name}
+    servers: List[Server] = []
+    try:
+        if name == "standalone":
+            srv = Server(name, server_argv(args.model, ports[0], 0, args.mem, dummy), env, logs, ports[0]).start()
+            servers.append(srv)
+            srv.wait_ready(args.start_timeout)
+            send = lambda body: generate_stream(srv.url, body)  # noqa: E731
+        else:
+            penv = dict(env, SGLANG_MORI_ENGINE="soft", SGLANG_MORI_LAYERWISE=name.split("_", 1)[1])
+            boot = ports[2]
+            pre = Server(f"{name}-prefill", server_argv(args.model, ports[0], 0, args.mem, [
+                "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "mori",
+                "--disaggregation-bootstrap-port", str(boot)] + dummy), penv, logs, ports[0])
+            dec = Server(f"{name}-decode", server_argv(args.model, ports[1], 1, args.mem, [
+                "--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "mori"] + dummy),
+                penv, logs, ports[1])
+            servers += [pre.start(), dec.start()]
+            pre.wait_ready(args.start_timeout)
+            dec.wait_ready(args.start_timeout)
+            send = PDClient(pre, dec, boot).stream
+        result["ready_s"] = {s.name: round(s.ready_s, 1) for s in servers}
+        for tokens in args.lengths:
+            for conc in args.concurrency:
+                count = args.requests_c1 if conc == 1 else args.requests_per_conc * conc
+                measure(send, workload(tokens, 2, seed=1), min(conc, 2))  # warm-up (this shape)
+                key = f"{tokens}tok_c{conc}"
+                result[key] = measure(send, workload(tokens, count, seed=tokens * 100 + conc), conc)
+                print(f"[{name}] {key}: {result[key]}", flush=True)
+        result["metrics"] = {s.name: s.metrics() for s in servers}
+    except Exception as exc:
+        result["failed"] = f"{type(exc).__name__}: {exc}"
+        result["log_tails"] = {s.name: s.proc.tail(30) for s in servers}
+        print(f"[{name}] FAILED: {result['failed']}", flush=True)
+        for s in servers:
+            print(f"--- {s.name}\n{s.proc.tail(30)}", flush=True)
+    finally:
+        for s in servers:
+            s.stop()
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--configs", default="standalone,pd_off,pd_auto")
+    ap.add_argument("--lengths", default="1024,8192")
+    ap.add_argument("--concurrency", default="1,16")
+    ap.add_argument("--requests-c1", type=int, default=8)
+    ap.add_argument("--requests-per-conc", type=int, default=2)
+    ap.add_argument("--mem", type=float, default=0.5)
+    ap.add_argument("--start-timeout", type=float, default=300)
+    args = ap.parse_args()
+    args.lengths = [int(x) for x in args.lengths.split(",")]
+    args.concurrency = [int(x) for x in args.concurrency.split(",")]
+    out = Path(args.out)
+    args.model = write_model(Path("/tmp/llama8b-widths"), args.layers)
+    report: Dict = {"model": dict(SHAPE, num_hidden_layers=args.layers), "load_format": "dummy",
+                    "output_tokens": 64, "configs": {}}
+    ports = [32000, 32010, 32020]
+    for name in args.configs.split(","):
+        report["configs"][name] = run_config(name, args, out / "logs", ports)
+        ports = [p + 100 for p in ports]
+        (out / "pd_latency.json").write_text(json.dumps(report, indent=1))
+    print("config      shape         TTFT p50  TTFT p90  ITL p50  out tok/s")
+    for name, res in report["configs"].items():
+        for key, m in res.items():
+            if isinstance(m, dict) and "ttft_ms_p50" in m:
+                print(f"{name:11s} {key:13s} {m['ttft_ms_p50']!s:>8} {m['ttft_ms_p90']!s:>9} "
+                      f"{m['itl_ms_p50']!s:>8} {m['output_tok_s']!s:>10}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""Real SGLang servers on the GPU machine and the PD front that stands in for sglang_router.
+
+`PDClient` does for /generate what sglang_router's mini_lb does (sglang_router's 30 MB wheel does not
+fit beside sglang in one device call): the same body plus bootstrap_host / bootstrap_port / a random
+63-bit bootstrap_room, POSTed to the prefill and the decode server at once; the decode reply (or
+stream) is the answer.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import requests
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1] / "test"))
+from harness.procs import ManagedProcess, wait_until  # noqa: E402
+
+HOST = "127.0.0.1"
+
+
+def sampling(max_new_tokens: int) -> Dict:
+    return {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}
+
+
+class Server:
+    def __init__(self, name: str, argv: List[str], env: Dict[str, str], logs: Path, port: int):
+        self.name, self.port = name, port
+        self.url = f"http://{HOST}:{port}"
+        self.proc = ManagedProcess(name, argv, env, logs / f"{name}.log")
+        self.ready_s: Optional[float] = None
+
+    def start(self) -> "Server":
+        self.proc.start()
+        return self
+
+    def wait_ready(self, deadline_s: float) -> None:
+        def healthy() -> bool:
+            try:
+                return requests.get(f"{self.url}/health", timeout=2).status_code == 200
+            except requests.RequestException:
+                return False
+        self.ready_s = wait_until(healthy, deadline_s, self.name, interval_s=1.0, alive=self.proc.alive)
+
+    def metrics(self) -> Dict[str, float]:
+        try:
+            text = requests.get(f"{self.url}/metrics", timeout=5).text
+        except requests.RequestException as exc:
+            return {"error": str(exc)}
+        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                if line.startswith("sglang_mori_") and not line.startswith("#")}
+
+    def stop(self) -> None:
+        self.proc.stop()
+
+
+def server_argv(model: str, port: int, gpu: int, mem: float, extra: List[str]) -> List[str]:
+    """Defaults (overlap scheduler, prefill and decode CUDA graphs) except the kernels SGLang has
+    without sgl_kernel: Triton attention, torch sampling."""
+    return [sys.executable, "-m", "sglang.launch_server", "--model-path", model,
+            "--skip-tokenizer-init", "--host", HOST, "--port", str(port), "--base-gpu-id", str(gpu),
+            "--attention-backend", "triton", "--sampling-backend", "pytorch",
+            "--mem-fraction-static", str(mem), "--random-seed", "1234", "--enable-metrics",
+            "--log-level", "info"] + extra
+
+
+def generate(url: str, body: Dict, timeout_s: float = 300) -> Dict:
+    r = requests.post(f"{url}/generate", json=body, timeout=timeout_s)
+    if r.status_code != 200:
+        return {"error": f"HTTP {r.status_code}: {r.text[:500]}"}
+    return r.json()
+
+
+class PDClient:
+    """What sglang_router (mini_lb) does for one /generate: bootstrap fields, both servers at once."""
+
+    def __init__(self, prefill: Server, decode: Server, bootstrap_port: int):
+        self.prefill, self.decode, self.bootstrap_port = prefill, decode, bootstrap_port
+        self.pool = ThreadPoolExecutor(max_workers=64)
+
+    def with_bootstrap(self, body: Dict) -> Dict:
+        return dict(body, bootstrap_host=HOST, bootstrap_port=self.bootstrap_port,
+                    bootstrap_room=random.randint(0, 2**63 - 1))
+
+    def stream(self, body: Dict) -> Dict:
+        """As mini_lb's generate_stream: the prefill request runs beside the decode stream."""
+        body = self.with_bootstrap(body)
+        pre = self.pool.submit(generate, self.prefill.url, body)
+        reply = generate_stream(self.decode.url, body)
+        pre_reply = pre.result()
+        if "error" in pre_reply and "error" not in reply:
+            reply = dict(reply, prefill_error=pre_reply["error"])
+        return reply
+
+    def __call__(self, body: Dict) -> Dict:
+        body = self.with_bootstrap(body)
+        pre = self.pool.submit(generate, self.prefill.url, body)
+        dec = self.pool.submit(generate, self.decode.url, body)
+        pre_reply = pre.result()
+        reply = dec.result()
+        if "error" in pre_reply and "error" not in reply:
+            reply = dict(reply, prefill_error=pre_reply["error"])
+        return reply
+
+
+def generate_stream(url: str, body: Dict, timeout_s: float = 300) -> Dict:
+    """Streaming /generate: time to the first token and the gaps after it, counted by
+    meta_info.completion_tokens (whether a chunk's output_ids are cumulative or not)."""
+    start = time.monotonic()
+    ttft, last_t, done, itl = None, None, 0, []
+    try:
+        with requests.post(f"{url}/generate", json=dict(body, stream=True), timeout=timeout_s,
+                           stream=True) as r:
+            if r.status_code != 200:
+                return {"error": f"HTTP {r.status_code}: {r.text[:300]}"}
+            for line in r.iter_lines(chunk_size=None):
+                if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
+                    continue
+                chunk = json.loads(line[5:])
+                if "error" in chunk:
+                    return {"error": json.dumps(chunk["error"])[:300]}
+                # completion_tokens counts all tokens so far; else output_ids (cumulative in SGLang).
+                tokens = chunk.get("meta_info", {}).get("completion_tokens") or len(chunk.get("output_ids") or [])
+                now = time.monotonic()
+                if tokens > done:
+                    if ttft is None:
+                        ttft = now - start
+                    else:
+                        itl.extend([(now - last_t) / (tokens - done)] * (tokens - done))
+                    last_t, done = now, tokens
+    except requests.RequestException as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {"ttft_s": ttft, "itl_s": itl, "tokens": done, "e2e_s": time.monotonic() - start}
