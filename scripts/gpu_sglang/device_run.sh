@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU machine, from the device copy's root: install the carried wheels, register our plugin's
-# entry point, and run `identity` (pd_identity.py on a random-weight model built here) or `latency`
-# (pd_latency.py). Usage: device_run.sh identity|latency [ARGS of that script]
+# entry point, and run `identity` / `identity-mla` (pd_identity.py on a random-weight Llama GQA / DeepSeek MLA model
+# built here) or `latency`
+# (pd_latency.py). Usage: device_run.sh identity|identity-mla|latency [ARGS of that script]
 # Expects the worktree copy in .gpu/ and the wheels in .whl/ (README.md beside this file: how to send it).
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -29,8 +30,9 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 echo "install: $(( $(date +%s) - t0 )) s"
 python3 -c "import torch, sglang, sglang_mori; print('torch', torch.__version__, 'sglang', sglang.__version__, torch.cuda.device_count(), 'GPUs')"
 what=$1; shift
-if [ "$what" = identity ]; then
-  python3 "$ROOT/scripts/gpu_sglang/build_model.py" /tmp/gpu-llama > /dev/null || exit 1
+if [ "$what" = identity ] || [ "$what" = identity-mla ]; then
+  arch=llama; [ "$what" = identity-mla ] && arch=mla
+  python3 "$ROOT/scripts/gpu_sglang/build_model.py" /tmp/gpu-llama --arch $arch > /dev/null || exit 1
   python3 "$ROOT/scripts/gpu_sglang/pd_identity.py" --model /tmp/gpu-llama --out "$OUT" "$@"
 else
   python3 "$ROOT/scripts/gpu_sglang/pd_latency.py" --out "$OUT" "$@"

@@ -71,6 +71,13 @@ def test_gated_activations(sk, name, act):
     assert rel_err(out, ref) < 1e-6
 
 
+def test_concat_mla_k_broadcasts_the_rope_head(sk):
+    k_nope, k_rope = torch.randn(6, 4, 128), torch.randn(6, 1, 64)
+    k = torch.full((6, 4, 192), float("nan"))
+    sk.concat_mla_k(k=k, k_nope=k_nope, k_rope=k_rope)
+    assert torch.equal(k[..., :128], k_nope) and torch.equal(k[..., 128:], k_rope.expand(6, 4, 64))
+
+
 def test_weak_ref_tensor_aliases_the_memory(sk):
     t = torch.randn(4, 4)
     alias = sk.weak_ref_tensor(t)

@@ -7,6 +7,7 @@ Llama-shaped forward calls. Everything else is a name that raises when called.
 from stub_missing import install_submodule_finder
 
 from .kernels import (  # noqa: F401
+    concat_mla_k,
     fused_add_rmsnorm,
     gelu_and_mul,
     gelu_tanh_and_mul,

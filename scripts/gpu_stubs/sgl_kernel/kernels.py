@@ -73,6 +73,13 @@ def gelu_tanh_and_mul(input: torch.Tensor, out: Optional[torch.Tensor] = None,
     return _gated(input, lambda t: F.gelu(t, approximate="tanh"), out)
 
 
+def concat_mla_k(k: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor) -> None:
+    """DeepSeek MHA prefill: k[..., :nope] = k_nope; k[..., nope:] = k_rope (one head, broadcast)."""
+    nope = k_nope.shape[-1]
+    k[..., :nope].copy_(k_nope)
+    k[..., nope:].copy_(k_rope.expand(*k.shape[:-1], k_rope.shape[-1]))
+
+
 def weak_ref_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """A tensor over the same memory. sgl_kernel's returns one that does not keep the storage alive
     (so the breakable prefill graph's pool can reuse a segment's intermediates); this one does, which
