@@ -63,8 +63,10 @@ def build(out: Path, layers: int, hidden: int, heads: int, kv_heads: int, interm
 
 
 def build_mla(out: Path, layers: int, hidden: int, heads: int, intermediate: int, vocab: int,
-              dtype: str, kv_lora: int = 256, nope: int = 64, rope: int = 64, v_dim: int = 64) -> Path:
-    """DeepSeek-V2-shaped (MLA: one compressed latent + one rope key per token), dense MLP in every
+              dtype: str, kv_lora: int = 512, nope: int = 128, rope: int = 64, v_dim: int = 128) -> Path:
+    """DeepSeek-V2-shaped (MLA: one compressed latent + one rope key per token; DeepSeek-V2-Lite's
+    attention dims, which SGLang's Triton MLA decode kernel expects: with a 256-wide latent it failed
+    to compile, 256 vs 512 in its P.V dot), dense MLP in every
     layer (first_k_dense_replace = layers), no q LoRA."""
     from safetensors.numpy import save_file
 
