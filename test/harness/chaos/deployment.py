@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import signal
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, Optional, Sequence
 
 from harness import launch
 from harness.chaos.hosts import ADDRS, Topology
@@ -23,8 +23,9 @@ ROLES = ("prefill", "decode", "router")
 
 class NetnsPD(Deployment):
     def __init__(self, opts: launch.ServerOptions, backend: str, log_dir: Path, topo: Topology,
-                 env: Optional[Dict[str, str]] = None):
+                 env: Optional[Dict[str, str]] = None, router_args: Sequence[str] = ()):
         super().__init__(log_dir)
+        self.router_args = list(router_args)  # failure-handling flags (harness.router_settings)
         if backend not in launch.BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; one of {launch.BACKENDS}")
         self.opts, self.backend, self.topo = opts, backend, topo
@@ -50,7 +51,8 @@ class NetnsPD(Deployment):
             return launch.decode_argv(self.opts, self.decode_port, self.backend, host=ADDRS["decode"])
         return launch.router_argv(self.router_port, self.prefill_port, self.bootstrap_port,
                                   self.decode_port, self.metrics_port, host=ADDRS["router"],
-                                  prefill_host=ADDRS["prefill"], decode_host=ADDRS["decode"])
+                                  prefill_host=ADDRS["prefill"], decode_host=ADDRS["decode"],
+                                  extra=self.router_args)
 
     def _ready_url(self, role: str) -> str:
         if role == "router":  # 200 once it sees healthy prefill and decode workers
