@@ -8,8 +8,10 @@ well as the decode worker, so a decode that is down or a transfer that passes it
 as the prefill's failure. 10 consecutive failures open the prefill's breaker; with the default 60 s
 before it half-opens (and a failure while half-open opening it for another 60 s), all PD traffic is
 refused for a minute or more after the fault is over. 5 s before half-open brings it back within
-seconds, and the health checks (every 5 s, 3 misses) take out a prefill that really died even when
-no traffic reaches the breaker.
+seconds. A prefill that really died is taken out by the health checks (every 2 s, 3 misses: about
+6 s), not by the breaker: a request sent to a dead prefill fails only once decode has given up on
+that prefill's bootstrap server (SGLang 0.5.23 retries it for about 14 s), so its failures reach the
+breaker slowly.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ LAUNCH_PD: Dict[str, int] = {
     "cb-failure-threshold": 10,
     "cb-success-threshold": 2,
     "cb-timeout-duration-secs": 5,
-    "health-check-interval-secs": 5,
+    "health-check-interval-secs": 2,
     "health-check-timeout-secs": 5,
     "health-failure-threshold": 3,
     "health-success-threshold": 1,
