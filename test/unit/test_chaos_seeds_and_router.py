@@ -9,7 +9,7 @@ import pytest
 
 from harness import launch, router_settings
 from harness.chaos.runner import FaultResult
-from harness.chaos.table import render, render_seeds
+from harness.chaos.table import render, render_causes, render_seeds
 from harness.chaos.verdict import Counts
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "chaos_pd.py"
@@ -79,3 +79,12 @@ def test_every_seed_has_its_row_and_the_seeds_stand_side_by_side():
     assert ("| decode killed + restarted | ours | launch_pd | seed 31: 1/33, 0 hung, 2.0 s, pass; "
             "seed 7: 1/33, 0 hung, 41.0 s, FAIL | FAIL (1/2) |") in side
     assert "| decode killed + restarted | ours | defaults | seed 31: 1/33, 0 hung, 53.7 s, FAIL | FAIL (1/1) |" in side
+
+
+def test_failure_causes_say_the_seed_and_router_of_their_run():
+    a, b = result(31, "launch_pd", 2.0), result(7, "defaults", 50.0)
+    a.counts.causes.update({"No available prefill workers": 32})
+    b.counts.causes.update({"No available prefill workers": 32})
+    assert render_causes([a, b]).splitlines() == [
+        "- decode killed + restarted, ours, seed 31, router launch_pd: 32 x `No available prefill workers`",
+        "- decode killed + restarted, ours, seed 7, router defaults: 32 x `No available prefill workers`"]

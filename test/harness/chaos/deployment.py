@@ -98,8 +98,10 @@ class NetnsPD(Deployment):
         """SIGKILL the role's process group: a crash, nothing cleaned up."""
         self.procs[role].kill_hard()
 
-    def serving(self, role: str) -> bool:
-        return http_ok(self._ready_url(role), timeout_s=2.0)
+    def serving(self, role: str, attempts: int = 3) -> bool:
+        """Whether the role answers its readiness check, in one of `attempts` tries of up to 5 s: a
+        loaded 2-core host can take seconds to answer SGLang's /health (a one-token generation)."""
+        return any(http_ok(self._ready_url(role), timeout_s=5.0) for _ in range(attempts))
 
     def stop(self) -> None:
         for role in ROLES:  # a stopped group would not act on SIGTERM

@@ -89,7 +89,8 @@ def render_causes(results: Sequence[FaultResult]) -> str:
         if r.counts.causes:
             label = BY_NAME[r.fault].label if r.fault in BY_NAME else r.fault
             causes = "; ".join(f"{n} x `{text}`" for text, n in r.counts.causes.most_common())
-            out.append(f"- {label}, {LABELS.get(r.backend, r.backend)}: {causes}")
+            run = "".join([f", seed {r.seed}" if r.seed is not None else "", f", router {r.router}" if r.router else ""])
+            out.append(f"- {label}, {LABELS.get(r.backend, r.backend)}{run}: {causes}")
     return "\n".join(out) or "- (no request failed)"
 
 
