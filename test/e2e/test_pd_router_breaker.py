@@ -1,5 +1,6 @@
-"""The router's circuit breaker still does its job with the settings scripts/launch_pd.sh gives it
-(issue 29: 5 s before an open breaker half-opens, instead of the router's 60 s).
+"""A prefill that dies for good is avoided within seconds, and the other keeps serving, with the
+router settings scripts/launch_pd.sh gives (issue 29: 5 s before an open breaker half-opens instead
+of the router's 60 s, health checks every 2 s instead of 60 s).
 
 Two prefill servers, one decode server, sglang_router with harness.router_settings' launch_pd
 flags, the tiny model. Both prefills serve; then one is SIGKILLed for good. Under steady traffic
@@ -15,9 +16,9 @@ flags, the tiny model. Both prefills serve; then one is SIGKILLed for good. Unde
 A request the router sends to the dead prefill is not refused at once: decode waits for that
 prefill's bootstrap server (SGLang retries it for about 14 s) before the attempt fails, so it is
 the health check, not the breaker, that takes the dead prefill out this fast (measured: 4.3 s, by
-its health; with 5 s health checks the router logged the third miss 11 s after the kill). The test guards that
-behaviour of the settings we ship; it does not show the 60 s breaker problem of issue 29, which
-only a decode or link fault brings out (scripts/chaos_pd.py).
+its health; with 5 s health checks the router logged the third miss 11 s after the kill). The test
+guards that behaviour of the settings we ship; it does not show the 60 s breaker problem of issue
+29, which only a decode or link fault brings out (scripts/chaos_pd.py).
 """
 
 from __future__ import annotations
