@@ -20,6 +20,7 @@
 #   --xgmi | --no-xgmi   XGMI between same-node GPUs (SGLANG_MORI_XGMI=1); default on for one node
 #   --tp N               TP size per server (default: GPUs per server)
 #   --server-args "..."  extra args for every server; --prefill-args / --decode-args / --router-args
+#                        (--router-args overrides the router's failure-handling flags set here)
 #   --log-dir DIR        logs and the pid file (default ./pd-logs)
 #   --health-timeout S   bounded wait for /health of every process (default 900; 300 with --cpu-demo)
 #   --python PATH        interpreter with sglang, sglang-router and sglang-mori (default python3)
@@ -212,6 +213,14 @@ router_cmd() {
   fi
   # The router's metrics listener defaults to 0.0.0.0:29000; keep it on our host and next to the router.
   args+=(--host "$HOST" --port "$ROUTER_PORT" --prometheus-host "$HOST" --prometheus-port "$((ROUTER_PORT + 1))")
+  # Failure handling (docs/deployment.md "Router failure handling", issue 29). sglang_router counts a
+  # PD request's final status against the prefill too, so a decode restart or a slow link opens the
+  # prefill's breaker; its default 60 s before half-open then refuses all traffic for a minute after
+  # the fault. 5 s brings it back within seconds. The health checks (every 2 s, 3 misses) take a dead
+  # server out in about 6 s: a request sent to a dead prefill fails only after decode gives up on its
+  # bootstrap, too slowly for the breaker. --router-args comes after these and overrides them.
+  args+=(--cb-failure-threshold 10 --cb-success-threshold 2 --cb-timeout-duration-secs 5)
+  args+=(--health-check-interval-secs 2 --health-check-timeout-secs 5 --health-failure-threshold 3 --health-success-threshold 1)
   [ -n "$ROUTER_ARGS" ] && args+=($ROUTER_ARGS)
   echo "$(q "$PYTHON") ${args[*]}"
 }

@@ -12,7 +12,7 @@ import socket
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence, Tuple
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # The `vllm` import stub (scripts/cpu_stubs/vllm); SGLANG_MORI_CPU_STUBS overrides for installed copies.
@@ -179,18 +179,27 @@ def decode_argv(opts: ServerOptions, port: int, backend: str, host: str = HOST) 
 
 def router_argv(port: int, prefill_port: int, bootstrap_port: int, decode_port: int,
                 prometheus_port: int, host: str = HOST, prefill_host: str = HOST,
-                decode_host: str = HOST) -> List[str]:
+                decode_host: str = HOST, extra: Sequence[str] = ()) -> List[str]:
     """The router on `host`; the servers on their own hosts (all 127.0.0.1 unless a test puts them
-    in separate network namespaces)."""
-    return [
-        sys.executable, "-m", "sglang_router.launch_router",
-        "--pd-disaggregation",
-        "--prefill", f"http://{prefill_host}:{prefill_port}", str(bootstrap_port),
-        "--decode", f"http://{decode_host}:{decode_port}",
+    in separate network namespaces). `extra`: more router flags (harness.router_settings)."""
+    return pd_router_argv(port, [(f"http://{prefill_host}:{prefill_port}", bootstrap_port)],
+                          [f"http://{decode_host}:{decode_port}"], prometheus_port, host, extra)
+
+
+def pd_router_argv(port: int, prefills: Sequence[Tuple[str, int]], decodes: Sequence[str],
+                   prometheus_port: int, host: str = HOST, extra: Sequence[str] = ()) -> List[str]:
+    """The router in front of any number of prefill (url, bootstrap port) and decode (url) servers."""
+    argv = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation"]
+    for url, boot in prefills:
+        argv += ["--prefill", url, str(boot)]
+    for url in decodes:
+        argv += ["--decode", url]
+    return argv + [
         "--host", host,
         "--port", str(port),
         # The metrics listener defaults to 0.0.0.0:29000; keep it on its host and off shared ports.
         "--prometheus-host", host,
         "--prometheus-port", str(prometheus_port),
         "--log-level", "info",
+        *extra,
     ]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import signal
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, Optional, Sequence
 
 from harness import launch
 from harness.chaos.hosts import ADDRS, Topology
@@ -23,8 +23,9 @@ ROLES = ("prefill", "decode", "router")
 
 class NetnsPD(Deployment):
     def __init__(self, opts: launch.ServerOptions, backend: str, log_dir: Path, topo: Topology,
-                 env: Optional[Dict[str, str]] = None):
+                 env: Optional[Dict[str, str]] = None, router_args: Sequence[str] = ()):
         super().__init__(log_dir)
+        self.router_args = list(router_args)  # failure-handling flags (harness.router_settings)
         if backend not in launch.BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; one of {launch.BACKENDS}")
         self.opts, self.backend, self.topo = opts, backend, topo
@@ -50,7 +51,8 @@ class NetnsPD(Deployment):
             return launch.decode_argv(self.opts, self.decode_port, self.backend, host=ADDRS["decode"])
         return launch.router_argv(self.router_port, self.prefill_port, self.bootstrap_port,
                                   self.decode_port, self.metrics_port, host=ADDRS["router"],
-                                  prefill_host=ADDRS["prefill"], decode_host=ADDRS["decode"])
+                                  prefill_host=ADDRS["prefill"], decode_host=ADDRS["decode"],
+                                  extra=self.router_args)
 
     def _ready_url(self, role: str) -> str:
         if role == "router":  # 200 once it sees healthy prefill and decode workers
@@ -96,8 +98,10 @@ class NetnsPD(Deployment):
         """SIGKILL the role's process group: a crash, nothing cleaned up."""
         self.procs[role].kill_hard()
 
-    def serving(self, role: str) -> bool:
-        return http_ok(self._ready_url(role), timeout_s=2.0)
+    def serving(self, role: str, attempts: int = 3) -> bool:
+        """Whether the role answers its readiness check, in one of `attempts` tries of up to 5 s: a
+        loaded 2-core host can take seconds to answer SGLang's /health (a one-token generation)."""
+        return any(http_ok(self._ready_url(role), timeout_s=5.0) for _ in range(attempts))
 
     def stop(self) -> None:
         for role in ROLES:  # a stopped group would not act on SIGTERM

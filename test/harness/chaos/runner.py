@@ -54,6 +54,8 @@ class FaultResult:
     leftovers: Dict[str, List[str]] = field(default_factory=dict)
     snapshots: Dict[str, lo.Snapshot] = field(default_factory=dict)
     client_exit: Optional[int] = None
+    seed: Optional[int] = None  # the load's seed, when a run covers several
+    router: str = ""  # the router settings it ran with (harness.router_settings), when stated
 
     def goal_failures(self, recovery_goal_s: float) -> List[str]:
         out = []
@@ -144,7 +146,7 @@ def run_fault(dep: NetnsPD, topo: Topology, fault: Fault, settings: RunSettings,
     proc = start_client(settings.load, dep.router_url, settings.model_dir, records,
                         settings.hang_bound_s + 5.0, work / f"{dep.backend}-{fault.name}.client.log", pd=True,
                         prefix=topo.hosts["router"].prefix())
-    result = FaultResult(dep.backend, fault.name, Counts())
+    result = FaultResult(dep.backend, fault.name, Counts(), seed=settings.load.seed)
     try:
         started = time.monotonic()
         # After the client's warm-up request (a failed warm-up ends bench_serving's whole run),
