@@ -19,6 +19,7 @@ from sglang_mori import protocol
 from sglang_mori.backend import sglang_compat as compat
 from sglang_mori.backend import sglang_fields as fields
 from sglang_mori.backend.sglang_compat import DisaggregationMode, KVArgs
+from sglang_mori.backend.failure_reasons import PROTOCOL
 from sglang_mori.backend.messenger import Messenger
 from sglang_mori.backend.peers import InflightBudget, PeerRegistry
 from sglang_mori.backend.plans import KVPlanner, LocalBuffers, local_layout
@@ -190,7 +191,7 @@ class MoriKVManager(compat.CompatKVManager):
     def reject_message(self, error: protocol.ProtocolError, origin: str) -> None:
         """Count every rejection; log the first of each kind loudly, then every 100th."""
         self.protocol_rejections[error.reason] += 1
-        self.metrics.failure("protocol")
+        self.metrics.failure(PROTOCOL)
         count = self.protocol_rejections[error.reason]
         if count == 1 or count % 100 == 0:
             logger.warning("sglang-mori: rejected %s message #%d on %s: %s", error.reason, count, origin, error.detail)
