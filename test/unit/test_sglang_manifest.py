@@ -138,10 +138,31 @@ def test_sglang_facing_modules_and_shells_read_only_declared_members():
 @pytest.mark.parametrize("target", manifest.HOOK_TARGETS)
 def test_hook_targets_are_declared_once(target):
     from sglang_mori import plugin
-    from sglang_mori.backend.prefill.layerwise.hooks import HOOKS
 
-    used = [plugin.GET_KV_CLASS_TARGET] + [t for t, _ in HOOKS]
+    used = [plugin.GET_KV_CLASS_TARGET] + [t for t, _ in manifest.LAYERWISE_HOOKS]
     assert used.count(target) == 1
+
+
+def test_every_layerwise_hook_names_a_function_of_the_hooks_module():
+    from sglang_mori.backend.prefill.layerwise import hooks
+
+    for _, name in manifest.LAYERWISE_HOOKS:
+        assert callable(getattr(hooks, name, None)), name
+
+
+def test_registering_the_layerwise_hooks_does_not_import_them():
+    # plugin._lazy_hook imports the hooks module on a hook's first call; register() must not import
+    # it itself, or the lazy wrapper would buy nothing (issue 26).
+    import subprocess
+    import sys
+
+    code = ("import os, sys; os.environ['SGLANG_MORI_LAYERWISE'] = 'auto'\n"
+            "from sglang.srt.plugins.hook_registry import HookRegistry\n"
+            "from sglang_mori import plugin; plugin.register()\n"
+            "print(sorted(m for m in sys.modules if m.startswith('sglang_mori.backend.prefill')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "sglang_mori.backend.prefill.layerwise.hooks" not in out.stdout, out.stdout
 
 
 def test_start_up_check_skips_modules_this_process_never_loaded(monkeypatch):

@@ -19,7 +19,6 @@ import numpy as np
 
 from sglang_mori.backend.plans import KVPlanner, to_pairs
 from sglang_mori.backend.prefill.submitter import Chunk
-from sglang_mori.planning import PlanError
 from sglang_mori.planning.transfer_plan import TransferPlan
 
 
@@ -50,18 +49,12 @@ class SelectedChunk(Chunk):
 class LayerwisePlanner(KVPlanner):
     supports_dcp_relayout = False  # layer streams pair pages one to one
 
-    def _planner(self, peer):
-        planner = self._planners.get(peer.engine_key)
-        if planner is None:
-            raise PlanError(f"decode engine {peer.engine_key} is no longer registered with this prefill rank")
-        return planner
-
     def stream_plan(self, peer, stream, target) -> TransferPlan:
         """The full plan of a room stream to one peer, made once and reused by every layer group."""
         plan = stream.plans.get(peer.engine_key)
         if plan is None:
             dst = target.kv_indices[stream.dst_slice]
-            plan = stream.plans[peer.engine_key] = self._planner(peer).plan_kv(stream.src_pages, dst)
+            plan = stream.plans[peer.engine_key] = self.registered_planner(peer).plan_kv(stream.src_pages, dst)
         return plan
 
     def write_pairs(self, peer, chunk, target) -> list:
@@ -70,7 +63,7 @@ class LayerwisePlanner(KVPlanner):
             return to_pairs(plan, self.local.kv, peer.kv_descs)
         if not isinstance(chunk, SelectedChunk):
             return super().write_pairs(peer, chunk, target)
-        planner = self._planner(peer)
+        planner = self.registered_planner(peer)
         dst = target.kv_indices[chunk.index_slice]
         pairs: list = []
         for lo, hi, buffers in chunk.kv_selection:
