@@ -60,6 +60,7 @@ LAYERWISE_FALLBACK_REASONS = (
     "below_min_tokens",  # fewer new tokens than SGLANG_MORI_LAYERWISE_MIN_TOKENS
     "short_batch",  # the batch computes fewer tokens than SGLANG_MORI_LAYERWISE_MIN_BATCH_TOKENS
     "unaligned_prefix",  # decode's prefix length is not page-aligned
+    "decode_context_parallel",  # a decode rank of the room relays tokens out (DCP): sent chunk-wise
     "unmapped_pool",  # a layer's KV tensors are not among the registered buffers
     "no_layer_hook",  # the forward never called the attention hook (e.g. a graph without it)
     "other",

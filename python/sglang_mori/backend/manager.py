@@ -79,12 +79,14 @@ class MoriKVManager(compat.CompatKVManager):
         from sglang_mori.backend.prefill.service import PrefillService
 
         cfg = self.mori_config
-        planner_class = KVPlanner
-        if cfg.layerwise != "off":
-            from sglang_mori.backend.prefill.layerwise.planner import LayerwisePlanner as planner_class
         cp = self.cp = fields.prefill_cp(self)
-        planner = (planner_class(self.layout, self.buffers, kv_shard=(cp.kv_shard_rank, cp.kv_shard_size))
-                   if cp.sharded else planner_class(self.layout, self.buffers))
+        kv_shard = (cp.kv_shard_rank, cp.kv_shard_size) if cp.sharded else (0, 1)
+        if cfg.layerwise == "off":
+            planner = KVPlanner(self.layout, self.buffers, kv_shard=kv_shard)
+        else:
+            from sglang_mori.backend.prefill.layerwise.assembly import layerwise_planner
+
+            planner = layerwise_planner(cfg.layerwise, self.layout, self.buffers, kv_shard)
         parts = PrefillParts(
             config=cfg, engine=self.engine, local=self.buffers, planner=planner,
             peers=PeerRegistry(cfg.peer_fail_fast_s, InflightBudget(cfg.max_inflight_per_peer)),

@@ -69,7 +69,8 @@ class KVPlanner:
             raise UnsupportedLayoutError(
                 f"decode context parallel (prefill dcp_size={self.layout.dcp_size}, decode "
                 f"dcp_size={remote.dcp_size} dcp_rank={remote.dcp_rank}) is not planned in layer-wise "
-                "mode; run the prefill with SGLANG_MORI_LAYERWISE=off"
+                "mode with SGLANG_MORI_LAYERWISE=on; run the prefill with SGLANG_MORI_LAYERWISE=auto (chunk-wise "
+                "to this decode) or off"
             )
         if len(kv) != remote.num_kv_buffers:
             raise InvalidLayoutError(

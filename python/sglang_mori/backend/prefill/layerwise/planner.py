@@ -47,7 +47,22 @@ class SelectedChunk(Chunk):
 
 
 class LayerwisePlanner(KVPlanner):
-    supports_dcp_relayout = False  # layer streams pair pages one to one
+    """`refuse_unstreamable` (SGLANG_MORI_LAYERWISE=on): a decode whose pages the layer streams cannot
+    pair one to one (decode context parallel relays tokens out) is refused at registration. Without
+    it (`auto`) that decode is served chunk-wise: `stream_refusal` tells the session not to stream
+    to it, and its chunks are planned exactly as KVPlanner plans them."""
+
+    def __init__(self, layout, local, kv_shard: tuple = (0, 1), *, refuse_unstreamable: bool = False):
+        super().__init__(layout, local, kv_shard)
+        self.supports_dcp_relayout = not refuse_unstreamable
+
+    def stream_refusal(self, engine_key: str) -> Optional[str]:
+        """The layer-wise fallback reason for rooms to this decode rank, or None if they may stream.
+        A forgotten peer streams like any other: its writes fail as its chunks would."""
+        planner = self._planners.get(engine_key)
+        if planner is not None and planner.dcp_relayout:
+            return "decode_context_parallel"
+        return None
 
     def stream_plan(self, peer, stream, target) -> TransferPlan:
         """The full plan of a room stream to one peer, made once and reused by every layer group."""
