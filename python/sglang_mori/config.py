@@ -154,7 +154,10 @@ KNOBS: Tuple[Knob, ...] = (
          "Deadline for one chunk transfer (submit, retries and completion). Always on: a transfer "
          "past it fails its request.", positive_deadline_ms, "> 0 (cannot be disabled)"),
     Knob("SGLANG_MORI_WAIT_POLL_MS", "wait_poll_ms", "int", 50,
-         "Poll interval of bounded waits on transfer statuses.", int_between(1, 10000), "1..10000"),
+         "Poll interval of the waits on transfer statuses: decode's status thread checks its room "
+         "deadlines at least this often; prefill's completion thread waits at most this long (capped "
+         "at 20 ms) on a running write before looking at every room again.", int_between(1, 10000),
+         "1..10000"),
     Knob("SGLANG_MORI_MAX_INFLIGHT_PER_PEER", "max_inflight_per_peer", "int", 64,
          "Transfer statuses in flight per decode peer; submitting more waits (within the deadline).",
          int_at_least(1), ">= 1"),
