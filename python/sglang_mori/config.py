@@ -197,14 +197,14 @@ KNOBS: Tuple[Knob, ...] = (
          int_at_least(0), ">= 0"),
     Knob("SGLANG_MORI_LAYERWISE_MIN_BATCH_TOKENS", "layerwise_min_batch_tokens", "int", 8192,
          "A batch streams layer-wise only if its forward computes at least this many tokens in "
-         "all; shorter (launch-bound) forwards go chunk-wise, counted as `short_batch` (on an "
-         "H100, streaming added 140-1100% to forwards of 64-512 tokens and at most 2.5% from "
-         "8192 tokens on: docs/benchmarks.md).",
+         "all; shorter (launch-bound) forwards go chunk-wise, counted as `short_batch` (what "
+         "streaming costs a forward of each size on an H100: docs/benchmarks.md, \"GPU rig\").",
          int_at_least(0), ">= 0"),
     Knob("SGLANG_MORI_LAYERWISE_GROUP", "layerwise_group", "int", 0,
-         "Layers per layer-wise write. 0: halving groups (each write covers half of the layers "
-         "still to come, the last layer alone: about log2(layers)+1 writes per room and forward, "
-         "one layer's KV left after it); n >= 1: a write every n layers.",
+         "Layers per layer-wise write. 0: halving groups (the first write covers a quarter of "
+         "the layers, each later one half of the layers still to come, the last layer alone: "
+         "about log2(layers)+2 writes per room and forward, one layer's KV left after it); "
+         "n >= 1: a write every n layers.",
          lambda text: _parse_int(text, 1, 1024, also=(0,)), "0 (halving) or 1..1024"),
 )
 
