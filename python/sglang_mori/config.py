@@ -187,8 +187,9 @@ KNOBS: Tuple[Knob, ...] = (
          "Layer-wise KV streaming on prefill: each layer's new full pages are written while the "
          "forward pass computes the next layers (hooks through SGLang's HookRegistry). `on` fails "
          "start-up on a deployment that cannot stream (PP, context parallel, staging, hybrid state "
-         "pools, KV sharding, two-batch overlap); `auto` streams where supported and sends "
-         "chunk-wise elsewhere; `off` is chunk-wise only. Batches that cannot stream fall back "
+         "pools, KV sharding, two-batch overlap) and refuses a decode with context parallelism at "
+         "registration; `auto` streams where supported and sends chunk-wise elsewhere (it serves "
+         "every deployment `off` serves); `off` is chunk-wise only. Batches that cannot stream fall back "
          "chunk-wise and are counted (sglang_mori_layerwise_fallbacks_total).",
          one_of("off", "on", "auto"), "off | on | auto"),
     Knob("SGLANG_MORI_LAYERWISE_MIN_TOKENS", "layerwise_min_tokens", "int", 256,
