@@ -150,19 +150,32 @@ def test_every_layerwise_hook_names_a_function_of_the_hooks_module():
         assert callable(getattr(hooks, name, None)), name
 
 
-def test_registering_the_layerwise_hooks_does_not_import_them():
+def test_registering_the_layerwise_hooks_does_not_import_them(monkeypatch):
     # plugin._lazy_hook imports the hooks module on a hook's first call; register() must not import
     # it itself, or the lazy wrapper would buy nothing (issue 26).
-    import subprocess
     import sys
 
-    code = ("import os, sys; os.environ['SGLANG_MORI_LAYERWISE'] = 'auto'\n"
-            "from sglang.srt.plugins.hook_registry import HookRegistry\n"
-            "from sglang_mori import plugin; plugin.register()\n"
-            "print(sorted(m for m in sys.modules if m.startswith('sglang_mori.backend.prefill')))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert "sglang_mori.backend.prefill.layerwise.hooks" not in out.stdout, out.stdout
+    from sglang.srt.plugins import hook_registry
+
+    from sglang_mori import plugin
+
+    hooks_module = "sglang_mori.backend.prefill.layerwise.hooks"
+    monkeypatch.delitem(sys.modules, hooks_module, raising=False)
+    registered = []
+    monkeypatch.setattr(hook_registry.HookRegistry, "register",
+                        staticmethod(lambda target, hook, kind: registered.append((target, hook))))
+    monkeypatch.setenv("SGLANG_MORI_LAYERWISE", "auto")
+    plugin.register()
+    assert hooks_module not in sys.modules
+    assert [t for t, _ in registered] == [plugin.GET_KV_CLASS_TARGET] + [t for t, _ in manifest.LAYERWISE_HOOKS]
+    # The first call imports the module and runs its hook.
+    _, around_checkpoint = registered[-1]
+    calls = []
+    monkeypatch.setitem(sys.modules, hooks_module, type(sys)("stub"))
+    sys.modules[hooks_module].around_checkpoint = lambda original, *a: calls.append(a) or original(*a)
+    monkeypatch.setattr(sys.modules["sglang_mori.backend.prefill.layerwise"], "hooks", sys.modules[hooks_module],
+                        raising=False)
+    assert around_checkpoint(lambda *a: "ran", 1, 2) == "ran" and calls == [(1, 2)]
 
 
 def test_start_up_check_skips_modules_this_process_never_loaded(monkeypatch):
