@@ -258,7 +258,8 @@ def test_the_reasons_listed_in_deployment_md_are_the_codes(metric):
 
 # --- figures and their sources -------------------------------------------------------------
 
-FIGURE = re.compile(r"(?<![\w.])[-+~]?\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)? ?(?:%|x\b)")
+# A percentage ("12%", "95 %") or a ratio ("1.5x"; "3 x (a + b)" is arithmetic, not a figure).
+FIGURE = re.compile(r"(?<![\w.])[-+~]?\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)?(?: ?%|x\b)")
 SOURCE = re.compile(r"docs/benchmarks\.md|docs/reliability\.md|docs/data/|https?://"
                     r"|MORI(?:-IO)?'s (?:own |published |tuning )|MORI documents|ROCm/mori|AMD link specifications")
 FIGURE_HOMES = {"benchmarks.md", "reliability.md"}
@@ -287,4 +288,6 @@ def test_figures_outside_the_benchmark_pages_name_their_source():
 
 def test_the_figure_check_sees_an_unsourced_figure():
     assert unsourced_figures("A short forward slowed by 150-1000% with a write per layer.")
+    assert unsourced_figures("XGMI is 1.3-1.5x one NIC.")
     assert not unsourced_figures("Slowed by 150-1000% (docs/benchmarks.md, \"GPU rig\").")
+    assert not unsourced_figures("Out after 3 x (interval + timeout).")
