@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Serving benchmark with SGLang's own client: `python -m sglang.bench_serving --pd-separated`.
+"""Serving benchmark with SGLang's own client: `python -m sglang.benchmark.serving --pd-separated`.
 
 For each PD deployment in --backends, one at a time (prefill + decode + sglang_router, all on
 127.0.0.1, started by test/harness/deployment.py exactly as scripts/bench_pd_latency.py does):
@@ -74,9 +74,9 @@ class Row:
 def client_argv(python: str, base_url: str, model_dir: Path, out_file: Path, *, num_prompts: int,
                 input_len: int, output_len: int, max_concurrency: int, request_rate: float,
                 seed: int, warmup_requests: int) -> List[str]:
-    """The sglang.bench_serving command line for one deployment behind `base_url`."""
+    """The sglang.benchmark.serving command line for one deployment behind `base_url`."""
     return [
-        python, "-m", "sglang.bench_serving",
+        python, "-m", "sglang.benchmark.serving",
         "--backend", "sglang",  # native /generate through the router
         "--base-url", base_url,
         "--pd-separated",
@@ -198,7 +198,7 @@ def run_backend(name: str, model: Path, work: Path, args) -> Row:
     try:
         dep.start()
         dep.wait_ready(args.startup_timeout)
-        print(f"  {name}: up in {time.monotonic() - t0:.0f} s; running sglang.bench_serving ...", flush=True)
+        print(f"  {name}: up in {time.monotonic() - t0:.0f} s; running sglang.benchmark.serving ...", flush=True)
         argv = client_argv(sys.executable, dep.router_url, model, out_file, num_prompts=args.num_prompts,
                            input_len=args.input_len, output_len=args.output_len,
                            max_concurrency=args.max_concurrency, request_rate=args.request_rate,
@@ -207,9 +207,9 @@ def run_backend(name: str, model: Path, work: Path, args) -> Row:
         try:
             code = client.proc.wait(timeout=args.client_timeout)
         except subprocess.TimeoutExpired:
-            raise RuntimeError(f"sglang.bench_serving did not finish in {args.client_timeout:.0f} s") from None
+            raise RuntimeError(f"sglang.benchmark.serving did not finish in {args.client_timeout:.0f} s") from None
         if code != 0 or not out_file.exists():
-            raise RuntimeError(f"sglang.bench_serving exited with {code}:\n{client.tail(30)}")
+            raise RuntimeError(f"sglang.benchmark.serving exited with {code}:\n{client.tail(30)}")
         result = read_result(out_file)
         errors = [e for e in result.get("errors", []) if e]
         row = row_from_result(name, args.num_prompts, result)
@@ -265,9 +265,9 @@ def main() -> int:
         os.execv("/bin/bash", ["bash", str(REPO / "scripts" / "in_private_netns.sh"), sys.executable, *sys.argv])
     signal.signal(signal.SIGTERM, _sigterm)
     try:
-        import datasets  # noqa: F401  (sglang.bench_serving imports it at start-up)
+        import datasets  # noqa: F401  (sglang.benchmark.serving imports it at start-up)
     except ImportError:
-        sys.exit("sglang.bench_serving needs `datasets`: .venv/bin/python -m pip install -r requirements/bench.txt")
+        sys.exit("sglang.benchmark.serving needs `datasets`: .venv/bin/python -m pip install -r requirements/bench.txt")
     from harness.real_model import ensure_real_model
 
     model = ensure_real_model()
@@ -281,7 +281,7 @@ def main() -> int:
             rows.append(run_backend(name, model, work, args))
     except KeyboardInterrupt:
         print("interrupted")
-    header = (f"sglang.bench_serving --pd-separated, random-ids, {args.num_prompts} requests x "
+    header = (f"sglang.benchmark.serving --pd-separated, random-ids, {args.num_prompts} requests x "
               f"{args.input_len} prompt tokens / {args.output_len} output tokens (ignore_eos, greedy, "
               f"streamed), max concurrency {args.max_concurrency}, request rate {args.request_rate}; "
               f"SmolLM2-135M-Instruct (float32, CPU), chunked prefill {args.chunked_prefill_size}. "

@@ -154,7 +154,10 @@ KNOBS: Tuple[Knob, ...] = (
          "Deadline for one chunk transfer (submit, retries and completion). Always on: a transfer "
          "past it fails its request.", positive_deadline_ms, "> 0 (cannot be disabled)"),
     Knob("SGLANG_MORI_WAIT_POLL_MS", "wait_poll_ms", "int", 50,
-         "Poll interval of bounded waits on transfer statuses.", int_between(1, 10000), "1..10000"),
+         "Poll interval of the waits on transfer statuses: decode's status thread checks its room "
+         "deadlines at least this often; prefill's completion thread waits at most this long (capped "
+         "at 20 ms) on a running write before looking at every room again.", int_between(1, 10000),
+         "1..10000"),
     Knob("SGLANG_MORI_MAX_INFLIGHT_PER_PEER", "max_inflight_per_peer", "int", 64,
          "Transfer statuses in flight per decode peer; submitting more waits (within the deadline).",
          int_at_least(1), ">= 1"),
@@ -184,8 +187,9 @@ KNOBS: Tuple[Knob, ...] = (
          "Layer-wise KV streaming on prefill: each layer's new full pages are written while the "
          "forward pass computes the next layers (hooks through SGLang's HookRegistry). `on` fails "
          "start-up on a deployment that cannot stream (PP, context parallel, staging, hybrid state "
-         "pools, KV sharding, two-batch overlap); `auto` streams where supported and sends "
-         "chunk-wise elsewhere; `off` is chunk-wise only. Batches that cannot stream fall back "
+         "pools, KV sharding, two-batch overlap) and refuses a decode with context parallelism at "
+         "registration; `auto` streams where supported and sends chunk-wise elsewhere (it serves "
+         "every deployment `off` serves); `off` is chunk-wise only. Batches that cannot stream fall back "
          "chunk-wise and are counted (sglang_mori_layerwise_fallbacks_total).",
          one_of("off", "on", "auto"), "off | on | auto"),
     Knob("SGLANG_MORI_LAYERWISE_MIN_TOKENS", "layerwise_min_tokens", "int", 256,
@@ -194,14 +198,14 @@ KNOBS: Tuple[Knob, ...] = (
          int_at_least(0), ">= 0"),
     Knob("SGLANG_MORI_LAYERWISE_MIN_BATCH_TOKENS", "layerwise_min_batch_tokens", "int", 8192,
          "A batch streams layer-wise only if its forward computes at least this many tokens in "
-         "all; shorter (launch-bound) forwards go chunk-wise, counted as `short_batch` (on an "
-         "H100, streaming added 140-1100% to forwards of 64-512 tokens and at most 2.5% from "
-         "8192 tokens on: docs/benchmarks.md).",
+         "all; shorter (launch-bound) forwards go chunk-wise, counted as `short_batch` (what "
+         "streaming costs a forward of each size on an H100: docs/benchmarks.md, \"GPU rig\").",
          int_at_least(0), ">= 0"),
     Knob("SGLANG_MORI_LAYERWISE_GROUP", "layerwise_group", "int", 0,
-         "Layers per layer-wise write. 0: halving groups (each write covers half of the layers "
-         "still to come, the last layer alone: about log2(layers)+1 writes per room and forward, "
-         "one layer's KV left after it); n >= 1: a write every n layers.",
+         "Layers per layer-wise write. 0: halving groups (the first write covers a quarter of "
+         "the layers, each later one half of the layers still to come, the last layer alone: "
+         "about log2(layers)+2 writes per room and forward, one layer's KV left after it); "
+         "n >= 1: a write every n layers.",
          lambda text: _parse_int(text, 1, 1024, also=(0,)), "0 (halving) or 1..1024"),
 )
 

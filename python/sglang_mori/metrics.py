@@ -42,19 +42,13 @@ from collections import Counter as _Tally
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Set, Tuple
 
+from sglang_mori.backend import failure_reasons
+
 PREFIX = "sglang_mori_"
 
-# The only values the "reason" label may take; anything else is counted as "other".
-FAILURE_REASONS = (
-    "timeout",  # a wait passed its deadline (SGLANG_MORI_TRANSFER_TIMEOUT_MS and friends)
-    "peer_dead",  # heartbeat loss, pop_peer_failure, retry-exceeded completions
-    "submit_error",  # batch_write raised or returned a failed status at once (SQ full, no route)
-    "bad_index",  # page or aux indices out of range of the registered buffers
-    "aborted",  # the room was aborted by either side
-    "protocol",  # a malformed, unknown or out-of-order control message
-    "layout_mismatch",  # peers' KV layouts (TP, page size, buffer count, dtype) do not fit
-    "other",
-)
+# The only values the "reason" label may take: the failure causes of backend/failure_reasons.py (anything
+# else is counted as "other").
+FAILURE_REASONS = failure_reasons.ALL
 
 # The only values the layer-wise fallback "reason" label may take (anything else is "other").
 LAYERWISE_FALLBACK_REASONS = (
@@ -66,6 +60,7 @@ LAYERWISE_FALLBACK_REASONS = (
     "below_min_tokens",  # fewer new tokens than SGLANG_MORI_LAYERWISE_MIN_TOKENS
     "short_batch",  # the batch computes fewer tokens than SGLANG_MORI_LAYERWISE_MIN_BATCH_TOKENS
     "unaligned_prefix",  # decode's prefix length is not page-aligned
+    "decode_context_parallel",  # a decode rank of the room relays tokens out (DCP): sent chunk-wise
     "unmapped_pool",  # a layer's KV tensors are not among the registered buffers
     "no_layer_hook",  # the forward never called the attention hook (e.g. a graph without it)
     "other",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 
-from sglang_mori.backend.sglang_manifest import GET_KV_CLASS_TARGET, SUPPORTED_SGLANG_VERSION
+from sglang_mori.backend.sglang_manifest import GET_KV_CLASS_TARGET, LAYERWISE_HOOKS, SUPPORTED_SGLANG_VERSION
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +76,8 @@ def layerwise_requested(environ=None) -> bool:
 
 
 def _lazy_hook(name: str):
-    """An AROUND hook that imports the layer-wise hooks module on first use, so that loading the
-    plugin (in every SGLang process) stays cheap."""
+    """An AROUND hook that imports the layer-wise hooks module on its first call, so that the
+    processes that never run a hooked function (launcher, detokenizer) never import it."""
 
     def hook(original, *args, **kwargs):
         from sglang_mori.backend.prefill.layerwise import hooks
@@ -94,8 +94,6 @@ def register() -> None:
 
     HookRegistry.register(GET_KV_CLASS_TARGET, around_get_kv_class, HookType.AROUND)
     if layerwise_requested():
-        from sglang_mori.backend.prefill.layerwise.hooks import HOOKS
-
-        for target, name in HOOKS:
+        for target, name in LAYERWISE_HOOKS:
             HookRegistry.register(target, _lazy_hook(name), HookType.AROUND)
     logger.info("sglang-mori: --disaggregation-transfer-backend mori is served by sglang_mori")

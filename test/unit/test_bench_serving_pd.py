@@ -1,4 +1,4 @@
-"""scripts/bench_serving_pd.py: reading sglang.bench_serving's result JSON into the table, and the
+"""scripts/bench_serving_pd.py: reading sglang.benchmark.serving's result JSON into the table, and the
 client command line as SGLang 0.5.23's own argument parser reads it."""
 
 import importlib.util
@@ -93,7 +93,7 @@ def test_client_argv_as_sglang_reads_it(tmp_path, monkeypatch):
     argv = bs.client_argv("python", "http://127.0.0.1:31000", tmp_path / "model", tmp_path / "out.jsonl",
                           num_prompts=64, input_len=256, output_len=32, max_concurrency=8,
                           request_rate=float("inf"), seed=1, warmup_requests=2)
-    assert argv[:3] == ["python", "-m", "sglang.bench_serving"]
+    assert argv[:3] == ["python", "-m", "sglang.benchmark.serving"]
     seen = {}
     monkeypatch.setattr(serving, "run_benchmark", lambda a: seen.setdefault("args", a))
     monkeypatch.setattr(sys, "argv", ["bench_serving", *argv[3:]])

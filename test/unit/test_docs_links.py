@@ -44,8 +44,9 @@ def test_launch_pd_options_in_docs_exist():
     script = (REPO / "scripts" / "launch_pd.sh").read_text()
     options = set(re.findall(r"^\s+(--[a-z-]+)\)", script, re.M))
     used = set()
-    for doc in DOCS:
-        for cmd in _launch_pd_commands(text(doc)):
+    readmes = [(REPO / "README.md").read_text(), (REPO / "test" / "manual" / "README.md").read_text()]
+    for doc_text in [text(doc) for doc in DOCS] + readmes:
+        for cmd in _launch_pd_commands(doc_text):
             used |= set(re.findall(r"(?<![\w-])(--[a-z][a-z-]+)", cmd))
     assert {"--prefill-gpus", "--role", "--cpu-demo"} <= used  # the scan sees the documented uses
     unknown = sorted(used - options)

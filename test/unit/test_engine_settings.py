@@ -78,3 +78,26 @@ def test_manager_starts_its_engine_with_these_settings():
     assert len(for_gpu) == 1
     assert [ast.unparse(a) for a in for_gpu[0].args[:2]] == ["self.kv_args.ib_device", "self.kv_args.gpu_id"]
     assert source.index(".apply()") < source.index("load_io_module(")
+
+
+def test_a_user_set_mori_rdma_devices_wins_over_the_flag(env, monkeypatch, caplog):
+    # docs/configuration.md: the flag is used only when the variable is unset. An exclusion such as
+    # "^mlx5_8" cannot be said with the flag, and must not be silently replaced by it.
+    monkeypatch.setenv("MORI_RDMA_DEVICES", "^mlx5_8")
+    with caplog.at_level("INFO", logger="sglang_mori.engine.settings"):
+        assert resolved(json.dumps(MAP), 1, env) == "^mlx5_8"
+    assert "MORI_RDMA_DEVICES=^mlx5_8 from the environment win over --disaggregation-ib-device (mlx5_2" in caplog.text
+    assert EngineSettings.for_gpu(json.dumps(MAP), 1, resolve=ib_devices_for_gpu).describe_nic() == "^mlx5_8"
+
+
+def test_the_flag_is_used_and_logged_when_the_variable_is_unset(env, caplog):
+    with caplog.at_level("INFO", logger="sglang_mori.engine.settings"):
+        assert resolved(json.dumps(MAP), 1, env) == "mlx5_2"
+    assert "RDMA devices mlx5_2 from --disaggregation-ib-device" in caplog.text
+
+
+def test_a_second_manager_in_the_process_still_follows_the_flag(env):
+    # A role switch builds a new manager in the same process: the value the first one exported is
+    # ours, not the user's, so the flag still decides.
+    assert resolved("mlx5_0", 0, env) == "mlx5_0"
+    assert resolved("mlx5_0,mlx5_1", 0, env) == "mlx5_0,mlx5_1"

@@ -54,17 +54,22 @@ def test_unsupported_deployments(deployment, layout, expected):
     assert (reason is None) if expected is None else (expected in reason)
 
 
-def test_on_refuses_an_unsupported_deployment_and_auto_falls_back():
-    deployment = Deployment(pp_size=2)
-    for mode in ("on", "auto"):
-        parts = SimpleNamespace(config=MoriConfig(layerwise=mode), metrics=Metrics())
-        if mode == "on":
-            with pytest.raises(ConfigError, match="SGLANG_MORI_LAYERWISE=auto"):
-                build_session(deployment, [1, 2], parts, None, LAYOUT)
-        else:
-            assert build_session(deployment, [1, 2], parts, None, LAYOUT) is None
-            assert parts.metrics.fallbacks == ["deployment"]
-    assert build_session(deployment, [1, 2], SimpleNamespace(config=MoriConfig()), None, LAYOUT) is None  # off
+UNSUPPORTED = [Deployment(pp_size=2), Deployment(attn_cp_size=2), Deployment(staging=True),
+               Deployment(kv_shard_size=2), Deployment(two_batch_overlap=True)]
+
+
+@pytest.mark.parametrize("deployment, layout", [(d, LAYOUT) for d in UNSUPPORTED]
+                         + [(Deployment(), SimpleNamespace(states=("mamba",)))])
+def test_on_refuses_an_unsupported_deployment_and_auto_serves_it_chunk_wise(deployment, layout):
+    # Each start-up refusal of `on` is, under `auto`, what `off` does: no session (send() moves
+    # everything chunk-wise), counted once as a `deployment` fallback.
+    parts = SimpleNamespace(config=MoriConfig(layerwise="on"), metrics=Metrics())
+    with pytest.raises(ConfigError, match="SGLANG_MORI_LAYERWISE=auto"):
+        build_session(deployment, [1, 2], parts, None, layout)
+    parts = SimpleNamespace(config=MoriConfig(layerwise="auto"), metrics=Metrics())
+    assert build_session(deployment, [1, 2], parts, None, layout) is None
+    assert parts.metrics.fallbacks == ["deployment"]
+    assert build_session(deployment, [1, 2], SimpleNamespace(config=MoriConfig()), None, layout) is None  # off
 
 
 def test_halving_group_ends():

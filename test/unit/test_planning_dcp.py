@@ -284,20 +284,27 @@ def test_a_rank_with_no_token_in_a_chunk_plans_nothing():
 
 # --- the backend's registration ------------------------------------------------------------
 
-def test_register_dcp_position_reaches_the_planner_and_layerwise_mode_refuses_it():
+def test_register_dcp_position_reaches_the_planner_and_only_layerwise_on_refuses_it():
     """Decode's Register carries dcp_size / dcp_rank (they win over the layout's); the chunk-wise
-    planner serves the relayout, the layer-wise one refuses the peer at registration."""
+    planner serves the relayout; under SGLANG_MORI_LAYERWISE=on the layer-wise planner refuses the
+    peer at registration, under `auto` it serves it (chunk-wise: its rooms never stream)."""
     from types import SimpleNamespace
 
     from sglang_mori.backend.plans import KVPlanner, encode_layout
-    from sglang_mori.backend.prefill.layerwise.planner import LayerwisePlanner
+    from sglang_mori.backend.prefill.layerwise.assembly import layerwise_planner
 
     decode = mla()
     descs = [SimpleNamespace(size=d) for d in decode.kv_data_lens]
     remote = KVPlanner(mla(), None).accept_peer("k", encode_layout(decode), descs, [], [], dcp=(2, 1))
     assert (remote.dcp_size, remote.dcp_rank) == (2, 1)
     with pytest.raises(UnsupportedLayoutError, match="layer-wise") as err:
-        LayerwisePlanner(mla(), None).accept_peer("k", encode_layout(decode), descs, [], [], dcp=(2, 1))
+        layerwise_planner("on", mla(), None).accept_peer("k", encode_layout(decode), descs, [], [], dcp=(2, 1))
     assert "prefill dcp_size=1" in str(err.value) and "decode dcp_size=2 dcp_rank=1" in str(err.value)
+    assert "SGLANG_MORI_LAYERWISE=auto" in str(err.value)
+    auto = layerwise_planner("auto", mla(), None)
+    assert auto.accept_peer("k", encode_layout(decode), descs, [], [], dcp=(2, 1)).dcp_size == 2
+    assert auto.stream_refusal("k") == "decode_context_parallel"
+    auto.accept_peer("plain", encode_layout(mla()), descs, [], [])
+    assert auto.stream_refusal("plain") is None
     with pytest.raises(UnsupportedLayoutError, match="MLA KV only"):
         KVPlanner(mha(), None).accept_peer("k", encode_layout(mha()), descs, [], [], dcp=(2, 1))

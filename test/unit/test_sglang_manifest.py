@@ -138,10 +138,44 @@ def test_sglang_facing_modules_and_shells_read_only_declared_members():
 @pytest.mark.parametrize("target", manifest.HOOK_TARGETS)
 def test_hook_targets_are_declared_once(target):
     from sglang_mori import plugin
-    from sglang_mori.backend.prefill.layerwise.hooks import HOOKS
 
-    used = [plugin.GET_KV_CLASS_TARGET] + [t for t, _ in HOOKS]
+    used = [plugin.GET_KV_CLASS_TARGET] + [t for t, _ in manifest.LAYERWISE_HOOKS]
     assert used.count(target) == 1
+
+
+def test_every_layerwise_hook_names_a_function_of_the_hooks_module():
+    from sglang_mori.backend.prefill.layerwise import hooks
+
+    for _, name in manifest.LAYERWISE_HOOKS:
+        assert callable(getattr(hooks, name, None)), name
+
+
+def test_registering_the_layerwise_hooks_does_not_import_them(monkeypatch):
+    # plugin._lazy_hook imports the hooks module on a hook's first call; register() must not import
+    # it itself, or the lazy wrapper would buy nothing (issue 26).
+    import sys
+
+    from sglang.srt.plugins import hook_registry
+
+    from sglang_mori import plugin
+
+    hooks_module = "sglang_mori.backend.prefill.layerwise.hooks"
+    monkeypatch.delitem(sys.modules, hooks_module, raising=False)
+    registered = []
+    monkeypatch.setattr(hook_registry.HookRegistry, "register",
+                        staticmethod(lambda target, hook, kind: registered.append((target, hook))))
+    monkeypatch.setenv("SGLANG_MORI_LAYERWISE", "auto")
+    plugin.register()
+    assert hooks_module not in sys.modules
+    assert [t for t, _ in registered] == [plugin.GET_KV_CLASS_TARGET] + [t for t, _ in manifest.LAYERWISE_HOOKS]
+    # The first call imports the module and runs its hook.
+    _, around_checkpoint = registered[-1]
+    calls = []
+    monkeypatch.setitem(sys.modules, hooks_module, type(sys)("stub"))
+    sys.modules[hooks_module].around_checkpoint = lambda original, *a: calls.append(a) or original(*a)
+    monkeypatch.setattr(sys.modules["sglang_mori.backend.prefill.layerwise"], "hooks", sys.modules[hooks_module],
+                        raising=False)
+    assert around_checkpoint(lambda *a: "ran", 1, 2) == "ran" and calls == [(1, 2)]
 
 
 def test_start_up_check_skips_modules_this_process_never_loaded(monkeypatch):

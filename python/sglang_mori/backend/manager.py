@@ -19,6 +19,7 @@ from sglang_mori import protocol
 from sglang_mori.backend import sglang_compat as compat
 from sglang_mori.backend import sglang_fields as fields
 from sglang_mori.backend.sglang_compat import DisaggregationMode, KVArgs
+from sglang_mori.backend.failure_reasons import PROTOCOL
 from sglang_mori.backend.messenger import Messenger
 from sglang_mori.backend.peers import InflightBudget, PeerRegistry
 from sglang_mori.backend.plans import KVPlanner, LocalBuffers, local_layout
@@ -78,12 +79,14 @@ class MoriKVManager(compat.CompatKVManager):
         from sglang_mori.backend.prefill.service import PrefillService
 
         cfg = self.mori_config
-        planner_class = KVPlanner
-        if cfg.layerwise != "off":
-            from sglang_mori.backend.prefill.layerwise.planner import LayerwisePlanner as planner_class
         cp = self.cp = fields.prefill_cp(self)
-        planner = (planner_class(self.layout, self.buffers, kv_shard=(cp.kv_shard_rank, cp.kv_shard_size))
-                   if cp.sharded else planner_class(self.layout, self.buffers))
+        kv_shard = (cp.kv_shard_rank, cp.kv_shard_size) if cp.sharded else (0, 1)
+        if cfg.layerwise == "off":
+            planner = KVPlanner(self.layout, self.buffers, kv_shard=kv_shard)
+        else:
+            from sglang_mori.backend.prefill.layerwise.assembly import layerwise_planner
+
+            planner = layerwise_planner(cfg.layerwise, self.layout, self.buffers, kv_shard)
         parts = PrefillParts(
             config=cfg, engine=self.engine, local=self.buffers, planner=planner,
             peers=PeerRegistry(cfg.peer_fail_fast_s, InflightBudget(cfg.max_inflight_per_peer)),
@@ -190,7 +193,7 @@ class MoriKVManager(compat.CompatKVManager):
     def reject_message(self, error: protocol.ProtocolError, origin: str) -> None:
         """Count every rejection; log the first of each kind loudly, then every 100th."""
         self.protocol_rejections[error.reason] += 1
-        self.metrics.failure("protocol")
+        self.metrics.failure(PROTOCOL)
         count = self.protocol_rejections[error.reason]
         if count == 1 or count % 100 == 0:
             logger.warning("sglang-mori: rejected %s message #%d on %s: %s", error.reason, count, origin, error.detail)

@@ -69,7 +69,8 @@ class KVPlanner:
             raise UnsupportedLayoutError(
                 f"decode context parallel (prefill dcp_size={self.layout.dcp_size}, decode "
                 f"dcp_size={remote.dcp_size} dcp_rank={remote.dcp_rank}) is not planned in layer-wise "
-                "mode; run the prefill with SGLANG_MORI_LAYERWISE=off"
+                "mode with SGLANG_MORI_LAYERWISE=on; run the prefill with SGLANG_MORI_LAYERWISE=auto (chunk-wise "
+                "to this decode) or off"
             )
         if len(kv) != remote.num_kv_buffers:
             raise InvalidLayoutError(
@@ -87,6 +88,14 @@ class KVPlanner:
 
     def forget_peer(self, key: str) -> None:
         self._planners.pop(key, None)
+
+    def registered_planner(self, peer) -> TransferPlanner:
+        """The planner of a peer; PlanError when it was forgotten (replaced or pruned) after the
+        caller looked the peer up."""
+        planner = self._planners.get(peer.engine_key)
+        if planner is None:
+            raise PlanError(f"decode engine {peer.engine_key} is no longer registered with this prefill rank")
+        return planner
 
     def check_destination(self, peer, target) -> Optional[str]:
         """Validate a room's decode indices against the peer's buffers; the reason if invalid."""
@@ -106,9 +115,7 @@ class KVPlanner:
 
     def write_pairs(self, peer, chunk, target) -> list:
         """Every (local region, remote region) write of one chunk to one decode rank."""
-        planner = self._planners.get(peer.engine_key)
-        if planner is None:  # forgotten (replaced or pruned) after the caller looked it up
-            raise PlanError(f"decode engine {peer.engine_key} is no longer registered with this prefill rank")
+        planner = self.registered_planner(peer)
         if planner.dcp_relayout:
             # Decode's virtual pages are not paired with prefill's: the whole list, and where
             # the chunk starts, place its tokens.

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Dict, Optional
 
-from sglang_mori.backend import room_status as KVPoll
+from sglang_mori.backend import room_status
 from sglang_mori.backend import sglang_compat as compat
 
 
@@ -45,12 +45,12 @@ class SGLangAdapter:
         the caller, or already knows."""
         with self._mgr.failure_lock:
             self._mgr.failure_records.setdefault(room, reason)
-        self._mgr.update_status(room, KVPoll.FAILED)
+        self._mgr.update_status(room, room_status.FAILED)
 
     def drop_stale_failure(self, room: int) -> None:
         """A new request opened `room`: a failure record without a Failed status belongs to an
         earlier request with this id whose sender or receiver was cleared before anyone read it."""
-        if self._mgr.request_status.get(room) != KVPoll.FAILED:
+        if self._mgr.request_status.get(room) != room_status.FAILED:
             with self._mgr.failure_lock:
                 self._mgr.failure_records.pop(room, None)
 
@@ -67,7 +67,7 @@ class SGLangAdapter:
         mgr.req_to_decode_prefix_len[room] = next(
             (t.decode_prefix_len for t in targets.values() if t.decode_prefix_len), 0
         )
-        mgr.update_status(room, KVPoll.WAITING_FOR_INPUT)
+        mgr.update_status(room, room_status.WAITING_FOR_INPUT)
 
     def check_peer_aux_buffer_count(self, peer: str, count: int) -> None:
         self._mgr.check_peer_aux_buffer_count(peer, count)

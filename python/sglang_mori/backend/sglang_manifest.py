@@ -1,5 +1,7 @@
-"""Every SGLang member, function and hook target sglang-mori uses, declared in one place and checked
-against the installed SGLang at start-up (`check_installed`, called when a manager is built).
+"""Every SGLang member, function and hook target sglang-mori uses, declared in one place. At start-up
+(`check_installed`, called when a manager is built) the members of the SGLang modules that process
+has loaded are checked against the installed SGLang; the others are checked by the unit tests
+(test/unit/test_sglang_manifest.py checks the whole manifest), not in production.
 
 Only the SGLang-facing modules read SGLang objects: `sglang_compat.py` (private members, base
 classes), `sglang_adapter.py` (the services' window onto the per-room tables), `sglang_fields.py`
@@ -134,6 +136,13 @@ ATTENTION_TARGET = "sglang.srt.layers.attention.base_attn_backend.AttentionBacke
 CHECKPOINT_TARGET = ("sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin"
                      ".checkpoint_disagg_prefill")
 HOOK_TARGETS = (GET_KV_CLASS_TARGET, RUN_BATCH_TARGET, ATTENTION_TARGET, CHECKPOINT_TARGET)
+# The layer-wise hooks: (target, function of backend/prefill/layerwise/hooks.py). Listed here, not in
+# hooks.py, so that the plugin registers them without importing that module.
+LAYERWISE_HOOKS = (
+    (RUN_BATCH_TARGET, "around_run_batch"),
+    (ATTENTION_TARGET, "around_attention_forward"),
+    (CHECKPOINT_TARGET, "around_checkpoint"),
+)
 
 # Members SGLang itself may leave unset, read with the default SGLang's own code implies; each
 # accessor that uses one names it here and says why.

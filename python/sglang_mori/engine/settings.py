@@ -5,9 +5,17 @@ Only `engine/` sets `MORI_*` variables; the backend passes what SGLang and our c
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Callable, Optional
+
+logger = logging.getLogger(__name__)
+
+RDMA_DEVICES_ENV = "MORI_RDMA_DEVICES"
+# The value apply() exported last, so that a second manager in this process (a role switch) does not
+# mistake our own export for the user's setting.
+_exported_devices: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -40,11 +48,27 @@ class EngineSettings:
         return cls(rdma_devices=devices or None, xgmi=xgmi)
 
     def apply(self) -> None:
-        """Export the settings before the IOEngine is created (MORI reads them then)."""
-        if self.rdma_devices:
-            os.environ["MORI_RDMA_DEVICES"] = self.rdma_devices.replace(" ", "")
+        """Export the settings before the IOEngine is created (MORI reads them then).
+
+        A `MORI_RDMA_DEVICES` the user set wins over `--disaggregation-ib-device` (it may say what
+        the flag cannot, such as an exclusion `^mlx5_8`); which one is used is logged.
+        """
+        global _exported_devices
+        user = os.environ.get(RDMA_DEVICES_ENV, "").strip()
+        if user and user == _exported_devices:
+            user = ""  # our own export from an earlier manager in this process
+        flag = self.rdma_devices.replace(" ", "") if self.rdma_devices else ""
+        if user:
+            if flag and flag != user:
+                logger.warning("sglang-mori: RDMA devices %s=%s from the environment win over "
+                               "--disaggregation-ib-device (%s for this GPU)", RDMA_DEVICES_ENV, user, flag)
+            else:
+                logger.info("sglang-mori: RDMA devices %s=%s from the environment", RDMA_DEVICES_ENV, user)
+        elif flag:
+            os.environ[RDMA_DEVICES_ENV] = _exported_devices = flag
+            logger.info("sglang-mori: RDMA devices %s from --disaggregation-ib-device", flag)
         if self.xgmi:
             os.environ["MORI_DISABLE_AUTO_XGMI"] = "0"  # inverted: only "0" enables auto-XGMI
 
     def describe_nic(self) -> str:
-        return os.environ.get("MORI_RDMA_DEVICES", "auto")
+        return os.environ.get(RDMA_DEVICES_ENV) or "auto"

@@ -156,7 +156,8 @@ class DecodeService:
         poller.register(sock, zmq.POLLIN)
         while not self.stopped.is_set():
             try:
-                if poller.poll(100):
+                # Wakes for a message at once; idle, every SGLANG_MORI_WAIT_POLL_MS for the deadlines.
+                if poller.poll(self.p.config.wait_poll_ms):
                     self.handle(sock.recv_multipart())
                 self.enforce_deadlines(self.p.clock())
                 self.p.metrics.set_open_rooms(len(self.p.rooms))

@@ -30,6 +30,8 @@ logger = logging.getLogger(__name__)
 # A room that cannot prove quiescence after this many transfer deadlines is given up on: its pages
 # stay poisoned on decode (no ACK), and its in-flight budget is returned to the peer.
 DRAIN_GIVE_UP_DEADLINES = 10
+# The longest SGLANG_MORI_WAIT_POLL_MS the completion thread honours (docs/tuning.md).
+COMPLETION_POLL_CAP_MS = 20
 
 
 class Completion:
@@ -38,7 +40,9 @@ class Completion:
         self.effects = effects
         self.failures = failures
         self.on_peer_failed = on_peer_failed  # (engine key, reason) -> None: fail its rooms
-        self.poll_ms = max(1, min(parts.config.wait_poll_ms, 20))
+        # How long one pass waits on a running write before looking at every room again: another
+        # room's write that finished meanwhile waits this long for its Success, hence the cap.
+        self.poll_ms = max(1, min(parts.config.wait_poll_ms, COMPLETION_POLL_CAP_MS))
 
     def run_once(self) -> None:
         p = self.p

@@ -1,7 +1,8 @@
 """Start-up: can this prefill rank stream layer-wise, and the session if so.
 
 `SGLANG_MORI_LAYERWISE=on` on a deployment that cannot stream stops start-up with the reason;
-`auto` logs it and stays chunk-wise (counted once as a `deployment` fallback).
+`auto` logs it and stays chunk-wise (counted once as a `deployment` fallback). The same holds for a
+decode registering later that the layer streams cannot serve (`layerwise_planner`).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import logging
 from typing import Optional
 
 from sglang_mori.backend.prefill.layerwise.mapping import LayerBufferMap
+from sglang_mori.backend.prefill.layerwise.planner import LayerwisePlanner
 from sglang_mori.backend.prefill.layerwise.session import LayerwiseSession
 from sglang_mori.config import ConfigError
 
@@ -27,6 +29,13 @@ def unsupported_reason(deployment, layout) -> Optional[str]:
         (deployment.two_batch_overlap, "two-batch overlap (a layer runs once per micro-batch)"),
     )
     return next((why for bad, why in checks if bad), None)
+
+
+def layerwise_planner(mode: str, layout, local, kv_shard: tuple = (0, 1)) -> LayerwisePlanner:
+    """The prefill planner under SGLANG_MORI_LAYERWISE=on|auto. `auto` serves every decode `off`
+    serves (one the layer streams cannot pair goes chunk-wise); `on` refuses such a decode at
+    registration, as it refuses a deployment that cannot stream at start-up."""
+    return LayerwisePlanner(layout, local, kv_shard, refuse_unstreamable=mode == "on")
 
 
 def build_session(deployment, kv_data_ptrs, parts, service, layout) -> Optional[LayerwiseSession]:

@@ -110,8 +110,3 @@ def around_checkpoint(original, scheduler, req, *args, **kwargs):
     return out
 
 
-HOOKS = (
-    (RUN_BATCH_TARGET, "around_run_batch"),
-    (ATTENTION_TARGET, "around_attention_forward"),
-    (CHECKPOINT_TARGET, "around_checkpoint"),
-)

@@ -19,7 +19,6 @@ import numpy as np
 
 from sglang_mori.backend.plans import KVPlanner, to_pairs
 from sglang_mori.backend.prefill.submitter import Chunk
-from sglang_mori.planning import PlanError
 from sglang_mori.planning.transfer_plan import TransferPlan
 
 
@@ -48,20 +47,29 @@ class SelectedChunk(Chunk):
 
 
 class LayerwisePlanner(KVPlanner):
-    supports_dcp_relayout = False  # layer streams pair pages one to one
+    """`refuse_unstreamable` (SGLANG_MORI_LAYERWISE=on): a decode whose pages the layer streams cannot
+    pair one to one (decode context parallel relays tokens out) is refused at registration. Without
+    it (`auto`) that decode is served chunk-wise: `stream_refusal` tells the session not to stream
+    to it, and its chunks are planned exactly as KVPlanner plans them."""
 
-    def _planner(self, peer):
-        planner = self._planners.get(peer.engine_key)
-        if planner is None:
-            raise PlanError(f"decode engine {peer.engine_key} is no longer registered with this prefill rank")
-        return planner
+    def __init__(self, layout, local, kv_shard: tuple = (0, 1), *, refuse_unstreamable: bool = False):
+        super().__init__(layout, local, kv_shard)
+        self.supports_dcp_relayout = not refuse_unstreamable
+
+    def stream_refusal(self, engine_key: str) -> Optional[str]:
+        """The layer-wise fallback reason for rooms to this decode rank, or None if they may stream.
+        A forgotten peer streams like any other: its writes fail as its chunks would."""
+        planner = self._planners.get(engine_key)
+        if planner is not None and planner.dcp_relayout:
+            return "decode_context_parallel"
+        return None
 
     def stream_plan(self, peer, stream, target) -> TransferPlan:
         """The full plan of a room stream to one peer, made once and reused by every layer group."""
         plan = stream.plans.get(peer.engine_key)
         if plan is None:
             dst = target.kv_indices[stream.dst_slice]
-            plan = stream.plans[peer.engine_key] = self._planner(peer).plan_kv(stream.src_pages, dst)
+            plan = stream.plans[peer.engine_key] = self.registered_planner(peer).plan_kv(stream.src_pages, dst)
         return plan
 
     def write_pairs(self, peer, chunk, target) -> list:
@@ -70,7 +78,7 @@ class LayerwisePlanner(KVPlanner):
             return to_pairs(plan, self.local.kv, peer.kv_descs)
         if not isinstance(chunk, SelectedChunk):
             return super().write_pairs(peer, chunk, target)
-        planner = self._planner(peer)
+        planner = self.registered_planner(peer)
         dst = target.kv_indices[chunk.index_slice]
         pairs: list = []
         for lo, hi, buffers in chunk.kv_selection:

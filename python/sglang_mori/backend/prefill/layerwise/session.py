@@ -169,6 +169,9 @@ class LayerwiseSession:
             if (life is None or not life.claimed or life.phase not in (Phase.READY, Phase.SUBMITTING)
                     or any(t.reject_reason for t in life.targets.values())):
                 return "not_ready"
+            refusal = next(filter(None, map(p.planner.stream_refusal, life.targets)), None)
+            if refusal:
+                return refusal  # e.g. a decode with context parallelism: its chunks are relaid out
             record = life.layerwise
             if record is None:
                 record = life.layerwise = RoomRecord(life)

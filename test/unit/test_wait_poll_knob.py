@@ -1,0 +1,71 @@
+"""SGLANG_MORI_WAIT_POLL_MS does what docs/tuning.md says (issue 26: decode polled a fixed 100 ms):
+decode's status thread checks its deadlines at least this often, prefill's completion thread waits
+at most this long (capped at 20 ms) on a running write before it looks at every room again."""
+
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from sglang_mori.backend.decode import service as decode_service
+from sglang_mori.backend.decode.rooms import DecodeRoomRegistry
+from sglang_mori.backend.prefill.completion import Completion
+from sglang_mori.config import MoriConfig
+from sglang_mori.engine import WriteState
+from sglang_mori.metrics import NullTransferMetrics
+
+
+class OnePollThenStop:
+    """zmq.Poller stand-in: records the timeout of the status thread's poll, then stops the thread."""
+
+    timeouts: list = []
+    service = None
+
+    def register(self, sock, flags):
+        pass
+
+    def poll(self, timeout):
+        OnePollThenStop.timeouts.append(timeout)
+        OnePollThenStop.service.stopped.set()
+        return []
+
+
+@pytest.mark.parametrize("poll_ms", [7, 50, 250])
+def test_decode_status_thread_polls_at_the_knob(monkeypatch, poll_ms):
+    parts = SimpleNamespace(config=MoriConfig(wait_poll_ms=poll_ms), control_socket=object(), clock=lambda: 1.0,
+                            metrics=NullTransferMetrics(), rooms=DecodeRoomRegistry(), sglang=None)
+    service = decode_service.DecodeService(parts, reject=lambda *a: None)
+    checked = []
+    monkeypatch.setattr(service, "enforce_deadlines", checked.append)
+    monkeypatch.setattr(decode_service.zmq, "Poller", OnePollThenStop)
+    OnePollThenStop.timeouts, OnePollThenStop.service = [], service
+    service._run_status_thread()
+    assert OnePollThenStop.timeouts == [poll_ms]
+    assert checked == [1.0]  # the deadlines were checked after the idle poll
+
+
+class RunningWrite:
+    released = False
+
+    def __init__(self):
+        self.waited = []
+
+    def state(self):
+        return WriteState.RUNNING
+
+    def wait_running(self, timeout_ms):
+        self.waited.append(timeout_ms)
+        return True
+
+
+@pytest.mark.parametrize("poll_ms, waited", [(1, 1), (7, 7), (20, 20), (50, 20), (10000, 20)])
+def test_prefill_completion_waits_on_a_running_write_at_most_the_knob_capped(poll_ms, waited):
+    write = RunningWrite()
+    room = SimpleNamespace(writes=[SimpleNamespace(handle=write)])
+    rooms = SimpleNamespace(generation=0, lock=threading.Lock(), with_writes=lambda: [room], open_count=lambda: 1)
+    parts = SimpleNamespace(config=MoriConfig(wait_poll_ms=poll_ms), rooms=rooms, clock=lambda: 1.0,
+                            metrics=NullTransferMetrics(), engine=SimpleNamespace(pop_peer_failures=list))
+    completion = Completion(parts, effects=None, failures=None, on_peer_failed=None)
+    completion.advance = lambda r, now: None  # the pass's decisions are not under test here
+    completion.run_once()
+    assert write.waited == [waited]
