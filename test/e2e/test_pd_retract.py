@@ -65,10 +65,11 @@ def test_retract_in_the_middle_of_streams_then_continue(standalone, pd):
     # Nothing waited out a bootstrap or waiting timeout (300 s by default; FAILURE_ENV shortens them).
     assert elapsed < 60.0, elapsed
     # /v1/loads serves the snapshot the decode scheduler last published (shared memory), not its
-    # queues. SGLang 0.5.23 publishes at the start of process_batch_result, before that step's
-    # finished requests are streamed and freed, and next in on_idle, one loop pass later; the last
-    # token can reach us through detokenizer, tokenizer and router before that pass runs (seen: a
-    # first read of running=1 and 0 on the very next read). So wait for it, with a bound.
+    # queues. SGLang 0.5.23 publishes it every 15th decode step (load_snapshot_publish_interval), at
+    # the start of process_batch_result, before that step's finished requests are streamed and
+    # freed; only on_idle's publish, one loop pass later, drops them. The last token can reach us
+    # through detokenizer, tokenizer and router before that pass runs (seen: a first read of
+    # running=1, 0 on the very next read). So wait for it, with a bound.
     wait_until(lambda: client.requests_in_server(pd.decode_url) == 0, DRAIN_WAIT_S,
                "decode holds no request once every stream has ended", interval_s=0.05)
     if BACKEND == "mori":
