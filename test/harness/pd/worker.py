@@ -25,7 +25,6 @@ import traceback
 import urllib.request
 from typing import Optional
 
-from harness import lifetime
 from harness.pd.config import HarnessConfig
 from harness.pd.results import RankReport
 from harness.pd.thread_cpu import ThreadCpu
@@ -57,8 +56,6 @@ def worker_main(
     its pipes to the other stages of its (DP, TP) rank."""
     global _PRELOADED
     code = 0
-    if cfg.start_method == "forkserver" and not lifetime.die_with_parent():
-        os._exit(1)  # the forkserver, hence the orchestrator, is gone already
     # Whether this process forked with SGLang already imported (the forkserver's preload); read
     # before any import below can load it.
     _PRELOADED = "sglang.srt.server_args" in sys.modules
