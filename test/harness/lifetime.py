@@ -233,22 +233,6 @@ def end_all(grace_s: float = END_GRACE_S) -> None:
         release(pgid)
 
 
-def die_with_parent() -> bool:
-    """Set the parent-death signal (SIGKILL) on this process; False if the parent died meanwhile.
-    (A parent that died before this call goes unnoticed: the caller needs its own check for that,
-    as pd-harness workers have in their pipe to the orchestrator.)
-
-    For a process that multiprocessing's forkserver forked (from its single thread): the forkserver
-    exits when the process that started it does, and this one follows. Not for a child forked by
-    a thread that may end before it (see the module docstring).
-    """
-    import ctypes
-
-    parent = os.getppid()
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-    return os.getppid() == parent
-
-
 def _at_exit() -> None:
     end_all()
     _watchdog.close()

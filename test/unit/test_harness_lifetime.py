@@ -9,7 +9,7 @@ import signal
 
 import pytest
 
-from harness.lifetime_probe import Probe, harness_env
+from harness.lifetime_probe import Probe
 
 # The watchdog's SIGTERM grace is 5 s; a fake server ends on SIGTERM at once.
 GONE_S = 15.0
@@ -44,41 +44,3 @@ def test_parent_death_signal_ends_the_servers_without_the_watchdog(probe):
     left = probe.left_after(GONE_S, pids=probe.pgids)
     assert not left, f"servers still running {GONE_S:.0f} s after a SIGKILL with no watchdog: {left}"
 
-
-_FORKS_A_CHILD_THAT_DIES_WITH_IT = """
-import os, sys, time
-from harness import lifetime
-if os.fork() == 0:
-    if lifetime.die_with_parent():
-        print(os.getpid(), flush=True)  # armed: the test may kill the parent now
-        time.sleep(600)
-    os._exit(0)
-time.sleep(600)
-"""
-
-
-def test_die_with_parent_follows_the_forking_process():
-    # What a pd-harness worker does when the forkserver (forked from its only thread) forks it.
-    import subprocess
-    import sys
-    import time
-
-    from harness import lifetime
-
-    parent = lifetime.spawn([sys.executable, "-c", _FORKS_A_CHILD_THAT_DIES_WITH_IT],
-                            stdout=subprocess.PIPE, text=True, env=harness_env())
-    try:
-        child = int(parent.stdout.readline())
-        assert lifetime.group_members([parent.pid]).keys() == {parent.pid, child}
-        os.kill(parent.pid, signal.SIGKILL)
-        parent.wait(timeout=30)
-        deadline = time.monotonic() + GONE_S
-        while child in lifetime.group_members([parent.pid]) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert child not in lifetime.group_members([parent.pid]), "the child outlived its parent"
-    finally:
-        try:
-            os.killpg(parent.pid, signal.SIGKILL)
-        except OSError:
-            pass
-        lifetime.release(parent.pid)
