@@ -14,6 +14,7 @@ import pytest
 import requests
 
 from harness import client
+from harness.procs import wait_until
 
 from .conftest import BACKEND
 
@@ -22,6 +23,9 @@ pytestmark = pytest.mark.e2e
 N_REQUESTS = 4
 NEW_TOKENS = 96
 PAUSE_WAIT_S = 60.0
+# Decode's /v1/loads lags the streams' ends by one scheduler pass (see below); a real leftover would
+# stay, so anything still counted after this long is one.
+DRAIN_WAIT_S = 10.0
 
 
 def _decode_running(pd) -> int:
@@ -60,7 +64,14 @@ def test_retract_in_the_middle_of_streams_then_continue(standalone, pd):
         assert ours.output_ids == ref.output_ids, f"request {i} differs from standalone after the retract"
     # Nothing waited out a bootstrap or waiting timeout (300 s by default; FAILURE_ENV shortens them).
     assert elapsed < 60.0, elapsed
-    assert client.requests_in_server(pd.decode_url) == 0
+    # /v1/loads serves the snapshot the decode scheduler last published (shared memory), not its
+    # queues. SGLang 0.5.23 publishes it every 15th decode step (load_snapshot_publish_interval), at
+    # the start of process_batch_result, before that step's finished requests are streamed and
+    # freed; only on_idle's publish, one loop pass later, drops them. The last token can reach us
+    # through detokenizer, tokenizer and router before that pass runs (seen: a first read of
+    # running=1, 0 on the very next read). So wait for it, with a bound.
+    wait_until(lambda: client.requests_in_server(pd.decode_url) == 0, DRAIN_WAIT_S,
+               "decode holds no request once every stream has ended", interval_s=0.05)
     if BACKEND == "mori":
         # The retracted requests really went through prefill again: a second life of their rooms
         # (a request that finished between the check and the pause has only one).

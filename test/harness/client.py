@@ -218,7 +218,11 @@ def get_json(url: str, timeout_s: float = 5.0) -> Dict:
 
 
 def requests_in_server(url: str) -> int:
-    """Requests a server holds in any queue (running, waiting, PD bootstrap/transfer), from /v1/loads."""
+    """Requests a server holds in any queue (running, waiting, PD bootstrap/transfer), from /v1/loads.
+
+    That is the snapshot the scheduler last published, once per loop pass: it may still count a
+    request whose response has already reached the client. Poll it for 0 with a deadline.
+    """
     total = 0
     for load in get_json(f"{url}/v1/loads?include=all")["loads"]:
         total += load.get("num_running_reqs", 0) + load.get("num_waiting_reqs", 0)

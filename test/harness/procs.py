@@ -1,8 +1,9 @@
 """A child process that we own completely: its own session, its own log file, stopped by process group.
 
 Every SGLang server spawns children (scheduler, detokenizer) and the router spawns threads; starting
-each in a new session (start_new_session=True) lets us signal exactly that tree by its process-group
-id, and nothing else on the machine.
+each in a new session lets us signal exactly that tree by its process-group id, and nothing else on
+the machine. harness.lifetime starts it, so that the tree also dies with this process however that
+one ends (killed test runs used to leave servers running).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import subprocess
 import time
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
+
+from harness import lifetime
 
 _ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -33,13 +36,12 @@ class ManagedProcess:
         log.write(f"\n===== start {self.name}: {' '.join(self.argv)}\n".encode())
         log.flush()
         try:
-            self.proc = subprocess.Popen(
+            self.proc = lifetime.spawn(
                 self.argv,
                 env=self.env,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                start_new_session=True,
             )
         finally:
             log.close()  # the child holds its own descriptor
@@ -68,6 +70,7 @@ class ManagedProcess:
             return
         self._signal_group(signal.SIGKILL)
         self.proc.wait(timeout=30)
+        lifetime.release(self.proc.pid)
 
     def stop(self, grace_s: float = 15.0) -> None:
         """SIGTERM the group, then SIGKILL whatever is left after grace_s. Safe to call twice."""
@@ -85,6 +88,7 @@ class ManagedProcess:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
+        lifetime.release(self.proc.pid)
 
     def tail(self, lines: int = 60, width: int = 400) -> str:
         """The last lines of the log, each cut to `width` (SGLang logs its args as one huge line)."""

@@ -1,11 +1,17 @@
 """scripts/launch_pd.sh --dry-run: the commands it would run for 1P1D, 2P2D, multi-node roles and the
 CPU demo (flags, ports, HIP_VISIBLE_DEVICES, --disaggregation-transfer-backend mori)."""
 
+import os
 import shlex
+import signal
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 import pytest
+
+from harness import lifetime
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "launch_pd.sh"
@@ -169,6 +175,40 @@ def _free_base():
     raise RuntimeError("no free ports")
 
 
+def _recorded_groups(pid_file: Path, seen: set) -> set:
+    try:
+        lines = pid_file.read_text().splitlines()
+    except FileNotFoundError:
+        return set(seen)
+    return set(seen) | {int(line.split()[0]) for line in lines if line.strip()}
+
+
+def _run_adopting_servers(argv, pid_file: Path, timeout_s: float):
+    """Run the launcher; tie each server it detaches (its own group, listed in pid_file as soon as
+    it starts) to this test process (harness.lifetime), so that a killed test run ends them too.
+    Returns the launcher's CompletedProcess and the groups adopted."""
+    launcher = lifetime.spawn(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    pids: set = set()
+    out: list = []
+    # A reader thread keeps the pipes drained while we watch the pid file.
+    reader = threading.Thread(target=lambda: out.extend(launcher.communicate()), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + timeout_s
+    while reader.is_alive() and time.monotonic() < deadline:
+        for pgid in _recorded_groups(pid_file, pids) - pids:
+            lifetime.adopt(pgid)
+            pids.add(pgid)
+        reader.join(0.2)
+    if reader.is_alive():
+        os.killpg(launcher.pid, signal.SIGKILL)
+        reader.join(30)
+    lifetime.release(launcher.pid)
+    for pgid in _recorded_groups(pid_file, pids) - pids:
+        lifetime.adopt(pgid)
+        pids.add(pgid)
+    return subprocess.CompletedProcess(argv, launcher.returncode, *(out or ("", ""))), pids
+
+
 @pytest.mark.e2e
 def test_cpu_demo_serves_through_the_mori_backend(tmp_path):
     import json
@@ -178,9 +218,9 @@ def test_cpu_demo_serves_through_the_mori_backend(tmp_path):
     port, boot, router = _free_base()
     logs = tmp_path / "logs"
     base = ["bash", str(SCRIPT), "--log-dir", str(logs)]
-    start = subprocess.run(base + ["--cpu-demo", "--detach", "--port", str(port), "--bootstrap-port",
-                                   str(boot), "--router-port", str(router), "--health-timeout", "400"],
-                           capture_output=True, text=True, timeout=600, cwd=REPO)
+    start, servers = _run_adopting_servers(base + ["--cpu-demo", "--detach", "--port", str(port), "--bootstrap-port",
+                                          str(boot), "--router-port", str(router), "--health-timeout", "400"],
+                                  logs / "pids", timeout_s=600)
     try:
         assert start.returncode == 0, start.stdout + start.stderr
         assert f"router  http://127.0.0.1:{router}" in start.stdout
@@ -209,4 +249,7 @@ def test_cpu_demo_serves_through_the_mori_backend(tmp_path):
         assert row["ok"] == 4 and row["errors"] == 0
     finally:
         stop = subprocess.run(base + ["--stop"], capture_output=True, text=True, timeout=120)
+        for pgid in servers:  # any that --stop missed stay tied to this process
+            if not lifetime.group_members([pgid]):
+                lifetime.release(pgid)
         assert stop.returncode == 0, stop.stderr

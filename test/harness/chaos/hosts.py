@@ -27,6 +27,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, TypeVar
 
+from harness import lifetime
+
 T = TypeVar("T")
 
 SUBNET_PREFIX = "10.77.0."
@@ -120,7 +122,8 @@ class Topology:
     @staticmethod
     def _hold_namespace() -> subprocess.Popen:
         # A sleeping process in a fresh network namespace; the namespace lives as long as it does.
-        holder = subprocess.Popen(["unshare", "-n", "sleep", "86400"], start_new_session=True)
+        # Tied to this process (harness.lifetime): a killed run must not leave the namespace behind.
+        holder = lifetime.spawn(["unshare", "-n", "sleep", "86400"])
         ours = os.stat("/proc/self/ns/net").st_ino
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
@@ -133,6 +136,8 @@ class Topology:
                 break
             time.sleep(0.01)  # unshare has not switched namespaces yet (a few ms)
         holder.kill()
+        holder.wait(timeout=10)
+        lifetime.release(holder.pid)
         raise TopologyError("the namespace holder did not enter a new network namespace")
 
     @staticmethod
@@ -168,6 +173,7 @@ class Topology:
             if host.holder.poll() is None:
                 os.killpg(host.holder.pid, signal.SIGKILL)  # its own session: just the holder
                 host.holder.wait(timeout=10)
+            lifetime.release(host.holder.pid)
         self.hosts.clear()  # veths inside a gone namespace vanish with it
         for bridge in (LAN_BRIDGE, PD_BRIDGE):
             subprocess.run(["ip", "link", "del", bridge], capture_output=True, timeout=30)
