@@ -1,11 +1,14 @@
-"""The completion thread's Success decision against a submitter that tracks the last chunk mid-pass.
+"""Threads that read prefill rooms and then act, against what changes the rooms in between.
 
-A completion pass reads a room's writes (its verdict) and its submit flags (last chunk tracked, no
+Success: a completion pass reads a room's writes (its verdict) and its submit flags (last chunk tracked, no
 submitter at work) and then decides. If the last chunk's `end_submit` lands between those reads,
 a decision built from them would send Success, with aux, while the last chunk's writes still run:
 decode would read pages still being written. These tests hold the real completion thread right
 after its verdict (a hook on the room's `verdict`, released by a threading.Event) while the last
 chunk is tracked, and check what went to decode.
+
+A decode peer's failure: the lives it fails are those it found with a destination on that peer,
+not whatever life holds the room id once it acts (a retract-rebootstrap may have replaced one).
 """
 
 import threading
@@ -16,6 +19,7 @@ from sglang_mori.backend import room_status as S
 from sglang_mori.engine import WriteState
 
 from rig import WAIT_S
+from test_prefill_room_properties import RoomMachine
 
 
 class HeldPass:
@@ -101,3 +105,53 @@ def test_success_is_not_sent_over_a_last_chunk_tracked_during_the_pass(rig):
     assert at_success == [[WriteState.SUCCEEDED] * len(life.writes)]
     for b in range(2):
         assert [rig.decode.page(b, p) for p in (20, 21)] == [rig.prefill.page(b, p) for p in (0, 1)]
+
+
+class AfterFirstRelease:
+    """The registry lock, with `action` run once, on the arming thread, right after that thread
+    next lets the lock go: whatever it read under the lock may be stale by the time it acts."""
+
+    def __init__(self, lock, action):
+        self.lock, self.action, self.owner = lock, action, threading.get_ident()
+
+    def acquire(self, *args, **kwargs):
+        return self.lock.acquire(*args, **kwargs)
+
+    def release(self):
+        self.lock.release()
+        if self.action is not None and threading.get_ident() == self.owner:
+            action, self.action = self.action, None
+            action()
+
+    def locked(self):
+        return self.lock.locked()
+
+    def __enter__(self):
+        return self.acquire()
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+def test_a_peer_failure_fails_the_lives_it_found_not_the_room_ids_next_life():
+    m = RoomMachine()
+    rooms = m.parts.rooms
+    m.claim(1)
+    m._metadata(1, "decode-a", attempt=1, required=1)
+    m.submit(1, writes=1, last=False)
+    first = rooms.get(1)
+
+    def retract_and_rebootstrap_on_another_decode():
+        m.sglang_abort(1)  # the scheduler aborts the request...
+        m._metadata(1, "decode-b", attempt=2, required=1)  # ...a new attempt is queued for the next life
+        m.retract(1)  # the first sender is cleared: the next life takes the room id
+        m.claim(1)
+
+    rooms.lock = AfterFirstRelease(rooms.lock, retract_and_rebootstrap_on_another_decode)
+    m.service.control.fail_rooms_of_peer("decode-a", "decode engine decode-a failed")
+    second = rooms.get(1)
+    assert second is not first and [t.engine_key for t in second.targets.values()] == ["decode-b"]
+    assert not second.concluded, second.reason
+    assert m.sglang.status(1) == S.WAITING_FOR_INPUT
+    assert first.failed
+    m.teardown()
