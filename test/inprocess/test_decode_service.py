@@ -1,8 +1,11 @@
 """The decode service in one process: statuses, aux copies, deadlines (fake clock), attempts."""
 
+import threading
+
 from sglang_mori import protocol
 from sglang_mori.backend import room_status as S
 from sglang_mori.backend.decode.rooms import DecodePhase
+from sglang_mori.backend.failure_reasons import PROTOCOL
 
 from rig import PrefillRig
 
@@ -66,7 +69,7 @@ def test_each_receiver_is_a_new_attempt_and_its_clear_leaves_a_newer_one_alone()
     assert first != second and (a.attempt, b.attempt) == (first, second)
     svc.forget(4, first)  # the old receiver's late clear
     assert svc.p.rooms.attempt_of(4) == second
-    assert svc.abort(4, generation=1).attempt == second
+    assert svc.abort_message(4, generation=1).attempt == second
     svc.forget(4, second)
     assert svc.p.rooms.get(4) is None
 
@@ -83,3 +86,54 @@ def test_messages_meant_for_prefill_are_rejected():
     rig = decode_rig()
     rig.decode_service.handle(protocol.encode(rig.decode_service.registration()))
     assert [e.reason for e in rig.rejections] == ["malformed"]
+
+
+class CountingMetrics:
+    def __init__(self):
+        self.requests: list = []
+
+    def request_finished(self, ok, reason=None):
+        self.requests.append(ok)
+
+    def __getattr__(self, name):  # every other metric
+        return lambda *a, **k: None
+
+
+def test_a_failure_decided_on_another_thread_never_splits_a_success():
+    """A prefill Success and a failure decided on the scheduler thread (here: a duplicate room)
+    at once: the room ends one way in SGLang and in the registry, counted once. The failure is
+    started right after SGLang recorded the Success and before the status thread closed the
+    registry's room; it must wait for that decision, and then find the room over."""
+    rig = decode_rig()
+    svc = rig.decode_service
+    svc.p.metrics = metrics = CountingMetrics()
+    rig.new_attempt(6)
+    rig.metadata(6, pages=[1], aux_index=0)
+    svc.handle(protocol.encode(protocol.TransferStarted(room=6, prefill_rank=0)))
+    failing = threading.Thread(target=svc.fail, args=(6, "duplicate room", PROTOCOL))
+    apply = rig.decode_sglang.apply_prefill_status
+
+    def apply_then_fail_elsewhere(room, status, prefill_rank, reason):
+        apply(room, status, prefill_rank, reason)
+        free = []
+
+        def probe():
+            if svc.p.rooms.lock.acquire(blocking=False):
+                svc.p.rooms.lock.release()
+                free.append(True)
+
+        prober = threading.Thread(target=probe)
+        prober.start()
+        prober.join()
+        if free:
+            failing.start()
+            failing.join()  # nothing holds the decision together: the failure runs now
+        else:
+            failing.start()  # waits for the lock this decision holds
+
+    rig.decode_sglang.apply_prefill_status = apply_then_fail_elsewhere
+    svc.on_status(protocol.RoomStatus(room=6, status=S.SUCCESS, prefill_rank=0, aux=[b"a" * 16]))
+    failing.join()
+    assert rig.decode_sglang.status(6) == S.SUCCESS
+    assert svc.p.rooms.get(6).phase is DecodePhase.SUCCEEDED
+    assert metrics.requests == [True]
