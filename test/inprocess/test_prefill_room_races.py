@@ -7,15 +7,19 @@ decode would read pages still being written. These tests hold the real completio
 after its verdict (a hook on the room's `verdict`, released by a threading.Event) while the last
 chunk is tracked, and check what went to decode.
 
-A decode peer's failure: the lives it fails are those it found with a destination on that peer,
-not whatever life holds the room id once it acts (a retract-rebootstrap may have replaced one).
+A decode peer's failure, and a queued chunk: each acts on the room life it was for, never on
+whatever life holds the room id once it acts (a retract-rebootstrap may have replaced it).
 """
 
 import threading
 
+import numpy as np
+
 import sglang_mori.softio.faults as faults
 from sglang_mori import protocol
 from sglang_mori.backend import room_status as S
+from sglang_mori.backend.prefill.rooms import Phase
+from sglang_mori.backend.prefill.submitter import Chunk
 from sglang_mori.engine import WriteState
 
 from rig import WAIT_S
@@ -154,4 +158,30 @@ def test_a_peer_failure_fails_the_lives_it_found_not_the_room_ids_next_life():
     assert not second.concluded, second.reason
     assert m.sglang.status(1) == S.WAITING_FOR_INPUT
     assert first.failed
+    m.teardown()
+
+
+def test_a_chunk_queued_for_a_life_is_never_written_for_the_next_life_of_its_room_id():
+    """A chunk waits in its shard's queue (a full in-flight budget holds the shard) while its life
+    fails, its sender is cleared and a retract-rebootstrap's next life is claimed under the same
+    room id: the chunk belongs to the life it was handed over for and goes nowhere."""
+    m = RoomMachine()
+    rooms = m.parts.rooms
+    m.claim(1)
+    m._metadata(1, "decode-a", attempt=1, required=1)
+    first = rooms.get(1)
+    chunk = Chunk(room=1, kv_indices=np.arange(4), index_slice=slice(0, 4), is_last=True, aux_index=0,
+                  state_indices=None, num_kv_tokens=1)
+    m.submitter.enqueue(chunk)
+    m.sglang_abort(1)
+    m._metadata(1, "decode-b", attempt=2, required=1)
+    m.retract(1)
+    m.claim(1)
+    second = rooms.get(1)
+    assert second is not first and second.claimed and second.phase is Phase.READY
+    shard = m.submitter.queues[1 % len(m.submitter.queues)]
+    shard.put(None)
+    m.submitter.run_shard(shard)
+    assert (second.writes, second.submitting, second.last_submitted) == ([], 0, False)
+    assert m.sglang.status(1) == S.WAITING_FOR_INPUT and not m.writes
     m.teardown()
