@@ -137,3 +137,50 @@ def test_a_failure_decided_on_another_thread_never_splits_a_success():
     assert rig.decode_sglang.status(6) == S.SUCCESS
     assert svc.p.rooms.get(6).phase is DecodePhase.SUCCEEDED
     assert metrics.requests == [True]
+
+
+class AfterRelease:
+    """A re-entrant registry lock whose `action` runs once, on the arming thread, right after that
+    thread lets the lock go entirely: what it read under the lock may be stale when it acts."""
+
+    def __init__(self, lock, action):
+        self.lock, self.action, self.owner, self.depth = lock, action, threading.get_ident(), 0
+
+    def acquire(self, *args, **kwargs):
+        got = self.lock.acquire(*args, **kwargs)
+        if got and threading.get_ident() == self.owner:
+            self.depth += 1
+        return got
+
+    def release(self):
+        self.lock.release()
+        if threading.get_ident() == self.owner:
+            self.depth -= 1
+            if self.depth == 0 and self.action is not None:
+                action, self.action = self.action, None
+                action()
+
+    __enter__ = acquire
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+def test_a_deadline_fails_the_attempt_that_expired_not_the_rooms_next_receiver():
+    clock = Clock()
+    rig = decode_rig(clock)
+    svc = rig.decode_service
+    first = rig.new_attempt(7)
+    rig.metadata(7, pages=[1])
+    svc.handle(protocol.encode(protocol.TransferStarted(room=7, prefill_rank=0)))
+
+    def receiver_cleared_and_a_new_one_started():
+        rig.decode_sglang.clear(7)
+        svc.forget(7, first)
+        rig.new_attempt(7)
+
+    svc.p.rooms.lock = AfterRelease(svc.p.rooms.lock, receiver_cleared_and_a_new_one_started)
+    svc.enforce_deadlines(clock.now + svc.deadline_s + 1)
+    assert svc.p.rooms.attempt_of(7) != first
+    assert rig.decode_sglang.status(7) == S.BOOTSTRAPPING, rig.decode_sglang.failure_records.get(7)
+    assert svc.p.rooms.get(7).phase is DecodePhase.AWAITING_PREFILL

@@ -40,10 +40,14 @@ class DecodeEffects:
         self.p.sglang.drop_stale_failure(room)
         return self.p.rooms.open(room).attempt
 
-    def fail(self, room: int, reason: str, label: str) -> bool:
-        """Record the reason, mark the room Failed in SGLang, count it; False if already over."""
+    def fail(self, room: int, reason: str, label: str, attempt: Optional[int] = None) -> bool:
+        """Record the reason, mark the room Failed in SGLang, count it; False if already over, or
+        if `attempt` (when given) is no longer the room's: the caller looked at an earlier
+        receiver, and the room id's next receiver is not its to fail."""
         p = self.p
         with p.rooms.lock:
+            if attempt is not None and p.rooms.attempt_of(room) != attempt:
+                return False
             p.rooms.finish(room, ok=False)
             if p.sglang.status(room) in (None, *room_status.TERMINAL):
                 return False

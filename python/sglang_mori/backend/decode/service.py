@@ -148,11 +148,11 @@ class DecodeService:
         self.p.rooms.forget(int(room), attempt)
 
     # --- the one failure path (effects.py) ----------------------------------------------------
-    def fail(self, room: int, reason: str, label: str) -> bool:
-        """Fail `room` for a cause found on this rank (the receiver's duplicate room or unreachable
-        bootstrap server, this thread's deadlines and aux checks), through the applier; False if
-        the room was over already."""
-        return self.effects.fail(room, reason, label)
+    def fail(self, room: int, reason: str, label: str, attempt: Optional[int] = None) -> bool:
+        """Fail `room` (only while `attempt` is its receiver's, when given) for a cause found on
+        this rank (the receiver's duplicate room or unreachable bootstrap server, this thread's
+        deadlines and aux checks), through the applier; False if the room was over already."""
+        return self.effects.fail(room, reason, label, attempt)
 
     # --- the status thread ------------------------------------------------------------------
     def _run_status_thread(self) -> None:
@@ -227,7 +227,7 @@ class DecodeService:
 
     def enforce_deadlines(self, now: float) -> None:
         for r in self.p.rooms.expired(now, self.deadline_s):
-            self.fail(r.room, TRANSFER_DEADLINE.format(room=r.room, deadline_s=self.deadline_s), TIMEOUT)
+            self.fail(r.room, TRANSFER_DEADLINE.format(room=r.room, deadline_s=self.deadline_s), TIMEOUT, r.attempt)
 
     def debug_snapshot(self) -> dict:
         return {"decode.rooms": len(self.p.rooms)}
