@@ -8,7 +8,8 @@ Per room:
 
 - returns the in-flight budget of each write that became terminal, and counts it;
 - concludes an open room: Success once every write succeeded and the last chunk was submitted
-  (aux rides on that Success message, so "done" never precedes the data), failure on the first
+  (aux rides on that Success message, so "done" never precedes the data; decided under the
+  registry lock, where a submitter tracks writes and flags together), failure on the first
   failed write or expired deadline, or because SGLang failed the room meanwhile;
 - finishes a concluded room: DRAINED releases decode's held abort ACKs; POISONED (a write may
   still land) never does, and decode releases those pages at its own timeout.
