@@ -7,6 +7,7 @@ from sglang_mori.backend import room_status as S
 from sglang_mori.backend.decode.rooms import DecodePhase
 from sglang_mori.backend.failure_reasons import PROTOCOL
 
+from interleave import AfterRelease
 from rig import PrefillRig
 
 
@@ -137,33 +138,6 @@ def test_a_failure_decided_on_another_thread_never_splits_a_success():
     assert rig.decode_sglang.status(6) == S.SUCCESS
     assert svc.p.rooms.get(6).phase is DecodePhase.SUCCEEDED
     assert metrics.requests == [True]
-
-
-class AfterRelease:
-    """A re-entrant registry lock whose `action` runs once, on the arming thread, right after that
-    thread lets the lock go entirely: what it read under the lock may be stale when it acts."""
-
-    def __init__(self, lock, action):
-        self.lock, self.action, self.owner, self.depth = lock, action, threading.get_ident(), 0
-
-    def acquire(self, *args, **kwargs):
-        got = self.lock.acquire(*args, **kwargs)
-        if got and threading.get_ident() == self.owner:
-            self.depth += 1
-        return got
-
-    def release(self):
-        self.lock.release()
-        if threading.get_ident() == self.owner:
-            self.depth -= 1
-            if self.depth == 0 and self.action is not None:
-                action, self.action = self.action, None
-                action()
-
-    __enter__ = acquire
-
-    def __exit__(self, *exc):
-        self.release()
 
 
 def test_a_deadline_fails_the_attempt_that_expired_not_the_rooms_next_receiver():

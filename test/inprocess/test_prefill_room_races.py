@@ -22,6 +22,7 @@ from sglang_mori.backend.prefill.rooms import Phase
 from sglang_mori.backend.prefill.submitter import Chunk
 from sglang_mori.engine import WriteState
 
+from interleave import AfterRelease
 from rig import WAIT_S
 from test_prefill_room_properties import RoomMachine
 
@@ -111,32 +112,6 @@ def test_success_is_not_sent_over_a_last_chunk_tracked_during_the_pass(rig):
         assert [rig.decode.page(b, p) for p in (20, 21)] == [rig.prefill.page(b, p) for p in (0, 1)]
 
 
-class AfterFirstRelease:
-    """The registry lock, with `action` run once, on the arming thread, right after that thread
-    next lets the lock go: whatever it read under the lock may be stale by the time it acts."""
-
-    def __init__(self, lock, action):
-        self.lock, self.action, self.owner = lock, action, threading.get_ident()
-
-    def acquire(self, *args, **kwargs):
-        return self.lock.acquire(*args, **kwargs)
-
-    def release(self):
-        self.lock.release()
-        if self.action is not None and threading.get_ident() == self.owner:
-            action, self.action = self.action, None
-            action()
-
-    def locked(self):
-        return self.lock.locked()
-
-    def __enter__(self):
-        return self.acquire()
-
-    def __exit__(self, *exc):
-        self.release()
-
-
 def test_a_peer_failure_fails_the_lives_it_found_not_the_room_ids_next_life():
     m = RoomMachine()
     rooms = m.parts.rooms
@@ -151,7 +126,7 @@ def test_a_peer_failure_fails_the_lives_it_found_not_the_room_ids_next_life():
         m.retract(1)  # the first sender is cleared: the next life takes the room id
         m.claim(1)
 
-    rooms.lock = AfterFirstRelease(rooms.lock, retract_and_rebootstrap_on_another_decode)
+    rooms.lock = AfterRelease(rooms.lock, retract_and_rebootstrap_on_another_decode)
     m.service.control.fail_rooms_of_peer("decode-a", "decode engine decode-a failed")
     second = rooms.get(1)
     assert second is not first and [t.engine_key for t in second.targets.values()] == ["decode-b"]
