@@ -67,7 +67,7 @@ def serve(conn, shape_key: str, page_size: int, pages: int, config_kwargs: dict,
                     service.new_receiver(room)
                     # what the receiver sends each prefill rank it pairs with (SGLang's receiver:
                     # with MLA and prefill TP > decode TP, all but the first get dummy metadata)
-                    out.append([protocol.encode(service.metadata(
+                    out.append([protocol.encode(service.record_destination(
                         bootstrap_room=room, required_dst_info_num=1, kv_indices=np.asarray(dst_pages),
                         aux_index=room % 64, state_indices=None, decode_prefix_len=None, is_dummy=dummy))
                         for dummy in dummies])

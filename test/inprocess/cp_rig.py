@@ -182,7 +182,7 @@ class ContextParallelRig:
         self.decode_sglang.open(room)
         self.decode_service.new_receiver(room)
         for rank in self.targeted():
-            rank.service.control.on_metadata(self.decode_service.metadata(
+            rank.service.control.on_metadata(self.decode_service.record_destination(
                 bootstrap_room=room, required_dst_info_num=1, kv_indices=np.asarray(dst), aux_index=aux_index,
                 state_indices=None if dst_state is None else [list(dst_state)], decode_prefix_len=None,
                 is_dummy=False))

@@ -294,7 +294,7 @@ class LayerwiseRig:
         for p in self.prefills:
             decodes = self.paired_decodes(p)
             for d in decodes:
-                p.service.control.on_metadata(d.service.metadata(
+                p.service.control.on_metadata(d.service.record_destination(
                     bootstrap_room=req.room, required_dst_info_num=len(decodes),
                     kv_indices=req.dst_pages[req.first_page:], aux_index=aux_index, state_indices=None,
                     decode_prefix_len=req.decode_prefix or None, is_dummy=self.is_dummy(p)))

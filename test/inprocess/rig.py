@@ -152,14 +152,14 @@ class PrefillRig:
         return self.decode_service.new_receiver(room)
 
     def metadata(self, room: int, pages, aux_index: int = 0, is_dummy: bool = False):
-        message = self.decode_service.metadata(
+        message = self.decode_service.record_destination(
             bootstrap_room=room, required_dst_info_num=1, kv_indices=np.asarray(pages), aux_index=aux_index,
             state_indices=None, decode_prefix_len=None, is_dummy=is_dummy)
         self.service.control.on_metadata(message)
         return message
 
     def abort(self, room: int, generation: Optional[int] = 1) -> None:
-        self.service.control.on_abort(self.decode_service.abort(room, generation))
+        self.service.control.on_abort(self.decode_service.abort_message(room, generation))
 
     # --- the scheduler's side ---------------------------------------------------------------
     def claim(self, room: int) -> Optional[str]:

@@ -1,9 +1,13 @@
 """The decode service in one process: statuses, aux copies, deadlines (fake clock), attempts."""
 
+import threading
+
 from sglang_mori import protocol
 from sglang_mori.backend import room_status as S
 from sglang_mori.backend.decode.rooms import DecodePhase
+from sglang_mori.backend.failure_reasons import PROTOCOL
 
+from interleave import AfterRelease
 from rig import PrefillRig
 
 
@@ -66,7 +70,7 @@ def test_each_receiver_is_a_new_attempt_and_its_clear_leaves_a_newer_one_alone()
     assert first != second and (a.attempt, b.attempt) == (first, second)
     svc.forget(4, first)  # the old receiver's late clear
     assert svc.p.rooms.attempt_of(4) == second
-    assert svc.abort(4, generation=1).attempt == second
+    assert svc.abort_message(4, generation=1).attempt == second
     svc.forget(4, second)
     assert svc.p.rooms.get(4) is None
 
@@ -83,3 +87,74 @@ def test_messages_meant_for_prefill_are_rejected():
     rig = decode_rig()
     rig.decode_service.handle(protocol.encode(rig.decode_service.registration()))
     assert [e.reason for e in rig.rejections] == ["malformed"]
+
+
+class CountingMetrics:
+    def __init__(self):
+        self.requests: list = []
+
+    def request_finished(self, ok, reason=None):
+        self.requests.append(ok)
+
+    def __getattr__(self, name):  # every other metric
+        return lambda *a, **k: None
+
+
+def test_a_failure_decided_on_another_thread_never_splits_a_success():
+    """A prefill Success and a failure decided on the scheduler thread (here: a duplicate room)
+    at once: the room ends one way in SGLang and in the registry, counted once. The failure is
+    started right after SGLang recorded the Success and before the status thread closed the
+    registry's room; it must wait for that decision, and then find the room over."""
+    rig = decode_rig()
+    svc = rig.decode_service
+    svc.p.metrics = metrics = CountingMetrics()
+    rig.new_attempt(6)
+    rig.metadata(6, pages=[1], aux_index=0)
+    svc.handle(protocol.encode(protocol.TransferStarted(room=6, prefill_rank=0)))
+    failing = threading.Thread(target=svc.fail, args=(6, "duplicate room", PROTOCOL))
+    apply = rig.decode_sglang.apply_prefill_status
+
+    def apply_then_fail_elsewhere(room, status, prefill_rank, reason):
+        apply(room, status, prefill_rank, reason)
+        free = []
+
+        def probe():
+            if svc.p.rooms.lock.acquire(blocking=False):
+                svc.p.rooms.lock.release()
+                free.append(True)
+
+        prober = threading.Thread(target=probe)
+        prober.start()
+        prober.join()
+        if free:
+            failing.start()
+            failing.join()  # nothing holds the decision together: the failure runs now
+        else:
+            failing.start()  # waits for the lock this decision holds
+
+    rig.decode_sglang.apply_prefill_status = apply_then_fail_elsewhere
+    svc.on_status(protocol.RoomStatus(room=6, status=S.SUCCESS, prefill_rank=0, aux=[b"a" * 16]))
+    failing.join()
+    assert rig.decode_sglang.status(6) == S.SUCCESS
+    assert svc.p.rooms.get(6).phase is DecodePhase.SUCCEEDED
+    assert metrics.requests == [True]
+
+
+def test_a_deadline_fails_the_attempt_that_expired_not_the_rooms_next_receiver():
+    clock = Clock()
+    rig = decode_rig(clock)
+    svc = rig.decode_service
+    first = rig.new_attempt(7)
+    rig.metadata(7, pages=[1])
+    svc.handle(protocol.encode(protocol.TransferStarted(room=7, prefill_rank=0)))
+
+    def receiver_cleared_and_a_new_one_started():
+        rig.decode_sglang.clear(7)
+        svc.forget(7, first)
+        rig.new_attempt(7)
+
+    svc.p.rooms.lock = AfterRelease(svc.p.rooms.lock, receiver_cleared_and_a_new_one_started)
+    svc.enforce_deadlines(clock.now + svc.deadline_s + 1)
+    assert svc.p.rooms.attempt_of(7) != first
+    assert rig.decode_sglang.status(7) == S.BOOTSTRAPPING, rig.decode_sglang.failure_records.get(7)
+    assert svc.p.rooms.get(7).phase is DecodePhase.AWAITING_PREFILL

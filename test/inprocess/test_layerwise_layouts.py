@@ -308,7 +308,7 @@ def test_abort_mid_stream_lands_nothing_after_it(case):
             p.session.on_layer(batch, pool, 1)
             rig.wait(lambda: len(life.writes) == 2 * peers, "two layers' writes to every peer on the wire")
             d0 = rig.decodes[0]
-            p.service.control.on_abort(d0.service.abort(req.room, 5))
+            p.service.control.on_abort(d0.service.abort_message(req.room, 5))
             assert p.sglang.status(req.room) == S.FAILED
             p.session.on_layer(batch, pool, 2)
             p.session.end_batch(batch)

@@ -5,11 +5,19 @@ and its replays, chunk submission, writes turning terminal, decode's abort, SGLa
 peer failure, a deadline, retract-rebootstrap) with fake writes, a fake clock and FakeSGLang's
 tables, and the completion thread's pass after each event. After every step:
 
-- SGLang's view of each room a sender holds equals the registry's (status and outstanding count);
+- SGLang's view of each room a sender holds equals the registry's (status and outstanding count;
+  while a completion pass is held, the count may lag above: that pass publishes what ended);
 - every in-flight budget slot is returned at most once, and once the writes are over, exactly once;
-- a room that concluded never changes its outcome or reason, and phases only move forward.
+- a room that concluded never changes its outcome or reason, and phases only move forward;
+- Success is concluded only while every write of the life succeeded, its last chunk is tracked
+  and no submitter holds a token on it.
+
+The completion pass also runs split in two (`completion_reads`, `completion_decides`): held on a
+thread right after its verdict, while submitter steps (`begin_submit`, `end_submit` with or
+without the last chunk, writes) and the other events run, then let go to decide.
 """
 
+import threading
 from types import SimpleNamespace
 
 import numpy as np
@@ -124,6 +132,48 @@ class FakeSubmitter(ChunkSubmitter):
         return None
 
 
+class SplitPass:
+    """One completion pass over `life` on its own thread, held right after its first verdict taken
+    outside the registry lock (its reads; a verdict under the lock is a locked re-check and is
+    never held) until `decide()`. A pass that takes no verdict (the life concluded, or SGLang
+    failed it) runs to its end at once."""
+
+    WAIT_S = 30.0
+
+    def __init__(self, completion, lock, life, now):
+        self.life, self.error = life, None
+        self.read, self.go = threading.Event(), threading.Event()
+        verdict = life.verdict
+
+        def held_verdict(at):
+            out = verdict(at)
+            if not self.read.is_set() and not lock.locked():
+                self.read.set()
+                self.go.wait(self.WAIT_S)
+            return out
+
+        life.verdict = held_verdict
+        self.thread = threading.Thread(target=self._run, args=(completion, now), daemon=True)
+        self.thread.start()
+        assert self.read.wait(self.WAIT_S), "the completion pass neither read nor ended"
+
+    def _run(self, completion, now):
+        try:
+            completion.advance(self.life, now)
+        except BaseException as exc:  # re-raised by decide()
+            self.error = exc
+        finally:
+            self.read.set()
+
+    def decide(self):
+        self.go.set()
+        self.thread.join(self.WAIT_S)
+        assert not self.thread.is_alive(), "the completion pass did not finish"
+        del self.life.verdict
+        if self.error is not None:
+            raise self.error
+
+
 class RoomMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
@@ -144,6 +194,20 @@ class RoomMachine(RuleBasedStateMachine):
         self.served: list = []  # (room, engine key, attempt) metadata sent
         self.concluded: dict = {}  # id(life) -> (life, outcome, reason)
         self.phases: dict = {}  # id(life) -> (life, last phase seen)
+        self.split = None  # a completion pass held between its reads and its decision
+        self.tokens: list = []  # (life, targets): submit tokens the split submitter steps hold
+        self.successes: list = []  # (room, write states, submit tokens, last chunk) as Success concluded
+        succeed = self.parts.rooms.succeed
+
+        def recorded_succeed(r, *args):
+            # Under the registry lock: the room exactly as the Success transition saw it.
+            done = succeed(r, *args)
+            if done:
+                self.successes.append((r.room, [w.handle.state() for w in r.writes], r.submitting,
+                                       r.last_submitted))
+            return done
+
+        self.parts.rooms.succeed = recorded_succeed
 
     def new_write(self, peer: str) -> FakeWrite:
         w = FakeWrite(peer, len(self.writes) + 1, self.now)
@@ -187,15 +251,82 @@ class RoomMachine(RuleBasedStateMachine):
         self.submitter.submit(Chunk(room=room, kv_indices=np.arange(4), index_slice=slice(0, 4), is_last=last,
                                     aux_index=0, state_indices=None, num_kv_tokens=writes))
 
-    @rule(room=st.sampled_from(ROOMS), writes=st.integers(1, 3), last=st.booleans())
-    def serve(self, room, writes, last):
-        """The usual life: a sender, decode's metadata, a chunk (whichever are missing first)."""
+    @rule(room=st.sampled_from(ROOMS), writes=st.integers(1, 3), last=st.booleans(), landed=st.booleans())
+    def serve(self, room, writes, last, landed):
+        """The usual life: a sender, decode's metadata, a chunk (whichever are missing first);
+        `landed`: its writes succeed before the completion thread looks (a fast GPU copy)."""
         self.claim(room)
         with self.parts.rooms.lock:
             waiting = self.parts.rooms.get(room).phase is Phase.AWAITING_METADATA
         if waiting:
             self.metadata(room, PEERS[room % 2], 1)
+        issued = len(self.writes)
         self.submit(room, writes, last)
+        if landed:
+            for w in self.writes[issued:]:
+                w.finish("ok")
+
+    # --- a submitter in steps: its token, then its writes tracked ---------------------------------
+    @rule(room=st.sampled_from(ROOMS))
+    def begin_submit(self, room):
+        with self.service.effects.transition() as fx:
+            life = self.parts.rooms.get(room)
+            if life is None or life.concluded or not self.parts.rooms.begin_submit(life, fx):
+                return
+            targets = life.live_targets()
+        self.tokens.append((life, targets))
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), writes=st.integers(0, 2), last=st.booleans())
+    def end_submit(self, data, writes, last):
+        life, targets = self.tokens.pop(data.draw(st.integers(0, len(self.tokens) - 1)))
+        self._end_submit(life, targets, writes, last)
+
+    def _end_submit(self, life, targets, writes, last):
+        tracked = []
+        for t in targets:
+            for _ in range(writes):
+                assert self.service.effects.take_slot(t.engine_key, self.now + TIMEOUT_S)
+                tracked.append(TrackedWrite(self.new_write(t.engine_key), self.now + TIMEOUT_S))
+        with self.service.effects.transition() as fx:
+            self.parts.rooms.end_submit(life, tracked, last, 0, fx)
+
+    # --- the completion pass, split -------------------------------------------------------------
+    def _watched(self) -> list:
+        with self.parts.rooms.lock:
+            return [r for r in self.parts.rooms.with_writes() if not r.concluded]
+
+    @precondition(lambda self: self.split is None and self._watched())
+    @rule(data=st.data())
+    def completion_reads(self, data):
+        life = data.draw(st.sampled_from(self._watched()))
+        self.split = SplitPass(self.service.completion, self.parts.rooms.lock, life, self.now)
+
+    @precondition(lambda self: self.split is not None)
+    @rule()
+    def completion_decides(self):
+        split, self.split = self.split, None
+        split.decide()
+
+    @precondition(lambda self: self.split is None and self._watched())
+    @rule(data=st.data(), landed_before=st.booleans(),
+          steps=st.lists(st.sampled_from(["chunk", "last_chunk", "token", "landed"]), min_size=1, max_size=3))
+    def completion_pass_around_submitter_steps(self, data, landed_before, steps):
+        """The same split, with the submitter working on the held pass's room in between: chunks
+        (the last one too), a token of the split submitter given back with writes, writes landing.
+        `landed_before`: every write so far landed before the pass read (its verdict is Success)."""
+        if landed_before:
+            self.writes_succeed()
+        self.completion_reads(data)
+        room = self.split.life.room
+        for step in steps:
+            if step == "landed":
+                self.writes_succeed()
+            elif step == "token" and self.tokens:
+                self.end_submit(data, data.draw(st.integers(1, 2)), data.draw(st.booleans()))
+            else:
+                self.submit(room, data.draw(st.integers(1, 2)), step == "last_chunk")
+        self.completion_decides()
 
     @precondition(lambda self: any(w.state() is WriteState.RUNNING for w in self.writes))
     @rule(data=st.data(), outcome=st.sampled_from(["ok", "ok", "failed_drained", "failed_landing"]))
@@ -243,6 +374,8 @@ class RoomMachine(RuleBasedStateMachine):
 
     # --- the completion thread's pass, then the invariants --------------------------------------
     def _complete(self):
+        if self.split is not None:
+            return  # one completion thread: its held pass decides first
         with self.parts.rooms.lock:
             rooms = self.parts.rooms.with_writes()
         for r in rooms:
@@ -267,6 +400,9 @@ class RoomMachine(RuleBasedStateMachine):
                 assert status == expected, (room, life.phase, status)
             if life.terminal:
                 assert room not in self.sglang.outstanding, (room, life.phase)
+            elif self.split is not None:
+                # Writes that ended since the held pass began are published when it settles them.
+                assert self.sglang.outstanding.get(room, 0) >= life.outstanding(), (room, life.phase)
             else:
                 assert self.sglang.outstanding.get(room, 0) == life.outstanding(), (room, life.phase)
 
@@ -292,7 +428,17 @@ class RoomMachine(RuleBasedStateMachine):
         for life, outcome, reason in self.concluded.values():
             assert life.concluded and (life.outcome, life.reason) == (outcome, reason)
 
+    @invariant()
+    def success_only_over_succeeded_writes_and_no_submitter(self):
+        for room, states, tokens, last in self.successes:
+            assert last and tokens == 0 and all(st is WriteState.SUCCEEDED for st in states), (
+                room, states, tokens, last)
+
     def teardown(self):
+        if self.split is not None:
+            self.completion_decides()
+        while self.tokens:  # the submitters finish: their tokens come back
+            self._end_submit(*self.tokens.pop(), 0, False)
         # Half the writes end, the others never do; time passes (their rooms time out, then are
         # given up on): every slot is back, each once.
         for w in self.writes[::2]:
@@ -305,6 +451,6 @@ class RoomMachine(RuleBasedStateMachine):
         assert all(n == 1 for n in self.rec.finished_writes.values())
 
 
-RoomMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
+RoomMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=40, deadline=None,
                                          suppress_health_check=[HealthCheck.too_slow])
 test_prefill_rooms_under_random_events = RoomMachine.TestCase

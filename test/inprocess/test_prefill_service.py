@@ -308,7 +308,7 @@ def test_decode_context_parallel_mla_is_relaid_out_byte_exact():
         assert peer.rejected is None
         rig.new_attempt(5)
         # 7 tokens after a prefix of 2 (page_size 1, virtual pages of 2 tokens: 4 of them).
-        rig.service.control.on_metadata(rig.decode_service.metadata(
+        rig.service.control.on_metadata(rig.decode_service.record_destination(
             bootstrap_room=5, required_dst_info_num=1, kv_indices=np.asarray([20, 21, 22, 23]), aux_index=0,
             state_indices=None, decode_prefix_len=2, is_dummy=False))
         assert rig.claim(5) is None

@@ -220,7 +220,7 @@ class MoriKVManager(compat.CompatKVManager):
         return protocol.encode(self.service.registration())
 
     def build_receiver_metadata_message(self, **kwargs) -> List[bytes]:
-        return protocol.encode(self.service.metadata(**kwargs))
+        return protocol.encode(self.service.record_destination(**kwargs))
 
     def add_transfer_request(self, bootstrap_room: int, kv_indices, index_slice, is_last_chunk, **kwargs):
         if self.layerwise is not None:  # submits only what was not streamed

@@ -50,7 +50,7 @@ class MoriKVReceiver(compat.CompatKVReceiver):
         if mgr.enable_deferred_decode_kv_release and (force_arm or self.init_time is not None):
             # Arm before sending: an immediate ACK must find the room waiting for it.
             compat.set_abort_generation(self, mgr.service.arm_abort(self.bootstrap_room))
-        message = mgr.service.abort(self.bootstrap_room, compat.abort_generation(self), self.attempt)
+        message = mgr.service.abort_message(self.bootstrap_room, compat.abort_generation(self), self.attempt)
         for info in self.bootstrap_infos or []:
             try:
                 Messenger.send_on(compat.bootstrap_socket(self, info), message)

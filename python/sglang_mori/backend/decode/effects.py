@@ -40,10 +40,14 @@ class DecodeEffects:
         self.p.sglang.drop_stale_failure(room)
         return self.p.rooms.open(room).attempt
 
-    def fail(self, room: int, reason: str, label: str) -> bool:
-        """Record the reason, mark the room Failed in SGLang, count it; False if already over."""
+    def fail(self, room: int, reason: str, label: str, attempt: Optional[int] = None) -> bool:
+        """Record the reason, mark the room Failed in SGLang, count it; False if already over, or
+        if `attempt` (when given) is no longer the room's: the caller looked at an earlier
+        receiver, and the room id's next receiver is not its to fail."""
         p = self.p
         with p.rooms.lock:
+            if attempt is not None and p.rooms.attempt_of(room) != attempt:
+                return False
             p.rooms.finish(room, ok=False)
             if p.sglang.status(room) in (None, *room_status.TERMINAL):
                 return False
@@ -67,17 +71,23 @@ class DecodeEffects:
         p.metrics.request_finished(ok=False, reason=OTHER)
         return True
 
-    def prefill_succeeded(self, room: int, prefill_rank: int, reason: Optional[str], before: Optional[int]) -> bool:
-        """A prefill rank reported Success (its aux bytes are in place); `before` is SGLang's status
-        when the message arrived. Counted once, when this made the room Success (with several
-        prefill ranks, the last Success does)."""
+    def prefill_succeeded(self, room: int, prefill_rank: int, reason: Optional[str]) -> bool:
+        """A prefill rank reported Success (its aux bytes are in place). Counted once, when this
+        made the room Success (with several prefill ranks, the last Success does). Status before,
+        SGLang's update and the registry's close are one step under the registry lock, as in
+        fail(): a failure decided on another thread (a duplicate room, an unreachable bootstrap
+        server) either comes first (Failed stays, nothing is counted here) or finds the room over."""
         p = self.p
-        p.sglang.apply_prefill_status(room, room_status.SUCCESS, prefill_rank, reason)
-        if p.sglang.status(room) == room_status.SUCCESS and before != room_status.SUCCESS:
+        with p.rooms.lock:
+            before = p.sglang.status(room)
+            if before is None:
+                return False  # concluded and cleared already
+            p.sglang.apply_prefill_status(room, room_status.SUCCESS, prefill_rank, reason)
+            if p.sglang.status(room) != room_status.SUCCESS or before == room_status.SUCCESS:
+                return False
             p.rooms.finish(room, True)
-            p.metrics.request_finished(ok=True, reason=None)
-            return True
-        return False
+        p.metrics.request_finished(ok=True, reason=None)
+        return True
 
     def arm_abort(self, room: int) -> int:
         """Before an abort is sent: SGLang holds the room's pages until every prefill rank ACKed

@@ -46,8 +46,12 @@ def new_attempt_id() -> int:
 
 class DecodeRoomRegistry:
     def __init__(self):
-        # Re-entrant: the service holds it across "is the room still open" and SGLang's update, so
-        # a receiver's clear (forget) cannot slip in between.
+        # The applier (effects.py) holds it across its read of SGLang's status, SGLang's update
+        # and the registry's change (fail, prefill_failed, prefill_succeeded), so decisions taken
+        # on different threads are serialized: a failure and a Success never both count, and the
+        # registry never closes a room one way while SGLang records the other. SGLang's own
+        # writes (a receiver's abort or clear) do not take it; its update_status keeps Failed
+        # terminal and never reopens a cleared room. Re-entrant: the applier calls finish() under it.
         self.lock = threading.RLock()
         self._rooms: Dict[int, DecodeRoom] = {}
 

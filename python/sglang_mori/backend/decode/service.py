@@ -106,10 +106,11 @@ class DecodeService:
             layout=encode_layout(p.layout),
         )
 
-    def metadata(self, *, bootstrap_room, required_dst_info_num, kv_indices, aux_index, state_indices,
-                 decode_prefix_len, is_dummy, device_kv_indices=None) -> protocol.RoomMetadata:
-        """The destination of one room for one prefill rank, under the receiver's attempt id
-        (the same for every prefill rank the receiver tells)."""
+    def record_destination(self, *, bootstrap_room, required_dst_info_num, kv_indices, aux_index, state_indices,
+                           decode_prefix_len, is_dummy, device_kv_indices=None) -> protocol.RoomMetadata:
+        """The receiver publishes its destination: records the room's aux slot (where a Success's
+        aux bytes go; the room opens here if no receiver opened it) and returns the RoomMetadata
+        for one prefill rank, under the receiver's attempt id (the same for every rank it tells)."""
         p = self.p
         room_id = int(bootstrap_room)
         aux = None if aux_index is None else int(aux_index)
@@ -123,8 +124,9 @@ class DecodeService:
             is_dummy=bool(is_dummy),
         )
 
-    def abort(self, room: int, generation: Optional[int], attempt: Optional[int] = None) -> protocol.Abort:
-        """Abort `attempt` of `room` (the receiver's own; its bookkeeping may be cleared already)."""
+    def abort_message(self, room: int, generation: Optional[int], attempt: Optional[int] = None) -> protocol.Abort:
+        """The Abort the receiver sends for `attempt` of `room` (its own; the room's bookkeeping
+        may be cleared already). Builds the message only: no room state changes."""
         p = self.p
         if attempt is None:
             attempt = p.rooms.attempt_of(int(room)) or 0
@@ -132,12 +134,13 @@ class DecodeService:
                               generation=generation)
 
     def new_receiver(self, room: int) -> int:
-        """A receiver starts on `room`: a new attempt (an earlier one's bookkeeping is stale, and
-        so is a failure record an earlier request with this id left unread)."""
+        """A receiver starts on `room`: returns its new attempt id (the applier opens the room and
+        drops what an earlier request with this id left)."""
         return self.effects.new_attempt(int(room))
 
     def arm_abort(self, room: int) -> int:
-        """The receiver of `room` is about to send an abort with deferred release: the generation."""
+        """The receiver of `room` is about to send an abort with deferred release: returns the
+        generation its ACKs must carry (the applier arms SGLang's hold of the pages)."""
         return self.effects.arm_abort(int(room))
 
     def forget(self, room: int, attempt: int) -> None:
@@ -145,9 +148,11 @@ class DecodeService:
         self.p.rooms.forget(int(room), attempt)
 
     # --- the one failure path (effects.py) ----------------------------------------------------
-    def fail(self, room: int, reason: str, label: str) -> bool:
-        """Record the reason, mark the room Failed in SGLang, count it; False if already over."""
-        return self.effects.fail(room, reason, label)
+    def fail(self, room: int, reason: str, label: str, attempt: Optional[int] = None) -> bool:
+        """Fail `room` (only while `attempt` is its receiver's, when given) for a cause found on
+        this rank (the receiver's duplicate room or unreachable bootstrap server, this thread's
+        deadlines and aux checks), through the applier; False if the room was over already."""
+        return self.effects.fail(room, reason, label, attempt)
 
     # --- the status thread ------------------------------------------------------------------
     def _run_status_thread(self) -> None:
@@ -202,7 +207,7 @@ class DecodeService:
         if error:
             self.fail(msg.room, error, OTHER)
             return
-        self.effects.prefill_succeeded(msg.room, msg.prefill_rank, msg.reason, before)
+        self.effects.prefill_succeeded(msg.room, msg.prefill_rank, msg.reason)
 
     def _copy_aux(self, msg: protocol.RoomStatus) -> Optional[str]:
         """Copy the aux items into this room's aux slot; an error string if they do not fit.
@@ -223,7 +228,7 @@ class DecodeService:
 
     def enforce_deadlines(self, now: float) -> None:
         for r in self.p.rooms.expired(now, self.deadline_s):
-            self.fail(r.room, TRANSFER_DEADLINE.format(room=r.room, deadline_s=self.deadline_s), TIMEOUT)
+            self.fail(r.room, TRANSFER_DEADLINE.format(room=r.room, deadline_s=self.deadline_s), TIMEOUT, r.attempt)
 
     def debug_snapshot(self) -> dict:
         return {"decode.rooms": len(self.p.rooms)}

@@ -8,7 +8,8 @@ Per room:
 
 - returns the in-flight budget of each write that became terminal, and counts it;
 - concludes an open room: Success once every write succeeded and the last chunk was submitted
-  (aux rides on that Success message, so "done" never precedes the data), failure on the first
+  (aux rides on that Success message, so "done" never precedes the data; decided under the
+  registry lock, where a submitter tracks writes and flags together), failure on the first
   failed write or expired deadline, or because SGLang failed the room meanwhile;
 - finishes a concluded room: DRAINED releases decode's held abort ACKs; POISONED (a write may
   still land) never does, and decode releases those pages at its own timeout.
@@ -88,10 +89,11 @@ class Completion:
             with self.effects.transition() as fx:
                 self.failures.conclude_locked(r, reason, ABORTED, fx, tell_decode=status == room_status.FAILED)
             return
+        # A look outside the lock, to skip rooms whose writes still run. It decides a failure
+        # (a failed or expired write stays so, whatever is tracked after it), never a Success:
+        # the last chunk's writes may be tracked right after this verdict (_conclude_success).
         state, reason = r.verdict(now)
-        # Not while a submitter still works on the room: the layer-wise worker may track writes
-        # after the last chunk's (it holds a submit token until its batch's end).
-        if state is WriteState.SUCCEEDED and r.last_submitted and not r.submitting:
+        if state is WriteState.SUCCEEDED:
             self._conclude_success(r, now)
         elif state is WriteState.FAILED:
             for w in r.writes:
@@ -102,11 +104,20 @@ class Completion:
             self.failures.fail_life(r, reason, TIMEOUT if timed_out else PEER_DEAD)
 
     def _conclude_success(self, r: PrefillRoom, now: float) -> None:
+        """Success once every write succeeded after the last chunk was tracked and no submitter
+        works on the room (the layer-wise worker may track writes after the last chunk's: it holds
+        a submit token until its batch's end). Both looks are under the registry lock, where
+        writes and flags change together: the first only spares the aux read for rooms that are
+        not done; `rooms.succeed` decides again on the room as it is when it concludes."""
         p = self.p
-        aux = p.read_aux(r.aux_index) if p.owns_aux else None
+        with p.rooms.lock:
+            if not r.ready_to_succeed(now):
+                return
+            aux_index = r.aux_index
+        aux = p.read_aux(aux_index) if p.owns_aux else None
         with self.effects.transition() as fx:
             if p.sglang.status(r.room) != room_status.FAILED:
-                p.rooms.succeed(r, aux, now, fx)
+                p.rooms.succeed(r, aux_index, aux, now, fx)
 
     def handle_peer_failures(self) -> None:
         p = self.p

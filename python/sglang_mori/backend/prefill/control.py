@@ -109,13 +109,14 @@ class PrefillControl:
         self.p.engine.remove_peer(key)
 
     def fail_rooms_of_peer(self, key: str, reason: str) -> None:
-        """Every open room with a destination on `key` fails (draining lives are left to drain)."""
+        """Every open room with a destination on `key` fails (draining lives are left to drain).
+        Found and failed in one transition: failing by room id after the lock was let go could
+        hit a next life that took the id meanwhile, with destinations elsewhere."""
         p = self.p
-        with p.rooms.lock:
-            victims = [r.room for r in p.rooms.rooms.values()
-                       if not r.concluded and any(t.engine_key == key for t in r.live_targets())]
-        for room in victims:
-            self.failures.fail(room, reason, PEER_DEAD)
+        with self.effects.transition() as fx:
+            for r in list(p.rooms.rooms.values()):
+                if not r.concluded and any(t.engine_key == key for t in r.live_targets()):
+                    self.failures.conclude_locked(r, reason, PEER_DEAD, fx)
 
     # --- RoomMetadata -----------------------------------------------------------------------
     def on_metadata(self, msg: protocol.RoomMetadata) -> None:

@@ -126,7 +126,7 @@ class PrefillRoom:
     outcome: Optional[Outcome] = None  # set on leaving the open phases
     reason: Optional[str] = None
     concluded_at: float = 0.0
-    layerwise: object = None  # layerwise.state.StreamState of this life, once it streams
+    layerwise: object = None  # layerwise.session.RoomRecord of this life, once it streams
 
     # --- queries ------------------------------------------------------------------------
     @property
@@ -199,6 +199,14 @@ class PrefillRoom:
                 )
         return (WriteState.RUNNING, "") if running else (WriteState.SUCCEEDED, "")
 
+    def ready_to_succeed(self, now: float) -> bool:
+        """Success may be concluded now: open, the last chunk tracked, no submit token held, and
+        every tracked write succeeded. Meaningful only under the registry lock: `end_submit`
+        changes the writes and the flags together, so a verdict and flags read apart (one before
+        a last chunk was tracked, the other after) could approve writes still running."""
+        return (not self.concluded and self.last_submitted and not self.submitting
+                and self.verdict(now)[0] is WriteState.SUCCEEDED)
+
     # --- transitions --------------------------------------------------------------------
     def add_target(self, target: RoomTarget) -> bool:
         """Record one decode rank's destination; True when this made the room READY."""
@@ -224,8 +232,8 @@ class PrefillRoom:
         self.submitting -= 1
         self.writes.extend(writes)
         if last_chunk and not self.concluded:
-            self.last_submitted = True
             self.aux_index = aux_index
+            self.last_submitted = True
 
     def conclude(self, ok: bool, reason: Optional[str], now: float) -> bool:
         """Decide the outcome once; False when it was decided already."""
@@ -442,8 +450,13 @@ class PrefillRoomRegistry:
         self._publish_outstanding(r, fx)
         fx.changed = True
 
-    def succeed(self, r: PrefillRoom, aux: Optional[list], now: float, fx: Effects) -> bool:
-        """Every write succeeded after the last chunk: Success to SGLang and decode, with aux."""
+    def succeed(self, r: PrefillRoom, aux_index: Optional[int], aux: Optional[list], now: float, fx: Effects) -> bool:
+        """Every write succeeded after the last chunk: Success to SGLang and decode, with `aux`
+        (read from `aux_index`). Decided here, on the room as it is under the lock: False, and
+        nothing changes, unless `ready_to_succeed` holds now and `aux_index` is still the room's
+        (a pass that looked before a submitter tracked more writes must not conclude)."""
+        if not r.ready_to_succeed(now) or r.aux_index != aux_index:
+            return False
         if not r.conclude(True, None, now):
             return False
         fx.successes.append(Success(r.room, r.notify_addresses(), aux))

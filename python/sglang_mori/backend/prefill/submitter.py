@@ -54,6 +54,9 @@ class Chunk:
     # Send TransferStarted (restarts decode's deadline). A layer-wise stream announces its
     # first group only: one message per room and forward instead of one per layer group.
     announce: bool = True
+    # The room life the scheduler handed the chunk over for (set by `enqueue`): a chunk still
+    # queued when that life ends is never written for a next life of the room id.
+    life: object = None
 
 
 class ChunkSubmitter:
@@ -72,12 +75,16 @@ class ChunkSubmitter:
         status = self.p.sglang.status(chunk.room)
         if status is None or status == room_status.FAILED:
             return
+        with self.p.rooms.lock:
+            chunk.life = self.p.rooms.get(chunk.room)  # the sender's life: the scheduler holds it
+        if chunk.life is None:
+            return
         q = self.queues[chunk.room % len(self.queues)]
         try:
             q.put_nowait(chunk)
         except queue.Full:
-            self.failures.fail(chunk.room, f"transfer queue full ({q.maxsize} chunks, SGLANG_MORI_MAX_QUEUED_CHUNKS)",
-                               BACKPRESSURE)
+            self.failures.fail_life(chunk.life, f"transfer queue full ({q.maxsize} chunks, "
+                                    "SGLANG_MORI_MAX_QUEUED_CHUNKS)", BACKPRESSURE)
         self._publish_depth()
 
     def queued(self) -> int:
@@ -99,7 +106,8 @@ class ChunkSubmitter:
                 self.submit(chunk)
             except Exception as exc:  # a bug must fail one room, not stop the shard
                 logger.exception("sglang-mori: chunk of room %s failed", chunk.room)
-                self.failures.fail(chunk.room, f"internal error while sending KV: {exc!r}", OTHER)
+                if chunk.life is not None:
+                    self.failures.fail_life(chunk.life, f"internal error while sending KV: {exc!r}", OTHER)
 
     def stop(self) -> None:
         self.stopped.set()
@@ -111,9 +119,10 @@ class ChunkSubmitter:
 
     def submit(self, chunk: Chunk) -> None:
         p = self.p
-        room_id = chunk.room
         with self.effects.transition() as fx:
-            r = p.rooms.get(room_id)
+            # The chunk's own life, never the room id's current one (a next life by now, maybe);
+            # a chunk handed in without `enqueue` (tests, tools) is for the current life.
+            r = chunk.life if chunk.life is not None else p.rooms.get(chunk.room)
             if r is None or r.concluded:
                 return
             if r.phase is Phase.AWAITING_METADATA:
@@ -124,8 +133,8 @@ class ChunkSubmitter:
                 self.failures.conclude_locked(r, *problem, fx)
                 return
             if not p.rooms.begin_submit(r, fx):
-                # Not this chunk's life: its sender was cleared and a queued attempt's new life
-                # (nobody claimed it yet) took the room id. Its writes never go anywhere.
+                # Its sender was cleared (a queued attempt's next life may hold the room id now):
+                # the chunk's writes never go anywhere.
                 return
             targets = r.live_targets()
         self.post_tracked(chunk, r, targets)

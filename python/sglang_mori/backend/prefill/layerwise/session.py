@@ -23,7 +23,6 @@ the room id starts with none.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -112,12 +111,6 @@ class LayerwiseSession:
         self.worker.stop()
 
     # --- introspection (tests, debugging) -----------------------------------------------------
-    @property
-    def lock(self):
-        """Kept for callers that read `records` under it: the session has no lock of its own any
-        more (its state is the rooms', under the registry lock, which `records` takes)."""
-        return contextlib.nullcontext()
-
     @property
     def records(self) -> Dict[int, RoomRecord]:
         """The layer-wise state of each current room life that streamed."""
