@@ -35,7 +35,7 @@ def test_auto_serves_a_decode_context_parallel_decode_chunk_wise_byte_exact():
         peer = rig.service.p.peers.get(rig.decode.engine.key)
         assert peer.rejected is None
         rig.new_attempt(5)
-        rig.service.control.on_metadata(rig.decode_service.metadata(
+        rig.service.control.on_metadata(rig.decode_service.record_destination(
             bootstrap_room=5, required_dst_info_num=1, kv_indices=np.asarray([20, 21, 22, 23]), aux_index=0,
             state_indices=None, decode_prefix_len=2, is_dummy=False))
         assert rig.claim(5) is None
