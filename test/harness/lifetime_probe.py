@@ -136,6 +136,9 @@ def main() -> int:
     what.add_argument("--server", type=Path, metavar="MODEL_DIR")
     ap.add_argument("--linger-s", type=float, default=300.0)
     args = ap.parse_args()
+    # Ctrl-C reaches a test run in a terminal as KeyboardInterrupt; a process started from a shell's
+    # background job (a CI script run with `&`) inherits SIGINT ignored, and then never sees it.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     log_dir = args.out.parent / "probe-logs"
     if args.tree:
         stoppers = procs = _fake_servers(log_dir)
