@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, List
 
-from servers import PDClient, Server, generate, sampling, server_argv
+from servers import PDClient, Server, generate, record_failure, sampling, server_argv
 
 CHUNK = 1024  # --chunked-prefill-size: prompts up to 3x this are prefilled (and sent) in chunks
 LAYERWISE_ENV = {"SGLANG_MORI_LAYERWISE": "on", "SGLANG_MORI_LAYERWISE_MIN_TOKENS": "16",
@@ -130,11 +130,7 @@ def run_phase(name: str, args, items: List[Dict], logs: Path, ports: List[int]) 
             print(f"[{name}] concurrency {conc}: {phase[f'c{conc}']['wall_s']} s", flush=True)
         phase["metrics"] = {s.name: s.metrics() for s in servers}
     except Exception as exc:
-        phase["failed"] = f"{type(exc).__name__}: {exc}"
-        phase["log_tails"] = {s.name: s.proc.tail(40) for s in servers}
-        print(f"[{name}] FAILED: {phase['failed']}", flush=True)
-        for s in servers:
-            print(f"--- {s.name}\n{s.proc.tail(40)}", flush=True)
+        record_failure(phase, name, servers, exc, 40)
     finally:
         for s in servers:
             s.stop()

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, List
 
-from servers import PDClient, Server, generate_stream, sampling, server_argv
+from servers import PDClient, Server, generate_stream, record_failure, sampling, server_argv
 
 SHAPE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
          "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -96,11 +96,7 @@ def run_config(name: str, args, logs: Path, ports: List[int]) -> Dict:
                 print(f"[{name}] {key}: {result[key]}", flush=True)
         result["metrics"] = {s.name: s.metrics() for s in servers}
     except Exception as exc:
-        result["failed"] = f"{type(exc).__name__}: {exc}"
-        result["log_tails"] = {s.name: s.proc.tail(30) for s in servers}
-        print(f"[{name}] FAILED: {result['failed']}", flush=True)
-        for s in servers:
-            print(f"--- {s.name}\n{s.proc.tail(30)}", flush=True)
+        record_failure(result, name, servers, exc, 30)
     finally:
         for s in servers:
             s.stop()

@@ -137,3 +137,13 @@ def generate_stream(url: str, body: Dict, timeout_s: float = 300) -> Dict:
     except requests.RequestException as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
     return {"ttft_s": ttft, "itl_s": itl, "tokens": done, "e2e_s": time.monotonic() - start}
+
+
+def record_failure(result: Dict, name: str, servers: List["Server"], exc: Exception, tail_lines: int) -> None:
+    """A run that broke keeps its cause and each server's log tail in its result, and prints both:
+    the device call returns only $OUT and the output's end."""
+    result["failed"] = f"{type(exc).__name__}: {exc}"
+    result["log_tails"] = {s.name: s.proc.tail(tail_lines) for s in servers}
+    print(f"[{name}] FAILED: {result['failed']}", flush=True)
+    for s in servers:
+        print(f"--- {s.name}\n{s.proc.tail(tail_lines)}", flush=True)
