@@ -17,8 +17,9 @@ python3 -m pip install -q --no-index --no-deps --target "$SITE" "$WHL"/*.whl > "
 # SGLang loads plugins through entry points (group sglang.srt.plugins): a dist-info makes ours visible.
 DI="$SITE/sglang_mori-0.1.0.dist-info"; mkdir -p "$DI"
 printf 'Metadata-Version: 2.1\nName: sglang-mori\nVersion: 0.1.0\n' > "$DI/METADATA"
-printf '[sglang.srt.plugins]\nsglang_mori = sglang_mori.plugin:register\n' > "$DI/entry_points.txt"
-export PYTHONPATH="$ROOT/python:$ROOT/scripts/gpu_stubs:$SITE"
+# room_trace (scripts/gpu_sglang) only acts where SGLANG_MORI_ROOM_TRACE is set (pd_latency.py --trace).
+printf '[sglang.srt.plugins]\nsglang_mori = sglang_mori.plugin:register\nroom_trace = room_trace:register\n' > "$DI/entry_points.txt"
+export PYTHONPATH="$ROOT/python:$ROOT/scripts/gpu_stubs:$ROOT/scripts/gpu_sglang:$SITE"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 SGLANG_HOST_IP=127.0.0.1 PYTHONUNBUFFERED=1
 # The stand-in is not the sglang-kernel distribution SGLang's launcher asks for (>= 0.4.9).
 export SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1
@@ -30,7 +31,11 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 echo "install: $(( $(date +%s) - t0 )) s"
 python3 -c "import torch, sglang, sglang_mori; print('torch', torch.__version__, 'sglang', sglang.__version__, torch.cuda.device_count(), 'GPUs')"
 what=$1; shift
-if [ "$what" = identity ] || [ "$what" = identity-mla ]; then
+if [ "$what" = plan ]; then
+  # Several runs side by side on a 4-GPU machine (plans.sh); logs come back as one archive.
+  source "$ROOT/scripts/gpu_sglang/plans.sh"
+  run_plan "$@"
+elif [ "$what" = identity ] || [ "$what" = identity-mla ]; then
   arch=llama; [ "$what" = identity-mla ] && arch=mla
   python3 "$ROOT/scripts/gpu_sglang/build_model.py" /tmp/gpu-llama --arch $arch > /dev/null || exit 1
   python3 "$ROOT/scripts/gpu_sglang/pd_identity.py" --model /tmp/gpu-llama --out "$OUT" "$@"

@@ -74,16 +74,30 @@ def digest(results: List[Dict]) -> str:
     return hashlib.sha256(json.dumps([r["output_ids"] for r in results]).encode()).hexdigest()[:16]
 
 
+def write_json(path: Path, data: Dict) -> None:
+    """Whole or not at all: a run beside this one may be waiting to read it."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)
+
+
+def first_divergence(a, b) -> int:
+    """Index of the first output token that differs (a numeric drift shows late, a wrong KV early)."""
+    a, b = a or [], b or []
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def compare(ref: List[Dict], got: List[Dict]) -> Dict:
     bad = [i for i, (a, b) in enumerate(zip(ref, got)) if a["output_ids"] != b["output_ids"] or b["error"]]
     errors = [got[i]["error"] for i in bad if got[i]["error"]]
     return {"identical": len(ref) - len(bad), "total": len(ref), "mismatched": bad[:20],
+            "first_divergence": {i: first_divergence(ref[i]["output_ids"], got[i]["output_ids"]) for i in bad[:20]},
             "errors": errors[:5]}
 
 
 def run_phase(name: str, args, items: List[Dict], logs: Path, ports: List[int]) -> Dict:
     env = dict(os.environ)
-    model, two = args.model, args.gpus >= 2
+    model, two, base, tp = args.model, args.gpus >= 2, args.gpu_base, args.prefill_tp
     # Batch-invariant kernels (SGLang's own switch): without it the Triton decode attention splits
     # the KV by batch size, so even one standalone server's greedy tokens change with concurrency.
     flags = ["--enable-deterministic-inference"] if args.deterministic else []
@@ -95,7 +109,7 @@ def run_phase(name: str, args, items: List[Dict], logs: Path, ports: List[int]) 
     servers: List[Server] = []
     try:
         if name == "standalone":
-            srv = Server(name, server_argv(model, ports[0], 0, args.mem, flags), env, logs, ports[0]).start()
+            srv = Server(name, server_argv(model, ports[0], base, args.mem, flags), env, logs, ports[0]).start()
             servers.append(srv)
             srv.wait_ready(args.start_timeout)
             send = lambda body: generate(srv.url, body)  # noqa: E731
@@ -111,11 +125,11 @@ def run_phase(name: str, args, items: List[Dict], logs: Path, ports: List[int]) 
             dextra = ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "mori"]
             if name == "pd_dcache":
                 dextra.append("--disaggregation-decode-enable-radix-cache")
-            pre = Server(f"{name}-prefill", server_argv(model, ports[0], 0, args.mem, pextra + flags),
+            pre = Server(f"{name}-prefill", server_argv(model, ports[0], base, args.mem, pextra + flags, tp=tp),
                          penv, logs, ports[0])
             # On one GPU the decode sizes its pool from what the prefill left: start it after.
             dmem = args.mem if two else args.mem_decode_shared
-            dec = Server(f"{name}-decode", server_argv(model, ports[1], 1 if two else 0, dmem, dextra + flags),
+            dec = Server(f"{name}-decode", server_argv(model, ports[1], base + tp if two else base, dmem, dextra + flags),
                          penv, logs, ports[1])
             servers.append(pre.start())
             if not two:
@@ -149,31 +163,47 @@ def main() -> None:
     ap.add_argument("--mem", type=float, default=0.3)
     ap.add_argument("--mem-decode-shared", type=float, default=0.65)
     ap.add_argument("--deterministic", action="store_true")
+    ap.add_argument("--gpu-base", type=int, default=0, help="first GPU this run uses")
+    ap.add_argument("--prefill-tp", type=int, default=1, help="prefill TP size (GPUs base..base+tp-1; decode after)")
+    ap.add_argument("--port-base", type=int, default=31000)
+    ap.add_argument("--reference", help="a pd_identity.json whose standalone phase is the reference")
+    ap.add_argument("--tag", default="pd_identity", help="name of the JSON written under --out")
     ap.add_argument("--start-timeout", type=float, default=420)
     args = ap.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     logs = out / "logs"
     items = prompts(args.prompts, args.vocab)
     report: Dict = {"prompts": len(items), "prompt_tokens": [len(p["input_ids"]) for p in items],
                     "chunked_prefill_size": CHUNK, "gpus": args.gpus,
-                    "deterministic": args.deterministic, "phases": {}}
-    ports = [31000, 31010, 31020]
+                    "deterministic": args.deterministic, "gpu_base": args.gpu_base,
+                    "prefill_tp": args.prefill_tp, "phases": {}}
+    ports = [args.port_base, args.port_base + 10, args.port_base + 20]
     for name in args.phases.split(","):
         phase = run_phase(name, args, items, logs, ports)
         ports = [p + 100 for p in ports]  # no reuse of a port a stopped server may still hold
-        ref = report["phases"].get("standalone")
-        for conc in args.concurrency:
-            key = f"c{conc}"
+        for key in (f"c{c}" for c in args.concurrency):
             if key in phase:
                 phase[key]["digest"] = digest(phase[key]["results"])
-                if ref and key in ref:
-                    phase[key]["vs_standalone"] = compare(ref[key]["results"], phase[key]["results"])
-                    print(f"[{name}] {key} vs standalone: {phase[key]['vs_standalone']}", flush=True)
         report["phases"][name] = phase
-        (out / "pd_identity.json").write_text(json.dumps(report, indent=1))
+        write_json(out / f"{args.tag}.json", report)
         if "failed" in phase and name == "standalone":
             break  # without the reference nothing can be compared
+    if args.reference:  # a standalone run beside this one (another GPU) writes it; wait for it
+        report["reference"] = args.reference
+        ref_path = Path(args.reference)
+        deadline = time.monotonic() + args.start_timeout
+        while not ref_path.exists() and time.monotonic() < deadline:
+            time.sleep(2)
+        ref_phase = json.loads(ref_path.read_text())["phases"].get("standalone") if ref_path.exists() else None
+        report["phases"].setdefault("standalone", ref_phase or {"failed": "no reference"})
+    ref = report["phases"].get("standalone")
+    for name, phase in report["phases"].items():
+        for key in (f"c{c}" for c in args.concurrency):
+            if name != "standalone" and ref and key in ref and key in phase:
+                phase[key]["vs_standalone"] = compare(ref[key]["results"], phase[key]["results"])
+    write_json(out / f"{args.tag}.json", report)
     summary = {n: {k: v.get("vs_standalone", v.get("digest")) for k, v in p.items()
                    if k.startswith("c") and isinstance(v, dict)} | ({"failed": p["failed"]} if "failed" in p else {})
                for n, p in report["phases"].items()}

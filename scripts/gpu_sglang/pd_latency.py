@@ -43,7 +43,17 @@ def workload(prompt_tokens: int, count: int, seed: int) -> List[Dict]:
              "sampling_params": sampling(64)} for _ in range(count)]
 
 
+def compiled_files() -> int:
+    """Files in the JIT caches (Triton's and SGLang's nvcc kernels): a count that grows during a
+    measurement means a kernel was compiled inside it."""
+    total = 0
+    for root in (Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton")), Path.home() / ".cache"):
+        total += sum(len(files) for _, _, files in os.walk(root)) if root.exists() else 0
+    return total
+
+
 def measure(send, items: List[Dict], concurrency: int) -> Dict:
+    files_before = compiled_files()
     start = time.monotonic()
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         replies = list(pool.map(send, items))
@@ -59,27 +69,36 @@ def measure(send, items: List[Dict], concurrency: int) -> Dict:
             "ttft_ms_p50": pct(ttft, 0.5), "ttft_ms_p90": pct(ttft, 0.9),
             "ttft_ms_mean": round(statistics.mean(ttft) * 1000, 2) if ttft else None,
             "itl_ms_p50": pct(itl, 0.5), "itl_ms_p90": pct(itl, 0.9),
-            "output_tok_s": round(sum(r["tokens"] for r in ok) / wall, 1), "wall_s": round(wall, 2)}
+            "output_tok_s": round(sum(r["tokens"] for r in ok) / wall, 1), "wall_s": round(wall, 2),
+            "jit_files_added": compiled_files() - files_before,
+            "per_request": [{k: r.get(k) for k in ("room", "sent_at", "first_at", "ttft_s", "e2e_s")}
+                            for r in replies]}
 
 
 def run_config(name: str, args, logs: Path, ports: List[int]) -> Dict:
     env = dict(os.environ)
     dummy = ["--load-format", "dummy"]
+    if args.trace:  # room_trace.py's hooks and SGLang's per-request timestamps
+        trace_dir = logs / f"trace-{name}"
+        trace_dir.mkdir(parents=True, exist_ok=True)
+        env["SGLANG_MORI_ROOM_TRACE"] = str(trace_dir)
+        dummy += ["--enable-request-time-stats-logging"]
+    g = args.gpu_base
     result: Dict = {"config": name}
     servers: List[Server] = []
     try:
         if name == "standalone":
-            srv = Server(name, server_argv(args.model, ports[0], 0, args.mem, dummy), env, logs, ports[0]).start()
+            srv = Server(name, server_argv(args.model, ports[0], g, args.mem, dummy), env, logs, ports[0]).start()
             servers.append(srv)
             srv.wait_ready(args.start_timeout)
             send = lambda body: generate_stream(srv.url, body)  # noqa: E731
         else:
             penv = dict(env, SGLANG_MORI_ENGINE="soft", SGLANG_MORI_LAYERWISE=name.split("_", 1)[1])
             boot = ports[2]
-            pre = Server(f"{name}-prefill", server_argv(args.model, ports[0], 0, args.mem, [
+            pre = Server(f"{name}-prefill", server_argv(args.model, ports[0], g, args.mem, [
                 "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "mori",
                 "--disaggregation-bootstrap-port", str(boot)] + dummy), penv, logs, ports[0])
-            dec = Server(f"{name}-decode", server_argv(args.model, ports[1], 1, args.mem, [
+            dec = Server(f"{name}-decode", server_argv(args.model, ports[1], g + 1, args.mem, [
                 "--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "mori"] + dummy),
                 penv, logs, ports[1])
             servers += [pre.start(), dec.start()]
@@ -92,8 +111,11 @@ def run_config(name: str, args, logs: Path, ports: List[int]) -> Dict:
                 count = args.requests_c1 if conc == 1 else args.requests_per_conc * conc
                 measure(send, workload(tokens, 2, seed=1), min(conc, 2))  # warm-up (this shape)
                 key = f"{tokens}tok_c{conc}"
-                result[key] = measure(send, workload(tokens, count, seed=tokens * 100 + conc), conc)
-                print(f"[{name}] {key}: {result[key]}", flush=True)
+                for rep in range(args.repeats):
+                    rkey = key if rep == 0 else f"{key}_repeat{rep}"
+                    result[rkey] = measure(send, workload(tokens, count, seed=tokens * 100 + conc + rep), conc)
+                    brief = {k: v for k, v in result[rkey].items() if k != "per_request"}
+                    print(f"[{name}] {rkey}: {brief}", flush=True)
         result["metrics"] = {s.name: s.metrics() for s in servers}
     except Exception as exc:
         record_failure(result, name, servers, exc, 30)
@@ -114,18 +136,26 @@ def main() -> None:
     ap.add_argument("--requests-per-conc", type=int, default=2)
     ap.add_argument("--mem", type=float, default=0.5)
     ap.add_argument("--start-timeout", type=float, default=300)
+    ap.add_argument("--gpu-base", type=int, default=0, help="standalone and prefill on it, decode on the next")
+    ap.add_argument("--port-base", type=int, default=32000)
+    ap.add_argument("--repeats", type=int, default=1, help="measure each shape this many times in a row")
+    ap.add_argument("--trace", action="store_true", help="per-room timestamps (room_trace.py)")
+    ap.add_argument("--tag", default="pd_latency", help="name of the JSON written under --out")
     args = ap.parse_args()
     args.lengths = [int(x) for x in args.lengths.split(",")]
     args.concurrency = [int(x) for x in args.concurrency.split(",")]
     out = Path(args.out)
-    args.model = write_model(Path("/tmp/llama8b-widths"), args.layers)
+    args.model = write_model(Path(f"/tmp/llama8b-widths-{args.tag}"), args.layers)
     report: Dict = {"model": dict(SHAPE, num_hidden_layers=args.layers), "load_format": "dummy",
                     "output_tokens": 64, "configs": {}}
-    ports = [32000, 32010, 32020]
+    out.mkdir(parents=True, exist_ok=True)
+    # This run's own Triton cache: a run beside it (other GPUs) compiles into its own.
+    os.environ.setdefault("TRITON_CACHE_DIR", f"/tmp/triton-{args.tag}")
+    ports = [args.port_base, args.port_base + 10, args.port_base + 20]
     for name in args.configs.split(","):
         report["configs"][name] = run_config(name, args, out / "logs", ports)
         ports = [p + 100 for p in ports]
-        (out / "pd_latency.json").write_text(json.dumps(report, indent=1))
+        (out / f"{args.tag}.json").write_text(json.dumps(report, indent=1))
     print("config      shape         TTFT p50  TTFT p90  ITL p50  out tok/s")
     for name, res in report["configs"].items():
         for key, m in res.items():

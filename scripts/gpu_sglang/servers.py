@@ -60,14 +60,16 @@ class Server:
         self.proc.stop()
 
 
-def server_argv(model: str, port: int, gpu: int, mem: float, extra: List[str]) -> List[str]:
+def server_argv(model: str, port: int, gpu: int, mem: float, extra: List[str], tp: int = 1) -> List[str]:
     """Defaults (overlap scheduler, prefill and decode CUDA graphs) except the kernels SGLang has
-    without sgl_kernel: Triton attention, torch sampling."""
+    without sgl_kernel: Triton attention, torch sampling; with TP > 1, NCCL's all-reduce (SGLang's
+    custom all-reduce is an sgl_kernel op)."""
+    tp_flags = ["--tp-size", str(tp), "--disable-custom-all-reduce"] if tp > 1 else []
     return [sys.executable, "-m", "sglang.launch_server", "--model-path", model,
             "--skip-tokenizer-init", "--host", HOST, "--port", str(port), "--base-gpu-id", str(gpu),
             "--attention-backend", "triton", "--sampling-backend", "pytorch",
             "--mem-fraction-static", str(mem), "--random-seed", "1234", "--enable-metrics",
-            "--log-level", "info"] + extra
+            "--log-level", "info"] + tp_flags + extra
 
 
 def generate(url: str, body: Dict, timeout_s: float = 300) -> Dict:
@@ -91,12 +93,13 @@ class PDClient:
     def stream(self, body: Dict) -> Dict:
         """As mini_lb's generate_stream: the prefill request runs beside the decode stream."""
         body = self.with_bootstrap(body)
+        sent_at = time.time()
         pre = self.pool.submit(generate, self.prefill.url, body)
         reply = generate_stream(self.decode.url, body)
         pre_reply = pre.result()
         if "error" in pre_reply and "error" not in reply:
             reply = dict(reply, prefill_error=pre_reply["error"])
-        return reply
+        return dict(reply, room=body["bootstrap_room"], sent_at=sent_at)
 
     def __call__(self, body: Dict) -> Dict:
         body = self.with_bootstrap(body)
@@ -112,8 +115,8 @@ class PDClient:
 def generate_stream(url: str, body: Dict, timeout_s: float = 300) -> Dict:
     """Streaming /generate: time to the first token and the gaps after it, counted by
     meta_info.completion_tokens (whether a chunk's output_ids are cumulative or not)."""
-    start = time.monotonic()
-    ttft, last_t, done, itl = None, None, 0, []
+    start, sent_at = time.monotonic(), time.time()
+    ttft, last_t, done, itl, first_at = None, None, 0, [], None
     try:
         with requests.post(f"{url}/generate", json=dict(body, stream=True), timeout=timeout_s,
                            stream=True) as r:
@@ -130,13 +133,14 @@ def generate_stream(url: str, body: Dict, timeout_s: float = 300) -> Dict:
                 now = time.monotonic()
                 if tokens > done:
                     if ttft is None:
-                        ttft = now - start
+                        ttft, first_at = now - start, time.time()
                     else:
                         itl.extend([(now - last_t) / (tokens - done)] * (tokens - done))
                     last_t, done = now, tokens
     except requests.RequestException as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
-    return {"ttft_s": ttft, "itl_s": itl, "tokens": done, "e2e_s": time.monotonic() - start}
+    return {"ttft_s": ttft, "itl_s": itl, "tokens": done, "e2e_s": time.monotonic() - start,
+            "sent_at": sent_at, "first_at": first_at}
 
 
 def record_failure(result: Dict, name: str, servers: List["Server"], exc: Exception, tail_lines: int) -> None:

@@ -1,0 +1,69 @@
+# Sourced by device_run.sh (wheels installed, environment set): runs side by side on a 4-GPU
+# machine, one plan per device call. Each run writes under $W; the JSONs are copied to $OUT and
+# every log travels back in $OUT/<plan>.tgz (a call returns at most 8 files).
+# Usage: device_run.sh plan plan1|plan2|plan3
+S="$ROOT/scripts/gpu_sglang"
+W=/tmp/w
+
+models() {
+  python3 "$S/build_model.py" /tmp/gpu-llama --arch llama > /dev/null &&
+  python3 "$S/build_model.py" /tmp/gpu-mla --arch mla > /dev/null
+}
+
+# Standalone identity reference (GPU $1) for the runs beside it; then, on the same GPU, the
+# standalone latency run with per-request timestamps and each shape measured twice.
+reference_then_standalone_latency() {
+  python3 "$S/pd_identity.py" --model /tmp/gpu-llama --out $W/ref --phases standalone --gpu-base "$1" \
+    --deterministic --tag standalone --port-base 34000 > $W/ref.out 2>&1
+  python3 "$S/pd_latency.py" --out $W/lat --configs standalone --gpu-base "$1" --trace --repeats 2 \
+    --tag latency_standalone --port-base 35000 > $W/lat_standalone.out 2>&1
+}
+
+# Prefill TP 2 (GPUs 0,1) into decode TP 1 (GPU 2), chunk-wise and layer-wise; then the fault runs
+# on GPUs 0 (prefill) and 1 (decode). Both compare with the reference of GPU 3.
+tp2_then_faults() {
+  python3 "$S/pd_identity.py" --model /tmp/gpu-llama --out $W/tp2 --phases pd,pd_lw --gpus 2 --prefill-tp 2 \
+    --deterministic --reference $W/ref/standalone.json --tag identity_tp2 > $W/tp2.out 2>&1
+  python3 "$S/pd_faults.py" --model /tmp/gpu-llama --out $W/faults --reference $W/ref/standalone.json \
+    --gpu-base 0 --tag faults > $W/faults.out 2>&1
+}
+
+plan1() {
+  reference_then_standalone_latency 3 &
+  tp2_then_faults &
+  wait
+}
+
+# MLA prefill GPU 0 -> decode GPU 1 (standalone on GPU 0 first) beside the traced PD latency runs
+# (prefill GPU 2, decode GPU 3).
+plan2() {
+  python3 "$S/pd_identity.py" --model /tmp/gpu-mla --out $W/mla --phases standalone,pd,pd_lw --gpus 2 \
+    --deterministic --tag identity_mla_2gpu --port-base 36000 > $W/mla.out 2>&1 &
+  python3 "$S/pd_latency.py" --out $W/lat --configs pd_off,pd_auto --gpu-base 2 --trace \
+    --tag latency_pd --port-base 37000 > $W/lat_pd.out 2>&1 &
+  wait
+}
+
+# Traced PD latency only (prefill GPU 0, decode GPU 1), beside the standalone (GPU 2): a rerun after a fix.
+plan3() {
+  python3 "$S/pd_latency.py" --out $W/lat --configs standalone --gpu-base 2 --trace --lengths 8192 \
+    --concurrency 1 --tag latency_standalone_rerun --port-base 35000 > $W/lat_standalone.out 2>&1 &
+  python3 "$S/pd_latency.py" --out $W/lat --configs pd_off,pd_auto --gpu-base 0 --trace --lengths 8192 \
+    --concurrency 1 --tag latency_pd_rerun --port-base 37000 > $W/lat_pd.out 2>&1 &
+  wait
+}
+
+run_plan() {
+  local plan=$1
+  rm -rf $W && mkdir -p $W
+  models || { echo "model build failed"; return 1; }
+  nvidia-smi topo -m > $W/topo.txt 2>&1
+  ( while sleep 30; do echo "[$(date +%T)] $(ls $W/*/*.json 2>/dev/null | tr '\n' ' ')"; done ) &
+  local ticker=$!
+  "$plan"
+  kill $ticker
+  for f in $W/*.out; do echo "=== $f"; tail -25 "$f"; done
+  cp $W/*/*.json "$OUT/" 2>/dev/null
+  tar czf "$OUT/$plan.tgz" -C $W . 2>/dev/null
+  ls -la "$OUT"
+}
