@@ -44,8 +44,9 @@ def queue_gauges(server: Server) -> Dict[str, float]:
         return {"error": str(exc)}
     out: Dict[str, float] = {}
     for line in text.splitlines():
-        if line.startswith("sglang:num_") and ("reqs" in line or "queue" in line):
-            name = line.split("{", 1)[0].split(" ", 1)[0]
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        # Gauges only: the *_total counters (failed requests so far) never return to 0.
+        if name.startswith("sglang:num_") and ("reqs" in name or "queue" in name) and not name.endswith("_total"):
             out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
 

@@ -101,6 +101,7 @@ def run_phase(name: str, args, items: List[Dict], logs: Path, ports: List[int]) 
     # Batch-invariant kernels (SGLang's own switch): without it the Triton decode attention splits
     # the KV by batch size, so even one standalone server's greedy tokens change with concurrency.
     flags = ["--enable-deterministic-inference"] if args.deterministic else []
+    flags += ["--dtype", args.dtype] if args.dtype else []
     # Prompts up to 3 chunks; small pools (register and start fast); decode graphs up to batch 32
     # (SGLang's 256+ only lengthens capture here).
     flags += ["--chunked-prefill-size", str(CHUNK), "--max-total-tokens", "262144",
@@ -167,6 +168,7 @@ def main() -> None:
     ap.add_argument("--prefill-tp", type=int, default=1, help="prefill TP size (GPUs base..base+tp-1; decode after)")
     ap.add_argument("--port-base", type=int, default=31000)
     ap.add_argument("--reference", help="a pd_identity.json whose standalone phase is the reference")
+    ap.add_argument("--dtype", help="--dtype for every server (float32: TP-invariant numerics)")
     ap.add_argument("--tag", default="pd_identity", help="name of the JSON written under --out")
     ap.add_argument("--start-timeout", type=float, default=420)
     args = ap.parse_args()
@@ -178,7 +180,7 @@ def main() -> None:
     report: Dict = {"prompts": len(items), "prompt_tokens": [len(p["input_ids"]) for p in items],
                     "chunked_prefill_size": CHUNK, "gpus": args.gpus,
                     "deterministic": args.deterministic, "gpu_base": args.gpu_base,
-                    "prefill_tp": args.prefill_tp, "phases": {}}
+                    "prefill_tp": args.prefill_tp, "dtype": args.dtype, "phases": {}}
     ports = [args.port_base, args.port_base + 10, args.port_base + 20]
     for name in args.phases.split(","):
         phase = run_phase(name, args, items, logs, ports)

@@ -29,28 +29,39 @@ tp2_then_faults() {
 }
 
 plan1() {
-  reference_then_standalone_latency 3 &
-  tp2_then_faults &
-  wait
+  reference_then_standalone_latency 3 & local a=$!
+  tp2_then_faults & local b=$!
+  wait $a $b
 }
 
 # MLA prefill GPU 0 -> decode GPU 1 (standalone on GPU 0 first) beside the traced PD latency runs
 # (prefill GPU 2, decode GPU 3).
 plan2() {
   python3 "$S/pd_identity.py" --model /tmp/gpu-mla --out $W/mla --phases standalone,pd,pd_lw --gpus 2 \
-    --deterministic --tag identity_mla_2gpu --port-base 36000 > $W/mla.out 2>&1 &
+    --deterministic --tag identity_mla_2gpu --port-base 36000 > $W/mla.out 2>&1 & local a=$!
   python3 "$S/pd_latency.py" --out $W/lat --configs pd_off,pd_auto --gpu-base 2 --trace \
-    --tag latency_pd --port-base 37000 > $W/lat_pd.out 2>&1 &
-  wait
+    --tag latency_pd --port-base 37000 > $W/lat_pd.out 2>&1 & local b=$!
+  wait $a $b
 }
 
-# Traced PD latency only (prefill GPU 0, decode GPU 1), beside the standalone (GPU 2): a rerun after a fix.
+# Prefill TP 2 -> decode TP 1 again in float32 (TP-invariant numerics: bf16 TP 2 and TP 1 round
+# differently, so the bf16 run cannot tell a wrong byte from rounding) beside its float32 standalone
+# reference on GPU 3; then PD at 8K, concurrency 1, layer-wise auto with Python's switch interval and
+# with SGLANG_MORI_GIL_SWITCH_US=500, side by side (GPUs 0->1 and 2->3).
 plan3() {
-  python3 "$S/pd_latency.py" --out $W/lat --configs standalone --gpu-base 2 --trace --lengths 8192 \
-    --concurrency 1 --tag latency_standalone_rerun --port-base 35000 > $W/lat_standalone.out 2>&1 &
-  python3 "$S/pd_latency.py" --out $W/lat --configs pd_off,pd_auto --gpu-base 0 --trace --lengths 8192 \
-    --concurrency 1 --tag latency_pd_rerun --port-base 37000 > $W/lat_pd.out 2>&1 &
-  wait
+  SGLANG_MORI_GPU_TESTS=1 CUDA_VISIBLE_DEVICES=3 python3 -m pytest "$ROOT/test/gpu/test_layerwise_graph_replay.py" \
+    -q -rs -p no:cacheprovider > $W/gpu_test.out 2>&1 &
+  python3 "$S/pd_identity.py" --model /tmp/gpu-llama --out $W/ref32 --phases standalone --gpu-base 3 \
+    --deterministic --dtype float32 --tag standalone_fp32 --port-base 34000 --start-timeout 200 > $W/ref32.out 2>&1 & local a=$!
+  python3 "$S/pd_identity.py" --model /tmp/gpu-llama --out $W/tp2f --phases pd --gpus 2 --prefill-tp 2 \
+    --deterministic --dtype float32 --reference $W/ref32/standalone_fp32.json --tag identity_tp2_fp32 --start-timeout 200 \
+    > $W/tp2f.out 2>&1
+  wait $a
+  python3 "$S/pd_latency.py" --out $W/lat --configs pd_auto --gpu-base 0 --trace --lengths 8192 \
+    --concurrency 1 --tag latency_pd_auto --port-base 37000 > $W/lat_auto.out 2>&1 & local b=$!
+  python3 "$S/pd_latency.py" --out $W/lat --configs pd_auto_gil500 --gpu-base 2 --trace --lengths 8192 \
+    --concurrency 1 --tag latency_pd_auto_gil500 --port-base 38000 > $W/lat_gil.out 2>&1 & local c=$!
+  wait $b $c
 }
 
 run_plan() {
@@ -60,8 +71,9 @@ run_plan() {
   nvidia-smi topo -m > $W/topo.txt 2>&1
   ( while sleep 30; do echo "[$(date +%T)] $(ls $W/*/*.json 2>/dev/null | tr '\n' ' ')"; done ) &
   local ticker=$!
-  "$plan"
+  "$plan"  # each plan waits for its own runs by pid (a bare `wait` would wait for the ticker too)
   kill $ticker
+  wait  # the plan's side jobs (a GPU test) have ended too; the ticker is gone
   for f in $W/*.out; do echo "=== $f"; tail -25 "$f"; done
   cp $W/*/*.json "$OUT/" 2>/dev/null
   tar czf "$OUT/$plan.tgz" -C $W . 2>/dev/null

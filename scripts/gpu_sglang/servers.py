@@ -107,7 +107,7 @@ class PDClient:
         dec = self.pool.submit(generate, self.decode.url, body)
         pre_reply = pre.result()
         reply = dec.result()
-        if "error" in pre_reply and "error" not in reply:
+        if "error" in pre_reply:  # kept beside decode's own error: the fault runs report both causes
             reply = dict(reply, prefill_error=pre_reply["error"])
         return reply
 
