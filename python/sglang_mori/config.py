@@ -180,12 +180,6 @@ KNOBS: Tuple[Knob, ...] = (
          "Freeze the objects alive when our manager finishes start-up (`gc.freeze()`, as SGLang's "
          "`/freeze_gc` does) so full garbage collections skip them and do not stall transfer "
          "threads for hundreds of milliseconds.", boolean, _BOOL_SPELLINGS),
-    Knob("SGLANG_MORI_GIL_SWITCH_US", "gil_switch_us", "int", 0,
-         "Python's thread switch interval in this scheduler process (`sys.setswitchinterval`), in "
-         "microseconds; 0 leaves Python's 5000. SGLang's scheduler loop spins with the GIL held, so "
-         "each hand-off to one of our threads (submitter, completion, control, status) can wait up "
-         "to one interval; docs/benchmarks.md measures it on PD time to first token.",
-         lambda text: _parse_int(text, 100, 100000, also=(0,)), "0 or 100..100000"),
     Knob("SGLANG_MORI_XGMI", "xgmi", "bool", False,
          "Let MORI-IO create its XGMI backend for peers on the same node (sets "
          "MORI_DISABLE_AUTO_XGMI=0).", boolean, _BOOL_SPELLINGS),
@@ -233,7 +227,6 @@ class MoriConfig:
     host: str = ""
     enable_notification: bool = False
     gc_freeze: bool = True
-    gil_switch_us: int = 0
     xgmi: bool = False
     layerwise: str = "off"
     layerwise_min_tokens: int = 256

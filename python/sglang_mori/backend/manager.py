@@ -68,10 +68,6 @@ class MoriKVManager(compat.CompatKVManager):
         self.service.start()
         if self.layerwise is not None:
             self.layerwise.start()
-        if self.mori_config.gil_switch_us:
-            from sglang_mori.gil_tuning import set_switch_interval
-
-            set_switch_interval(self.mori_config.gil_switch_us, f"{self.role} tp{self.attn_tp_rank}")
         if self.mori_config.gc_freeze:
             from sglang_mori.gc_tuning import freeze_startup_heap
 
