@@ -93,11 +93,7 @@ def run_config(name: str, args, logs: Path, ports: List[int]) -> Dict:
             srv.wait_ready(args.start_timeout)
             send = lambda body: generate_stream(srv.url, body)  # noqa: E731
         else:
-            # pd_<layerwise>[_gil<us>]: SGLANG_MORI_LAYERWISE, and SGLANG_MORI_GIL_SWITCH_US if given.
-            parts = name.split("_")
-            penv = dict(env, SGLANG_MORI_ENGINE="soft", SGLANG_MORI_LAYERWISE=parts[1])
-            if len(parts) > 2 and parts[2].startswith("gil"):
-                penv["SGLANG_MORI_GIL_SWITCH_US"] = parts[2][3:]
+            penv = dict(env, SGLANG_MORI_ENGINE="soft", SGLANG_MORI_LAYERWISE=name.split("_", 1)[1])
             boot = ports[2]
             pre = Server(f"{name}-prefill", server_argv(args.model, ports[0], g, args.mem, [
                 "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "mori",

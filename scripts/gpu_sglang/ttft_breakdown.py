@@ -120,7 +120,9 @@ def main() -> None:
     args = ap.parse_args()
     result = {}
     for lj, tr in zip(args.latency_json, args.traces):
-        result.update(breakdown(Path(lj), Path(tr), args.shape))
+        for config, r in breakdown(Path(lj), Path(tr), args.shape).items():
+            # The same config from another run keeps its own entry, named after its file.
+            result[config if config not in result else f"{config} ({Path(lj).stem})"] = r
     for config, r in result.items():
         print(f"== {config} ({r['requests']} requests, {args.shape})")
         for name, v in r["segments_ms_p50"].items():
