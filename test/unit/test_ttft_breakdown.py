@@ -1,0 +1,76 @@
+"""scripts/gpu_sglang/ttft_breakdown.py: the join of client, server and room_trace timestamps that
+docs/benchmarks.md's TTFT table rests on. Synthetic traces with known gaps must give those gaps."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts" / "gpu_sglang"))
+import ttft_breakdown  # noqa: E402
+
+T0 = 1_800_000_000.0
+
+
+def write_run(tmp: Path, rooms, forward_ms: float, last_chunk_after_ms: float) -> Path:
+    """One PD config 'pd_x' with the given rooms; every gap is fixed (ms after the client's send)."""
+    per_request, events = [], []
+    for n, room in enumerate(rooms):
+        t = T0 + n * 10.0
+        ms = lambda x: t + x / 1000  # noqa: E731
+        per_request.append({"room": room, "sent_at": t, "first_at": ms(100.0), "ttft_s": 0.1, "e2e_s": 0.2})
+        fwd_start, fwd_end = 5.0, 5.0 + forward_ms
+        events += [
+            {"ev": "p_ready", "room": room, "t": ms(3.0)},
+            {"ev": "p_last_chunk", "room": room, "t": ms(fwd_end + last_chunk_after_ms)},
+            {"ev": "p_submit", "room": None, "t": ms(fwd_end - 20.0), "t_start": ms(fwd_end - 20.0), "t_end": ms(fwd_end - 19.0), "bytes": 1},
+            {"ev": "p_submit", "room": None, "t": ms(fwd_end + 2.0), "t_start": ms(fwd_end + 2.0), "t_end": ms(fwd_end + 2.5), "bytes": 1},
+            {"ev": "p_copy_done", "room": None, "t": ms(fwd_end + 3.0)},
+            {"ev": "p_success", "room": room, "t": ms(fwd_end + 4.0)},
+            {"ev": "d_meta_sent", "room": room, "t": ms(2.0)},
+            {"ev": "d_status", "room": room, "t": ms(fwd_end + 5.0)},
+            {"ev": "d_poll_success", "room": room, "t": ms(fwd_end + 6.0)},
+            {"ev": "req_stats", "room": room, "mode": "prefill", "stats": {
+                "scheduler_recv_time": ms(1.0), "wait_queue_entry_time": ms(4.0),
+                "forward_entry_time": ms(fwd_start), "prefill_finished_time": ms(fwd_end)}},
+            {"ev": "req_stats", "room": room, "mode": "decode", "stats": {
+                "scheduler_recv_time": ms(1.5), "forward_entry_time": ms(fwd_end + 7.0)}},
+        ]
+    report = {"configs": {"pd_x": {"8192tok_c1": {"per_request": per_request}}}}
+    (tmp / "lat.json").write_text(json.dumps(report))
+    trace_dir = tmp / "logs" / "trace-pd_x"
+    trace_dir.mkdir(parents=True)
+    (trace_dir / "trace-1.jsonl").write_text("\n".join(json.dumps(e) for e in events) + "\n")
+    return tmp / "lat.json"
+
+
+def test_segments_are_the_gaps_between_the_joined_timestamps(tmp_path):
+    lat = write_run(tmp_path, rooms=[11, 22, 33], forward_ms=80.0, last_chunk_after_ms=1.0)
+    out = ttft_breakdown.breakdown(lat, tmp_path / "logs", "8192tok_c1")["pd_x"]
+    seg = out["segments_ms_p50"]
+    assert out["requests"] == 3
+    assert seg["client -> prefill scheduler"] == 1.0
+    assert seg["prefill scheduler -> destinations arrived"] == 2.0
+    assert seg["prefill forward (start -> result processed)"] == 80.0
+    assert seg["result processed -> last chunk handed to us"] == 1.0
+    # The room's copies are the submits between its forward start and its Success: the last one
+    # (posted 2.0 ms after the forward, its call ending at 2.5) and the copy event after it.
+    assert seg["last chunk -> last copy posted"] == 1.5
+    assert seg["copy posted -> copy event fired"] == 0.5
+    assert seg["copy done -> Success decided"] == 1.0
+    assert seg["decode poll -> prebuilt forward start"] == 1.0
+    assert seg["TTFT"] == 100.0
+    assert out["submits_per_request_p50"] == 2
+    assert out["first_copy_before_forward_end_ms_p50"] == 20.0
+
+
+def test_a_room_missing_from_the_traces_leaves_its_segments_out(tmp_path):
+    lat = write_run(tmp_path, rooms=[11], forward_ms=80.0, last_chunk_after_ms=1.0)
+    report = json.loads(lat.read_text())
+    report["configs"]["pd_x"]["8192tok_c1"]["per_request"][0]["room"] = 99  # no trace has room 99
+    lat.write_text(json.dumps(report))
+    seg = ttft_breakdown.breakdown(lat, tmp_path / "logs", "8192tok_c1")["pd_x"]["segments_ms_p50"]
+    assert seg["TTFT"] == 100.0  # the client's own times
+    assert seg["prefill forward (start -> result processed)"] is None
