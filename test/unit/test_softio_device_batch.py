@@ -15,7 +15,7 @@ class RecordingEngine:
     def __init__(self):
         self.calls = []
 
-    def submit(self, dsts, srcs, sizes, statuses, to_peer=False):
+    def submit(self, dsts, srcs, sizes, statuses, to_peer=False, holds=()):
         self.calls.append((dsts.tolist(), srcs.tolist(), sizes.tolist(), list(statuses)))
         self.to_peer = to_peer
 

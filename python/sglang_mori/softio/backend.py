@@ -16,6 +16,7 @@ from .descriptors import IPC_HANDLE_SIZE
 from .device_path import DeviceSession
 from .memory import _LocalRegionError
 from .peers import PeerBook
+from .remote_mapping import RemoteMapping
 from .session import SoftSession
 from .target import TargetServer
 
@@ -63,14 +64,22 @@ class SoftRdmaBackend:
         peer = self.peers.peer(remote_desc._engine_key)
         remote_on_device = remote_desc._ipc_handle != _NO_HANDLE
         if local.device is not None or remote_on_device:
-            sess = self._device_session(peer, local, remote_desc, remote_on_device)
-            with self._sessions_lock:
-                return self._sessions.setdefault(key, sess)
+            return self._keep(key, self._device_session(peer, local, remote_desc, remote_on_device))
         peer.ensure_lanes()
         size = _remote_size(peer, remote_desc)
-        sess = SoftSession(self, peer, local, remote_desc._id, size)
+        return self._keep(key, SoftSession(self, peer, local, remote_desc._id, size))
+
+    def _keep(self, key: tuple, sess):
+        """Cache a new session, unless another thread cached one first or, while it was built, the
+        peer was deregistered or the engine shut down: then it is dropped (its mapping closed)."""
         with self._sessions_lock:
-            return self._sessions.setdefault(key, sess)
+            gone = self.dead or (None if self.peers.is_registered(key[0]) else f"engine {key[0]} was deregistered")
+            kept = None if gone else self._sessions.setdefault(key, sess)
+        if kept is not sess:
+            _release([sess])
+        if gone:
+            raise RuntimeError(f"softio: no session to {key[0]}: {gone}")
+        return kept
 
     def _device_session(self, peer, local, remote_desc, remote_on_device: bool) -> DeviceSession:
         """A pair of device regions: the remote registration is checked over the control plane
@@ -82,16 +91,28 @@ class SoftRdmaBackend:
                 f"engine {remote_desc._engine_key if side == 'remote' else self.core.key} is host memory)")
         size = _remote_size(peer, remote_desc)
         runtime = cuda_runtime.load()
-        base = runtime.open(remote_desc._ipc_handle, local.device)
+        engine = self.core.device_engine(local.device)
+        handle = remote_desc._ipc_handle
+        base = runtime.open(handle, local.device)  # one hold on the mapping, given back by release()
+        mapping = RemoteMapping(runtime, handle, local.device,
+                                f"memory {remote_desc._id} of engine {remote_desc._engine_key}")
         remote_device = runtime.device_of(base)  # in this process's numbering, wherever it was registered
-        return DeviceSession(self, self.core.device_engine(local.device), local, base + remote_desc._ipc_offset, size,
-                             to_peer=remote_device is not None and remote_device != local.device)
+        return DeviceSession(self, engine, local, base + remote_desc._ipc_offset, size,
+                             to_peer=remote_device is not None and remote_device != local.device, mapping=mapping)
 
     def forget_memory(self, mem_id: int) -> None:
         """Drop cached sessions that use a deregistered local region (as MORI does)."""
+        self._drop_sessions(lambda k: k[1] == mem_id or k[2] == mem_id)
+
+    def forget_peer(self, remote_key: str) -> None:
+        """Drop the sessions to a deregistered engine: its mapped memory is unmapped once the copies
+        into it are done, so a dead or replaced peer's pool does not stay allocated on its GPU."""
+        self._drop_sessions(lambda k: k[0] == remote_key)
+
+    def _drop_sessions(self, which) -> None:
         with self._sessions_lock:
-            for key in [k for k in self._sessions if k[1] == mem_id or k[2] == mem_id]:
-                del self._sessions[key]
+            dropped = [self._sessions.pop(k) for k in [k for k in self._sessions if which(k)]]
+        _release(dropped)
 
     # ---- faults and teardown -------------------------------------------------------------------
     def abort_peer(self, remote_key: str, reason: str) -> None:
@@ -103,10 +124,18 @@ class SoftRdmaBackend:
     def shutdown(self, reason: str) -> None:
         """Stop serving and reset every connection; no peer-failure events for our own end."""
         self.closing = True
-        self.dead = reason
+        with self._sessions_lock:
+            self.dead = reason
         self.server.close()
         for peer in self.peers.all_peers():
             peer.abort(reason, report=False)
+        self._drop_sessions(lambda k: True)
+
+
+def _release(sessions: list) -> None:
+    for sess in sessions:
+        if isinstance(sess, DeviceSession):
+            sess.release()
 
 
 def _remote_size(peer, remote_desc) -> int:

@@ -138,6 +138,7 @@ class EngineCore:
             raise TypeError("deregister_remote_engine takes an EngineDesc")
         for backend in self.backends.values():
             backend.peers.deregister(desc)
+            backend.forget_peer(desc.key)  # unlike MORI's XGMI, which keeps them to its end
 
     def register_memory(self, ptr, size, device_id, mem_loc) -> MemoryDesc:
         return self.memory.register(ptr, size, device_id, mem_loc)

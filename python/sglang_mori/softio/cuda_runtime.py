@@ -94,9 +94,14 @@ class CudaRuntime:
         self._device_of_thread = threading.local()
         # (handle, device asking) -> (base address, device whose context mapped it)
         self._opened: dict[tuple[bytes, int], tuple[int, int]] = {}
+        # (handle, device whose context mapped it) -> holders of that mapping: one open() each,
+        # unmapped when the last one close()s (a peer's pool would otherwise stay allocated on its
+        # GPU for as long as this process lives, whatever became of the peer).
+        self._holders: dict[tuple[bytes, int], int] = {}
         self._exported: dict[bytes, tuple[int, int]] = {}  # handles of this process's own allocations
         self._peers: set[tuple[int, int]] = set()
         self._lock = threading.Lock()
+        self._ipc_lock = threading.Lock()  # one open or close of a mapping at a time (rare calls)
 
     # ---- errors and devices --------------------------------------------------------------------
     def _check(self, rc: int, what: str) -> None:
@@ -145,29 +150,70 @@ class CudaRuntime:
         map decode's memory into their own device's context. Where CUDA refuses a second mapping
         of a handle in one process, the rank reaches the first one through peer access to the
         device that mapped it. An allocation of this very process needs no mapping (peer access
-        where it lives on another device)."""
-        with self._lock:
-            own = self._exported.get(handle)
-            mine = self._opened.get((handle, device))
-            other = next((v for (h, _), v in self._opened.items() if h == handle), None)
-        if own is not None or mine is not None:
-            base, where = own if own is not None else mine
-            if where != device:
-                self.enable_peer_access(device, where)
-            return base
-        self.use_device(device)
-        out = ctypes.c_void_p()
-        value = _IpcMemHandle.from_buffer_copy(handle)
-        rc = self.lib.cudaIpcOpenMemHandle(ctypes.byref(out), value, ctypes.c_uint(_IPC_LAZY_ENABLE_PEER_ACCESS))
-        if rc != 0 and other is not None:
-            self.lib.cudaGetLastError()
-            base, where = other
-            self.enable_peer_access(device, where)
+        where it lives on another device).
+
+        Every open() of a peer's handle is one hold on its mapping, to be given back with
+        close(handle, device) once no copy into or out of it can still run."""
+        with self._ipc_lock:
             with self._lock:
-                return self._opened.setdefault((handle, device), (base, where))[0]
-        self._check(rc, "cudaIpcOpenMemHandle")
-        with self._lock:
-            return self._opened.setdefault((handle, device), (out.value, device))[0]
+                own = self._exported.get(handle)
+                mine = self._opened.get((handle, device))
+                other = next((v for (h, _), v in self._opened.items() if h == handle), None)
+            if own is not None:
+                base, where = own
+                if where != device:
+                    self.enable_peer_access(device, where)
+                return base
+            if mine is not None:
+                base, where = mine
+                if where != device:
+                    self.enable_peer_access(device, where)
+                self._holders[(handle, where)] += 1
+                return base
+            self.use_device(device)
+            out = ctypes.c_void_p()
+            value = _IpcMemHandle.from_buffer_copy(handle)
+            rc = self.lib.cudaIpcOpenMemHandle(ctypes.byref(out), value,
+                                               ctypes.c_uint(_IPC_LAZY_ENABLE_PEER_ACCESS))
+            if rc != 0 and other is not None:
+                self.lib.cudaGetLastError()
+                base, where = other
+                self.enable_peer_access(device, where)
+            else:
+                self._check(rc, "cudaIpcOpenMemHandle")
+                base, where = out.value, device
+            with self._lock:
+                self._opened[(handle, device)] = (base, where)
+            self._holders[(handle, where)] = self._holders.get((handle, where), 0) + 1
+            return base
+
+    def close(self, handle: bytes, device: int) -> None:
+        """Give back one open(handle, device). The last hold on a mapping unmaps it
+        (cudaIpcCloseMemHandle), which frees the peer's memory once the peer has freed it too.
+        The caller guarantees no copy into or out of the mapping is still queued on a stream."""
+        with self._ipc_lock:
+            with self._lock:
+                if handle in self._exported:
+                    return  # this process's own memory: nothing was mapped
+                view = self._opened.get((handle, device))
+            if view is None:
+                raise CudaError(f"close of a handle never opened on device {device}")
+            base, where = view
+            left = self._holders[(handle, where)] - 1
+            if left > 0:
+                self._holders[(handle, where)] = left
+                return
+            del self._holders[(handle, where)]
+            with self._lock:
+                for key in [k for k, v in self._opened.items() if k[0] == handle and v == view]:
+                    del self._opened[key]  # every device that reached it through this mapping
+            self.use_device(where)
+            self._check(self.lib.cudaIpcCloseMemHandle(ctypes.c_void_p(base)), "cudaIpcCloseMemHandle")
+
+    def mapped(self) -> dict:
+        """{(handle, device that mapped it): holders} of the peers' allocations mapped now."""
+        with self._ipc_lock:
+            return dict(self._holders)
 
     def enable_peer_access(self, device: int, peer: int) -> None:
         """Let kernels on `device` reach memory of `peer`'s context (once per pair)."""

@@ -21,8 +21,12 @@ NIC: a write's status completes no earlier than the link, serving writes in orde
 would have carried its bytes. The copies themselves still run at once.
 
 Not modelled on this path: softio's lane faults (stall, partial post, SQ full), the target's
-write log and inbound notifications (MORI's XGMI has none either). A peer whose engine went away
-keeps its memory mapped until this process closes the handle, as with MORI's IPC mappings.
+write log and inbound notifications (MORI's XGMI has none either).
+
+Each session holds the peer's mapping (remote_mapping.py): a batch takes it before its copies are
+enqueued and gives it back after its event fired, so the mapping is closed (deregistered peer or
+region, engine shutdown) only once no copy through it can still run. MORI's XGMI keeps a peer's
+mappings until its backend is destroyed (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -85,13 +89,18 @@ class DeviceEngine:
         return self.rt.event(self.device)
 
     def submit(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, statuses: list,
-               to_peer: bool = False) -> None:
+               to_peer: bool = False, holds: tuple = ()) -> None:
         """Enqueue the copies and one event after them; `statuses` complete when it fires.
-        `to_peer`: some destination is another GPU's memory (the copy crosses their link)."""
+        `to_peer`: some destination is another GPU's memory (the copy crosses their link).
+        `holds`: the RemoteMappings the copies go through, taken by the caller; each is given
+        back once the event fired (never before: closing a mapping under a queued copy is a
+        use-after-free)."""
         nbytes = int(sizes.sum())
         event = self._event()
+        enqueued = False
         try:
             with self._submit_lock:
+                enqueued = True  # from here on some copies may be queued on the stream
                 keep = None
                 if self.copier is not None:
                     keep = self.copier.copy(dsts, srcs, sizes, self.stream, to_peer)
@@ -107,12 +116,32 @@ class DeviceEngine:
                 self.ranges += len(sizes)
                 self.bytes += nbytes
         except Exception as exc:  # noqa: BLE001 - a CUDA error fails this write, not the caller
-            with self._events_lock:
-                self._free_events.append(event)
-            for status in statuses:
-                status.Update(_ERR_GPU_OP, f"softio device copy failed: {exc}")
+            self._fail_submit(event, statuses, holds, f"softio device copy failed: {exc}", enqueued)
             return
-        self._pending.put((event, statuses, paced, keep))
+        self._pending.put((event, statuses, paced, keep, holds, None))
+
+    def _fail_submit(self, event: int, statuses: list, holds: tuple, message: str, enqueued: bool) -> None:
+        """A submit that raised: its statuses fail, but copies it queued before the error may
+        still run, so the holds are given back only behind an event recorded after them."""
+        if enqueued and holds:
+            try:
+                self.rt.record(event, self.stream)
+            except Exception as exc:  # noqa: BLE001
+                for status in statuses:
+                    status.Update(_ERR_GPU_OP, message)
+                # Nothing proves the queued copies finished: the mappings stay open for good
+                # (a leak) rather than be closed under a copy (a write into freed memory).
+                logger.error("softio: cannot fence a failed device copy (%s); keeping %s mapped", exc,
+                             ", ".join(h.what for h in holds))
+                return
+            self._pending.put((event, statuses, 0.0, None, holds, message))
+            return
+        with self._events_lock:
+            self._free_events.append(event)
+        for hold in holds:
+            hold.end()
+        for status in statuses:
+            status.Update(_ERR_GPU_OP, message)
 
     def _complete_loop(self) -> None:
         self.rt.use_device(self.device)
@@ -120,12 +149,16 @@ class DeviceEngine:
             item = self._pending.get()
             if item is None:
                 return
-            event, statuses, paced, _keep = item  # _keep: the kernel's range table, alive until here
+            event, statuses, paced, _keep, holds, error = item  # _keep: the kernel's range table
             try:
                 self.rt.synchronize(event)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001 - the context is broken: no copy runs any more
+                error = error or f"softio device copy failed: {exc}"
+            for hold in holds:
+                hold.end()  # the copies through it are done: a released mapping may close now
+            if error is not None:
                 for status in statuses:
-                    status.Update(_ERR_GPU_OP, f"softio device copy failed: {exc}")
+                    status.Update(_ERR_GPU_OP, error)
             else:
                 delay = paced - time.monotonic()
                 if delay > 0:
@@ -143,13 +176,19 @@ class DeviceSession:
     """A (local device region, remote device region) pair; `transfer` enqueues copies."""
 
     def __init__(self, backend, engine: DeviceEngine, local: Region, remote_base: int, remote_size: int,
-                 to_peer: bool = False):
+                 to_peer: bool = False, mapping=None):
         self.backend = backend  # IOEngineSession.allocate_transfer_uid reaches the engine through it
         self.engine = engine
         self.local = local
         self.remote_base = remote_base
         self.remote_size = remote_size
         self.to_peer = to_peer  # the remote region lives on another GPU than the local one
+        self.mapping = mapping  # RemoteMapping of the remote region (None: nothing to give back)
+
+    def release(self) -> None:
+        """The session is dropped: its mapping closes once the copies through it are done."""
+        if self.mapping is not None:
+            self.mapping.release()
 
     def transfer(self, local_offsets, remote_offsets, sizes, status, uid: int, is_read: bool) -> None:
         batch = DeviceBatch()
@@ -199,7 +238,38 @@ def _flat(values, total: int) -> np.ndarray:
     return np.fromiter(itertools.chain.from_iterable(values), dtype=np.int64, count=total)
 
 
+def _hold_mappings(pairs: list) -> tuple[list, tuple]:
+    """(the pairs whose remote mapping is still open, the mappings taken for them); a pair whose
+    mapping was released fails here, before anything is enqueued."""
+    taken: dict = {}
+    live = []
+    for pair in pairs:
+        mapping = pair[0].mapping
+        if mapping is not None:
+            if mapping not in taken:
+                taken[mapping] = mapping.begin()
+            if not taken[mapping]:
+                pair[4].Update(StatusCode.ERR_BAD_STATE, f"softio: {mapping.what} is no longer mapped (its engine "
+                                                         f"or a region of the pair was deregistered)")
+                continue
+        live.append(pair)
+    return live, tuple(m for m, ok in taken.items() if ok)
+
+
 def _submit_pairs(engine: DeviceEngine, pairs: list) -> None:
+    pairs, holds = _hold_mappings(pairs)
+    handed = False
+    try:
+        if pairs:
+            handed = _post_pairs(engine, pairs, holds)
+    finally:
+        if not handed:
+            for hold in holds:
+                hold.end()  # nothing was enqueued through it
+
+
+def _post_pairs(engine: DeviceEngine, pairs: list, holds: tuple) -> bool:
+    """Check the pairs' ranges and submit their copies; True when `holds` went to the engine."""
     counts = np.fromiter((len(p[3]) for p in pairs), dtype=np.int64, count=len(pairs))
     total = int(counts.sum())
     lo = _flat([p[1] for p in pairs], total)
@@ -223,11 +293,11 @@ def _submit_pairs(engine: DeviceEngine, pairs: list) -> None:
         lo, ro, sz, which = lo[keep], ro[keep], sz[keep], which[keep]
         local_ptr, remote_base = local_ptr[keep], remote_base[keep]
     if not statuses:
-        return
+        return False
     if len(sz) == 0:
         for status in statuses:
             status.Update(_SUCCESS, "")
-        return
+        return False
     local = lo + local_ptr
     remote = ro + remote_base
     reads = np.array([p[5] for p in pairs], dtype=bool)
@@ -237,4 +307,5 @@ def _submit_pairs(engine: DeviceEngine, pairs: list) -> None:
     else:
         dsts, srcs = remote, local
     to_peer = any(p[0].to_peer for p in pairs)
-    engine.submit(dsts.astype(np.uint64), srcs.astype(np.uint64), sz.astype(np.uint64), statuses, to_peer)
+    engine.submit(dsts.astype(np.uint64), srcs.astype(np.uint64), sz.astype(np.uint64), statuses, to_peer, holds)
+    return True
