@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine_peer import unique_key
+from engine_peer import EnginePeer, unique_key, wait_until
 from fake_cuda import install
 from sglang_mori import softio
 from sglang_mori.engine.transfer_engine import TransferEngine
@@ -179,3 +179,67 @@ def test_transfer_engine_remove_peer_and_close_unmap(monkeypatch):
     finally:
         fake.let_go()
         r.decode._core.shutdown()
+
+
+def test_a_killed_device_peer_is_reported_and_unmapped_after_its_copy_in_flight(monkeypatch):
+    """The decode process dies (SIGKILL): no lane tells, copies into its still-mapped pool succeed;
+    its control connection closing does, and its mapping closes once the queued copy finished."""
+    fake = install(monkeypatch)
+    prefill = _engine("prefill")
+    src = np.arange(POOL, dtype=np.uint32).astype(np.uint8)
+    fake.device_memory(src.ctypes.data, POOL, 0, handle=b"prefill-pool")
+    local = prefill.register_memory(src.ctypes.data, POOL, 0, softio.MemoryLocationType.GPU)
+    decode = EnginePeer("softio-tcp", role="decode")
+    try:
+        pool, blob = decode.register(POOL)
+        remote = softio.MemoryDesc.unpack(blob)
+        remote._ipc_handle = DECODE_HANDLE.ljust(64, b"\0")
+        fake.peer_allocation(DECODE_HANDLE, pool.addr, POOL, 1)  # the same pages as the peer's
+        prefill.register_remote_engine(softio.EngineDesc.unpack(decode.desc_blob))
+
+        def write(size):
+            return prefill.batch_write([local], [[0]], [remote], [[0]], [[size]], [prefill.allocate_transfer_uid()])[0]
+
+        _succeeded(write(64))
+        assert pool.array[:64].tolist() == src[:64].tolist()
+        fake.hold()
+        status = write(128)
+        decode.kill()
+        event = wait_until(prefill.pop_peer_failure, 10, "the killed peer's failure event")
+        assert event.remote_engine_key == decode.key and event.reason == softio.PeerFailureReason.PEER_UNREACHABLE
+        assert not [e for e in fake.entries("close")]  # the copy is still queued
+        fake.let_go()
+        _succeeded(status)
+        assert len(fake.entries("close")) == 1 and fake.violations == []
+        assert cuda_runtime.load().mapped() == {}
+        late = write(64)  # the pair's session is kept: the write fails with a status, enqueues nothing
+        assert late.Code() == softio.StatusCode.ERR_BAD_STATE and "no longer mapped" in late.Message()
+        assert fake.queued() == 0
+        other = softio.MemoryDesc.unpack(blob)
+        other._ipc_handle, other._id = remote._ipc_handle, remote._id + 1
+        with pytest.raises(RuntimeError, match="is down"):  # no new session to a peer seen to fail
+            prefill.batch_write([local], [[0]], [other], [[0]], [[8]], [prefill.allocate_transfer_uid()])
+    finally:
+        fake.let_go()
+        decode.close()
+        prefill._core.shutdown()
+
+
+def test_runtime_counts_holds_per_mapping_and_unmaps_at_the_last(monkeypatch):
+    fake = install(monkeypatch)
+    runtime = cuda_runtime.load()
+    pool = np.zeros(POOL, dtype=np.uint8)
+    fake.peer_allocation(DECODE_HANDLE, pool.ctypes.data, POOL, 1)
+    handle = DECODE_HANDLE.ljust(64, b"\0")
+    fake.fail_open_on.add(2)  # a second context may not map it again: device 2 goes through device 0's
+    bases = {runtime.open(handle, 0), runtime.open(handle, 0), runtime.open(handle, 2)}
+    assert bases == {pool.ctypes.data} and len(fake.entries("open")) == 1
+    runtime.close(handle, 0)
+    runtime.close(handle, 2)
+    assert fake.entries("close") == [] and runtime.mapped() == {(handle, 0): 1}
+    runtime.close(handle, 0)
+    assert fake.entries("close") == [("close", pool.ctypes.data)] and runtime.mapped() == {}
+    with pytest.raises(cuda_runtime.CudaError, match="never opened"):
+        runtime.close(handle, 0)
+    fake.fail_open_on.clear()
+    assert runtime.open(handle, 2) == pool.ctypes.data and fake.entries("open")[-1][2] == 2  # mapped anew

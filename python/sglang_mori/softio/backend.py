@@ -7,6 +7,7 @@ on both serves this engine's memory to peers and carries this engine's transfers
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 
@@ -15,11 +16,15 @@ from .config import RdmaBackendConfig, resolve_lane_settings
 from .descriptors import IPC_HANDLE_SIZE
 from .device_path import DeviceSession
 from .memory import _LocalRegionError
+from .descriptors import PeerFailureEvent
+from .enums import PeerFailureReason
+from .peer_watch import DevicePeerWatch
 from .peers import PeerBook
 from .remote_mapping import RemoteMapping
 from .session import SoftSession
 from .target import TargetServer
 
+logger = logging.getLogger("sglang_mori.softio")
 _NO_HANDLE = bytes(IPC_HANDLE_SIZE)
 SOCKET_BUFFER_ENV = "SGLANG_MORI_SOFTIO_SOCKET_BUFFER"
 DEFAULT_SOCKET_BUFFER = 4 * 1024 * 1024
@@ -34,6 +39,7 @@ class SoftRdmaBackend:
         self.closing = False
         self.dead: str | None = None
         self.peers = PeerBook(self)
+        self.device_watch = DevicePeerWatch(self)
         self._sessions: dict = {}
         self._sessions_lock = threading.Lock()
         self.server = TargetServer(core, host, port, self.socket_buffer,
@@ -89,7 +95,11 @@ class SoftRdmaBackend:
             raise RuntimeError(
                 f"softio: a transfer between host and device memory is not supported (the {side} region of "
                 f"engine {remote_desc._engine_key if side == 'remote' else self.core.key} is host memory)")
+        if peer.broken is not None:
+            # As for lanes, a peer seen to fail is not served again: a restart brings a new key.
+            raise RuntimeError(f"softio: engine {peer.key} is down: {peer.broken}")
         size = _remote_size(peer, remote_desc)
+        self.device_watch.watch(peer)  # no lane tells of its end: its control connection does
         runtime = cuda_runtime.load()
         engine = self.core.device_engine(local.device)
         handle = remote_desc._ipc_handle
@@ -102,16 +112,34 @@ class SoftRdmaBackend:
 
     def forget_memory(self, mem_id: int) -> None:
         """Drop cached sessions that use a deregistered local region (as MORI does)."""
-        self._drop_sessions(lambda k: k[1] == mem_id or k[2] == mem_id)
+        self._drop_sessions(lambda k, s: k[1] == mem_id or k[2] == mem_id)
 
     def forget_peer(self, remote_key: str) -> None:
         """Drop the sessions to a deregistered engine: its mapped memory is unmapped once the copies
         into it are done, so a dead or replaced peer's pool does not stay allocated on its GPU."""
-        self._drop_sessions(lambda k: k[0] == remote_key)
+        self._drop_sessions(lambda k, s: k[0] == remote_key)
+
+    def device_peer_gone(self, peer, reason: str) -> None:
+        """The control connection of a peer reached only through device memory ended (peer_watch.py):
+        report it like a broken lane and unmap its memory once the copies in flight are done."""
+        first = peer.broken is None
+        peer.abort(reason, report=False)
+        if first and not self.closing:
+            logger.warning("softio %s: device peer %s is gone: %s", self.core.key, peer.key, reason)
+            self.core.peer_failures.append(PeerFailureEvent(
+                peer.key, PeerFailureReason.PEER_UNREACHABLE, 0, peer.port, "softio", reason))
+        self._release_sessions(lambda k, s: k[0] == peer.key)
+
+    def _release_sessions(self, which) -> None:
+        """Unmap the memory of the chosen device sessions but keep them cached, so that a later
+        transfer on the pair fails with a status (as on a broken lane) instead of raising."""
+        with self._sessions_lock:
+            chosen = [s for k, s in self._sessions.items() if which(k, s)]
+        _release(chosen)
 
     def _drop_sessions(self, which) -> None:
         with self._sessions_lock:
-            dropped = [self._sessions.pop(k) for k in [k for k in self._sessions if which(k)]]
+            dropped = [self._sessions.pop(k) for k, s in list(self._sessions.items()) if which(k, s)]
         _release(dropped)
 
     # ---- faults and teardown -------------------------------------------------------------------
@@ -129,7 +157,8 @@ class SoftRdmaBackend:
         self.server.close()
         for peer in self.peers.all_peers():
             peer.abort(reason, report=False)
-        self._drop_sessions(lambda k: True)
+        self.device_watch.stop()
+        self._release_sessions(lambda k, s: True)
 
 
 def _release(sessions: list) -> None:
