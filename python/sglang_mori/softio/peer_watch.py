@@ -48,21 +48,27 @@ class DevicePeerWatch:
         backend = self._backend
         while not self._stop.is_set():
             with self._lock:
-                peers = [p for p in self._peers if p.broken is None]
+                # A deregistered peer is nobody's business any more (watched again if re-added).
+                peers = [p for p in self._peers if p.broken is None and backend.peers.is_registered(p.key)]
             socks = {}
+            poller = select.poll()  # not select(): a serving process easily has fds above 1024
             for peer in peers:
                 sock = peer._control
-                if sock is not None and not peer.lanes and sock.fileno() >= 0:
-                    socks[sock] = peer  # a peer with lanes is watched by its lanes
+                fd = sock.fileno() if sock is not None and not peer.lanes else -1
+                if fd >= 0:  # a peer with lanes is watched by its lanes
+                    socks[fd] = (sock, peer)
+                    poller.register(fd, select.POLLIN)
             if not socks:
                 self._stop.wait(POLL_S)
                 continue
             try:
-                readable, _, _ = select.select(list(socks), [], [], POLL_S)
-            except (OSError, ValueError):  # a socket closed under us: look again
-                continue
-            for sock in readable:
-                peer = socks[sock]
+                ready = poller.poll(POLL_S * 1000)
+            except OSError:
+                ready = []
+            if any(mask & select.POLLNVAL for _, mask in ready):
+                self._stop.wait(POLL_S)  # a socket closed under us (our own abort): look again later
+            for fd, _ in ready:
+                sock, peer = socks[fd]
                 verdict = _closed_by_peer(peer, sock)
                 if verdict is _BUSY:
                     self._stop.wait(0.01)  # a lookup is reading its reply; look again shortly
