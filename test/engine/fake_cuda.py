@@ -25,6 +25,8 @@ class FakeCudaLib:
         self.log: list = []  # ("open", handle, device, base) / ("close", base) / ("sync", event, ranges)
         self.violations: list = []
         self.fail_open_on: set = set()  # devices whose cudaIpcOpenMemHandle fails (second context)
+        self.fail_copy_at: int | None = None  # the cudaMemcpyAsync call (0-based) that fails
+        self._copy_calls = 0
         self._device_ranges: list = []  # (start, size, device) of memory that counts as device memory
         self._exportable: dict = {}  # base -> handle this process exports for it
         self._importable: dict = {}  # handle -> (address, size) of a peer's allocation
@@ -123,6 +125,9 @@ class FakeCudaLib:
 
     def cudaMemcpyAsync(self, dst, src, size, kind, stream):
         with self._lock:
+            call, self._copy_calls = self._copy_calls, self._copy_calls + 1
+            if call == self.fail_copy_at:
+                return _ERR_INVALID
             self._streams[stream.value][0].append((dst.value, src.value, size.value))
         return 0
 

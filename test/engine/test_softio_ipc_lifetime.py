@@ -122,6 +122,19 @@ def test_a_re_added_peer_is_mapped_again(rig):
     assert rig.closes() == 2 and rig.fake.violations == []
 
 
+def test_a_batch_that_failed_half_enqueued_keeps_the_mapping_until_its_queued_copies_ran(rig):
+    rig.fake.fail_copy_at = 1  # the second range fails after the first was queued
+    rig.fake.hold()
+    status = rig.prefill.batch_write([rig.local], [[0, 512]], [rig.remote], [[0, 512]], [[64, 64]],
+                                     [rig.prefill.allocate_transfer_uid()])[0]
+    assert rig.fake.queued() == 1
+    rig.prefill.deregister_remote_engine(rig.decode_desc)
+    assert rig.closes() == 0
+    rig.fake.let_go()
+    assert status.WaitFor(WAIT_MS) == softio.StatusCode.ERR_GPU_OP and "device copy failed" in status.Message()
+    assert rig.closes() == 1 and rig.fake.violations == []
+
+
 def test_a_write_through_a_released_session_fails_and_queues_no_copy(rig):
     session = rig.prefill.create_session(rig.local, rig.remote)  # held by the caller
     rig.prefill.deregister_remote_engine(rig.decode_desc)

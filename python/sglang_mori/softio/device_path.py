@@ -98,10 +98,10 @@ class DeviceEngine:
         nbytes = int(sizes.sum())
         event = self._event()
         enqueued = False
+        keep = None
         try:
             with self._submit_lock:
                 enqueued = True  # from here on some copies may be queued on the stream
-                keep = None
                 if self.copier is not None:
                     keep = self.copier.copy(dsts, srcs, sizes, self.stream, to_peer)
                 else:
@@ -116,11 +116,12 @@ class DeviceEngine:
                 self.ranges += len(sizes)
                 self.bytes += nbytes
         except Exception as exc:  # noqa: BLE001 - a CUDA error fails this write, not the caller
-            self._fail_submit(event, statuses, holds, f"softio device copy failed: {exc}", enqueued)
+            self._fail_submit(event, statuses, holds, f"softio device copy failed: {exc}", enqueued, keep)
             return
         self._pending.put((event, statuses, paced, keep, holds, None))
 
-    def _fail_submit(self, event: int, statuses: list, holds: tuple, message: str, enqueued: bool) -> None:
+    def _fail_submit(self, event: int, statuses: list, holds: tuple, message: str, enqueued: bool,
+                     keep) -> None:
         """A submit that raised: its statuses fail, but copies it queued before the error may
         still run, so the holds are given back only behind an event recorded after them."""
         if enqueued and holds:
@@ -134,7 +135,7 @@ class DeviceEngine:
                 logger.error("softio: cannot fence a failed device copy (%s); keeping %s mapped", exc,
                              ", ".join(h.what for h in holds))
                 return
-            self._pending.put((event, statuses, 0.0, None, holds, message))
+            self._pending.put((event, statuses, 0.0, keep, holds, message))
             return
         with self._events_lock:
             self._free_events.append(event)
@@ -250,7 +251,8 @@ def _hold_mappings(pairs: list) -> tuple[list, tuple]:
                 taken[mapping] = mapping.begin()
             if not taken[mapping]:
                 pair[4].Update(StatusCode.ERR_BAD_STATE, f"softio: {mapping.what} is no longer mapped (its engine "
-                                                         f"or a region of the pair was deregistered)")
+                                                         f"is gone or was deregistered, or a region of the pair "
+                                                         f"was deregistered)")
                 continue
         live.append(pair)
     return live, tuple(m for m, ok in taken.items() if ok)
