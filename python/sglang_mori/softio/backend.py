@@ -28,6 +28,9 @@ logger = logging.getLogger("sglang_mori.softio")
 _NO_HANDLE = bytes(IPC_HANDLE_SIZE)
 SOCKET_BUFFER_ENV = "SGLANG_MORI_SOFTIO_SOCKET_BUFFER"
 DEFAULT_SOCKET_BUFFER = 4 * 1024 * 1024
+# The most a TCP connection of this engine waits between retransmissions (wire.tune_socket).
+RTO_MAX_ENV = "SGLANG_MORI_SOFTIO_RTO_MAX_MS"
+DEFAULT_RTO_MAX_MS = 1000
 
 
 class SoftRdmaBackend:
@@ -36,13 +39,14 @@ class SoftRdmaBackend:
         self.settings = resolve_lane_settings(config)
         self.chunking = bool(config.enable_transfer_chunking)
         self.socket_buffer = int(os.environ.get(SOCKET_BUFFER_ENV, DEFAULT_SOCKET_BUFFER))
+        self.rto_max_ms = int(os.environ.get(RTO_MAX_ENV, DEFAULT_RTO_MAX_MS))
         self.closing = False
         self.dead: str | None = None
         self.peers = PeerBook(self)
         self.device_watch = DevicePeerWatch(self)
         self._sessions: dict = {}
         self._sessions_lock = threading.Lock()
-        self.server = TargetServer(core, host, port, self.socket_buffer,
+        self.server = TargetServer(core, host, port, self.socket_buffer, self.rto_max_ms,
                                    self.settings.cp_timeout_s,
                                    accept_intra_host=not self.settings.force_tcp)
         self.port = self.server.port

@@ -114,7 +114,7 @@ class RemotePeer:
             # A lane's receiver waits for ACKs as long as writes are outstanding (a stalled lane
             # is the engine's deadline to judge, not a socket timeout); only control calls time out.
             sock.settimeout(None)
-        wire.tune_socket(sock, self.backend.socket_buffer)
+        wire.tune_socket(sock, self.backend.socket_buffer, self.backend.rto_max_ms)
         return sock
 
     def region_size(self, mem_id: int) -> int:

@@ -26,11 +26,12 @@ logger = logging.getLogger("sglang_mori.softio")
 
 
 class TargetServer:
-    def __init__(self, core, host: str, port: int, socket_buffer: int, handshake_timeout,
-                 accept_intra_host: bool = True):
+    def __init__(self, core, host: str, port: int, socket_buffer: int, rto_max_ms: int,
+                 handshake_timeout, accept_intra_host: bool = True):
         self._core = core
         self._accept_intra_host = accept_intra_host
         self._socket_buffer = socket_buffer
+        self._rto_max_ms = rto_max_ms  # ACKs and read responses go back over the same connection
         self._handshake_timeout = handshake_timeout
         self._lock = threading.Lock()
         self._inbound: dict[str, set] = {}
@@ -148,7 +149,7 @@ class TargetServer:
                 raise EOFError("intra-host lane refused")
         conn.sendall(wire.HELLO_REPLY.pack(wire.MAGIC, wire.HELLO_OK, len(own)) + own)
         conn.settimeout(None)
-        wire.tune_socket(conn, self._socket_buffer)
+        wire.tune_socket(conn, self._socket_buffer, self._rto_max_ms)
         return kind, initiator, pid
 
     def _serve_lane(self, conn: socket.socket, initiator: str, pid: int | None) -> None:

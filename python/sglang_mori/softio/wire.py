@@ -17,8 +17,11 @@ copies between that memory and its region with cross-memory attach.
 
 from __future__ import annotations
 
+import logging
 import socket
 import struct
+
+logger = logging.getLogger("sglang_mori.softio")
 
 HEADER = struct.Struct("<BBHIQQQ")
 HEADER_SIZE = HEADER.size  # 32
@@ -67,8 +70,17 @@ def pack_header(op: int, flags: int, region: int, offset: int, size: int, tag: i
     return HEADER.pack(op, flags, 0, region, offset, size, tag)
 
 
-def tune_socket(sock: socket.socket, buffer_bytes: int) -> None:
-    """Low latency for headers and ACKs, large buffers for bulk payloads."""
+# Linux 6.15+: the largest retransmission timeout of this socket, in ms (the kernel's is 120 s).
+TCP_RTO_MAX_MS = 44
+
+
+def tune_socket(sock: socket.socket, buffer_bytes: int, rto_max_ms: int = 0) -> bool:
+    """Low latency for headers and ACKs, large buffers for bulk payloads, and, with `rto_max_ms`,
+    retransmissions at least that often while data is unacknowledged: after packets were lost
+    for a while (a slow or cut link), the kernel's exponential backoff would otherwise wait up to
+    two minutes before trying again, long after the link is back. The connection's own lifetime
+    is unchanged (TCP_USER_TIMEOUT pins it to what tcp_retries2 gives with the kernel's backoff).
+    False when the kernel cannot cap the timeout (older than 6.15; said once in the log)."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     if buffer_bytes > 0:
         for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
@@ -76,6 +88,27 @@ def tune_socket(sock: socket.socket, buffer_bytes: int) -> None:
                 sock.setsockopt(socket.SOL_SOCKET, opt, buffer_bytes)
             except OSError:
                 pass
+    if rto_max_ms <= 0:
+        return True
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, _LIFETIME_MS)
+        sock.setsockopt(socket.IPPROTO_TCP, TCP_RTO_MAX_MS, rto_max_ms)
+    except OSError as exc:
+        global _rto_cap_refused
+        if not _rto_cap_refused:
+            _rto_cap_refused = True
+            logger.warning("softio: this kernel cannot cap TCP retransmission timeouts (%s): after a "
+                           "lossy stretch of the link a lane may wait up to 120 s to resume", exc)
+        return False
+    return True
+
+
+_rto_cap_refused = False
+# How long unacknowledged data keeps a connection alive, as with the kernel's defaults: tcp_retries2
+# (15) retransmissions backed off from 200 ms up to 120 s take about 924.6 s. A lower maximum
+# timeout alone would also shorten that (the kernel derives it from the same backoff), and a lane
+# must survive a cut link as long as before.
+_LIFETIME_MS = 924_600
 
 
 def abort_socket(sock: socket.socket) -> None:
