@@ -17,7 +17,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 import requests
 
 from harness import launch
-from harness.procs import ManagedProcess, wait_until
+from harness.procs import ManagedProcess, stop_together, wait_until
 
 Progress = Optional[Callable[[str, float], None]]
 
@@ -50,9 +50,8 @@ class Deployment:
             raise RuntimeError(f"{exc}\n--- {name} log tail ---\n{proc.tail()}") from exc
 
     def stop(self) -> None:
-        # Router first, so no new traffic reaches servers that are going away.
-        for name in sorted(self.procs, key=lambda n: n != "router"):
-            self.procs[name].stop()
+        # All at once (the router signalled first, so no new traffic reaches servers going away).
+        stop_together([self.procs[name] for name in sorted(self.procs, key=lambda n: n != "router")])
 
     def log_text(self, name: str) -> str:
         """Everything process `name` has logged so far."""
