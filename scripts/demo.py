@@ -227,12 +227,11 @@ def main() -> int:
     progress = StartupProgress()
     ok = False
     try:
-        print("  starting prefill, decode and a standalone reference server (30-90 s on 2 cores)")
+        print("  starting prefill, decode, the router and a standalone reference server (30-90 s on 2 cores)")
         standalone.start()
-        pd.start()
+        pd.start()  # the servers and the router
         pd.wait_servers(300, progress)
         progress.done(f"prefill :{pd.prefill_port} and decode :{pd.decode_port} ready")
-        pd.start_router()
         standalone.wait_ready(300, progress)
         progress.done(f"standalone :{standalone.port} ready")
         pd.wait_router(120, progress)

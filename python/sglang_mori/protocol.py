@@ -9,7 +9,9 @@ Message flow (one decode rank D, one prefill rank P):
     D -> P  Register       once per (D, P): D's engine descriptor, memory descriptors and layout
     D -> P  RoomMetadata   per request: D's page indices, aux slot and state slots
     P -> D  TransferStarted a chunk was submitted (restarts D's transfer deadline)
-    P -> D  RoomStatus     terminal: Success carries the aux bytes, so "done" never precedes the data
+    P -> D  RoomStatus     terminal: Success carries the aux bytes, so "done" never precedes the data;
+                           it names the RoomMetadata attempt it concludes, and D applies it to that
+                           receiver only (a late status of a retracted attempt is stale, not news)
     D -> P  Abort          D gives up on a room; P stops sending and acks once writes have drained
     P -> D  AbortAck       every write P issued into the room is terminal: D may reuse its pages
 """
@@ -22,7 +24,8 @@ import msgspec
 import numpy as np
 
 # 2: RoomMetadata and Abort carry decode's attempt id (retract-rebootstrap reuses a room id).
-PROTOCOL_VERSION = 2
+# 3: RoomStatus echoes that attempt id (a late status must not conclude the room id's next receiver).
+PROTOCOL_VERSION = 3
 MAGIC = b"sglang-mori/1"
 
 # Rejection reasons (bounded label set, also used for metrics).
@@ -87,8 +90,14 @@ class TransferStarted(_Message, tag="started", kw_only=True):
     prefill_rank: int
 
 
+# No receiver attempt is 0 (decode's attempt ids start at 1): a status naming it is stale everywhere.
+NO_ATTEMPT = 0
+
+
 class RoomStatus(_Message, tag="status", kw_only=True):
     room: int
+    # The RoomMetadata attempt of the destination this status goes to (each decode rank's own).
+    attempt: int
     status: int
     prefill_rank: int
     reason: Optional[str] = None
@@ -112,8 +121,17 @@ class AbortAck(_Message, tag="abort_ack", kw_only=True):
 
 AnyMessage = Union[Register, RoomMetadata, TransferStarted, RoomStatus, Abort, AbortAck]
 
+class _Envelope(msgspec.Struct):
+    """What every version of every message carries: read when a message does not validate, so that
+    a peer of another version (whose messages lack or add fields) is told apart from garbage."""
+
+    version: int = PROTOCOL_VERSION
+    room: Optional[int] = None
+
+
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(AnyMessage)
+_envelope_decoder = msgspec.msgpack.Decoder(_Envelope)
 
 
 def encode(message: _Message) -> list[bytes]:
@@ -128,7 +146,10 @@ def decode(frames: list[bytes]) -> AnyMessage:
         raise ProtocolError(REJECT_MALFORMED, f"expected 2 frames, got {len(frames)}")
     try:
         message = _decoder.decode(frames[1])
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except msgspec.ValidationError as exc:
+        _raise_if_other_version(frames[1])
+        raise ProtocolError(REJECT_MALFORMED, str(exc)) from None
+    except msgspec.DecodeError as exc:
         raise ProtocolError(REJECT_MALFORMED, str(exc)) from None
     except UnicodeDecodeError as exc:  # msgspec raises it as is for a str that is not UTF-8
         raise ProtocolError(REJECT_MALFORMED, f"invalid UTF-8 in a string: {exc}") from None
@@ -144,6 +165,20 @@ def decode(frames: list[bytes]) -> AnyMessage:
     if room is not None and room < 0:
         raise ProtocolError(REJECT_MALFORMED, f"room id {room} is negative", room)
     return message
+
+
+def _raise_if_other_version(payload: bytes) -> None:
+    """ProtocolError(REJECT_VERSION) when a message that did not validate is of another version."""
+    try:
+        envelope = _envelope_decoder.decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError):
+        return
+    if envelope.version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            REJECT_VERSION,
+            f"protocol version {envelope.version}, this build speaks {PROTOCOL_VERSION}",
+            envelope.room,
+        )
 
 
 # --- field codecs ---------------------------------------------------------------------------------

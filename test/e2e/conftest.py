@@ -1,9 +1,12 @@
 """Fixtures for end-to-end tests: real SGLang servers on CPU with a tiny local model.
 
-One standalone server (the reference) and one PD deployment (prefill + decode + router) are started
-once for all e2e tests (package scope), in parallel, and stopped after the last one whatever happens. Start-up costs 45-60 s on
-the 2-core host, so every test shares them; the one test that kills the prefill server brings a new
-one up on the same ports before it ends, and runs last.
+One standalone server of the tiny model (the reference) serves every e2e module that compares
+against it (package scope): it starts with the first PD deployment that needs it, in parallel with
+it, and sleeps when idle, so it costs no CPU while other modules run. One PD deployment (prefill +
+decode + router) is shared by every test that needs no servers of its own; it starts after the
+modules with their own servers have stopped theirs. Start-up costs 45-90 s on the 2-core host; the
+one test that kills the shared prefill server brings a new one up on the same ports before it
+ends, and runs last. Every server is stopped after the last e2e test whatever happens.
 
 Backend: SGLANG_MORI_E2E_BACKEND, default `mori` (our plugin on the softio engine). `mooncake_tcp`
 runs the same tests over SGLang's Mooncake backend, which is how the harness itself was validated.
@@ -13,6 +16,7 @@ session's tmp dir (path printed in the report).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import List
@@ -20,7 +24,7 @@ from typing import List
 import pytest
 
 from harness import launch
-from harness.deployment import Deployment, PDDeployment, Standalone, standalone_and_pd
+from harness.deployment import Deployment, PDDeployment, Standalone
 from harness.failure_env import FAILURE_ENV
 from harness.plugin_check import plugin_serves_mori
 from harness.tiny_model import build_tiny_model
@@ -29,6 +33,9 @@ BACKEND = os.environ.get("SGLANG_MORI_E2E_BACKEND", "mori")
 CHUNKED_PREFILL = 64
 
 _ACTIVE: List[Deployment] = []
+# Ports handed out to the servers that run side by side (the reference with any PD deployment): a
+# port is free until its server binds it, 30-60 s into its start-up, so they must not pick twice.
+_PORTS: set = set()
 
 
 def pytest_configure(config):
@@ -99,24 +106,48 @@ def server_options(tiny_model) -> launch.ServerOptions:
 
 
 @pytest.fixture(scope="package")
-def deployments(e2e_backend, server_options, tmp_path_factory):
-    """Start the standalone server and the PD deployment together; stop both after the last e2e test."""
+def reference_ports() -> set:
+    """Pass to every deployment that runs beside the reference server (pick_free_ports updates it)."""
+    return _PORTS
+
+
+@pytest.fixture(scope="package")
+def reference_server(server_options, tmp_path_factory):
+    """The standalone reference server, started (not yet ready: PD fixtures start their servers
+    meanwhile, then the `standalone` fixture waits for it); stopped after the last e2e test."""
+    log_dir = tmp_path_factory.mktemp("e2e-reference-logs")
+    server = Standalone(server_options, log_dir, _PORTS, sleep_on_idle=True)
+    _ACTIVE.append(server)
+    try:
+        server.start()
+        yield server
+    finally:
+        _ACTIVE.remove(server)
+        server.stop()
+        print(f"\ne2e reference server logs: {log_dir}")
+
+
+@pytest.fixture(scope="package")
+def standalone(reference_server) -> Standalone:
+    reference_server.wait_ready(300)  # at once when it is up already
+    return reference_server
+
+
+@pytest.fixture(scope="package")
+def pd(e2e_backend, server_options, reference_server, reference_ports, tmp_path_factory) -> PDDeployment:
+    """The shared PD deployment (its start overlaps the reference's, if that is still starting)."""
     log_dir = tmp_path_factory.mktemp("e2e-logs")
     # --enable-metrics: the prefill's /metrics then carries the backend's transfer counters.
     # --enable-pd-role-switch: test_pd_role_switch flips the decode server's role and back.
+    opts = dataclasses.replace(server_options, extra_args=list(server_options.extra_args)
+                               + ["--enable-metrics", "--enable-pd-role-switch"])
+    dep = PDDeployment(opts, e2e_backend, log_dir, ports=reference_ports, env=FAILURE_ENV)
+    _ACTIVE.append(dep)
     try:
-        with standalone_and_pd(server_options, e2e_backend, log_dir, env=FAILURE_ENV, registry=_ACTIVE,
-                               pd_extra_args=["--enable-metrics", "--enable-pd-role-switch"]) as pair:
-            yield pair
+        dep.start()
+        dep.wait_ready(300)
+        yield dep
     finally:
+        _ACTIVE.remove(dep)
+        dep.stop()
         print(f"\ne2e server logs: {log_dir}")
-
-
-@pytest.fixture(scope="package")
-def standalone(deployments) -> Standalone:
-    return deployments[0]
-
-
-@pytest.fixture(scope="package")
-def pd(deployments) -> PDDeployment:
-    return deployments[1]

@@ -29,7 +29,9 @@ from harness.deployment import PDDeployment
 from harness.outputs import assert_same_tokens
 from harness.prompts import varied_prompts
 
-pytestmark = [pytest.mark.e2e, pytest.mark.needs_backend("mori")]
+# Its own servers: it runs before the shared PD deployment starts (whose idle schedulers would spin
+# on both cores and make this deployment's start-up take 4 minutes instead of 1-1.5).
+pytestmark = [pytest.mark.e2e, pytest.mark.own_servers, pytest.mark.needs_backend("mori")]
 
 MAX_NEW_TOKENS = 16
 CHUNK = 64
@@ -37,7 +39,8 @@ PROBE = Path(__file__).resolve().parents[1] / "harness" / "layerwise_probe"
 
 
 @pytest.fixture(scope="module")
-def layerwise_pd(e2e_backend, server_options, tmp_path_factory):
+def layerwise_pd(e2e_backend, server_options, reference_server, reference_ports, tmp_path_factory):
+    """Started beside the shared reference server (if that is still starting, they start together)."""
     probe_dir = tmp_path_factory.mktemp("layerwise-probe")
     log_dir = tmp_path_factory.mktemp("layerwise-logs")
     env = {
@@ -49,7 +52,7 @@ def layerwise_pd(e2e_backend, server_options, tmp_path_factory):
         "PYTHONPATH": launch.plugin_pythonpath(PROBE, launch.CPU_HOOKS),
     }
     opts = dataclasses.replace(server_options, extra_args=["--enable-metrics"], prefill_overlap=True)
-    pd = PDDeployment(opts, e2e_backend, log_dir, env=env)
+    pd = PDDeployment(opts, e2e_backend, log_dir, ports=reference_ports, env=env)
     try:
         pd.start()
         pd.wait_ready(300)

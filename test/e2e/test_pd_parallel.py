@@ -43,7 +43,8 @@ request). DP attention pads every rank's batch to a common size before the forwa
    sgl-kernel's CPU ops and fails at import with `No module named 'sgl_kernel'` (its CPU build is
    not on PyPI). `_is_cpu` is a module constant, not a function a HookRegistry hook could replace.
 
-This module starts its own standalone and PD servers and runs before the shared ones (own_servers).
+This module starts its own PD servers and runs before the shared ones (own_servers); its reference
+is the shared standalone server (TP 1, sleeping when idle).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ import re
 import pytest
 
 from harness import client, launch
-from harness.deployment import PDDeployment, Standalone
+from harness.deployment import PDDeployment
 from harness.failure_env import FAILURE_ENV
 from harness.outputs import assert_same_tokens
 from harness.prompts import varied_prompts
@@ -76,26 +77,24 @@ class PrefillTP2(PDDeployment):
 
 
 @pytest.fixture(scope="module")
-def tp_servers(e2e_backend, server_options, active_deployments, tmp_path_factory):
-    """(standalone TP 1, PD with prefill TP 2 + overlap -> decode TP 1); stopped after the last test."""
+def tp_servers(e2e_backend, server_options, reference_server, reference_ports, active_deployments,
+               tmp_path_factory):
+    """(the shared standalone TP 1, PD with prefill TP 2 + overlap -> decode TP 1); the PD is stopped
+    after the module's last test."""
     log_dir = tmp_path_factory.mktemp("e2e-tp-logs")
-    ports: set = set()
-    standalone = Standalone(server_options, log_dir, ports, sleep_on_idle=True)
     opts = dataclasses.replace(server_options, extra_args=["--enable-metrics"], prefill_overlap=True)
     env = {**FAILURE_ENV, "SGLANG_MORI_LAYERWISE": "off",
            "PYTHONPATH": launch.plugin_pythonpath(launch.CPU_HOOKS)}
-    pd = PrefillTP2(opts, e2e_backend, log_dir, ports, env=env)
-    active_deployments.extend([standalone, pd])
+    pd = PrefillTP2(opts, e2e_backend, log_dir, reference_ports, env=env)
+    active_deployments.append(pd)
     try:
-        standalone.start()
         pd.start()
-        standalone.wait_ready(300)
         pd.wait_ready(400)
-        yield standalone, pd
+        reference_server.wait_ready(300)
+        yield reference_server, pd
     finally:
-        for d in (pd, standalone):
-            active_deployments.remove(d)
-            d.stop()
+        active_deployments.remove(pd)
+        pd.stop()
         print(f"\ne2e TP server logs: {log_dir}")
 
 

@@ -93,8 +93,9 @@ def test_prefill_crash_fails_in_flight_requests_and_decode_recovers(standalone, 
     # A new prefill on the same ports; the router and decode pick it up without a restart.
     startup_s = pd.restart_prefill()
     print(f"new prefill up in {startup_s:.0f} s")
-    wait_until(lambda: client.generate(pd.router_url, "after the crash", 8, timeout_s=30).ok, 120,
-               "router serves through the new prefill")
+    routed_s = wait_until(lambda: client.generate(pd.router_url, "after the crash", 8, timeout_s=30).ok, 120,
+                          "router serves through the new prefill")
+    print(f"router serves through it {routed_s:.0f} s later")
     prompts = [f"recovered {i}: " + long_prompt[: 30 * (i + 1)] for i in range(4)]
     ours = client.generate_many(pd.router_url, prompts, 16, concurrency=4)
     refs = client.generate_many(standalone.url, prompts, 16, concurrency=4)

@@ -47,16 +47,16 @@ def test_transfer_deadline_restarts_per_chunk_and_fails_a_stalled_room():
 
 def test_aux_that_does_not_fit_fails_the_room_with_a_reason():
     rig = decode_rig()
-    rig.new_attempt(2)
+    attempt = rig.new_attempt(2)
     rig.metadata(2, pages=[1], aux_index=1)
-    rig.decode_service.on_status(protocol.RoomStatus(room=2, status=S.SUCCESS, prefill_rank=0, aux=[b"x" * 3]))
+    rig.decode_service.on_status(protocol.RoomStatus(room=2, attempt=attempt, status=S.SUCCESS, prefill_rank=0, aux=[b"x" * 3]))
     assert rig.decode_sglang.status(2) == S.FAILED
     assert rig.decode_sglang.failure_records[2].startswith("aux item of 3 bytes for slot 1 does not fit")
 
 
 def test_status_for_a_cleared_room_changes_nothing():
     rig = decode_rig()
-    rig.decode_service.on_status(protocol.RoomStatus(room=3, status=S.FAILED, prefill_rank=0, reason="x"))
+    rig.decode_service.on_status(protocol.RoomStatus(room=3, attempt=1, status=S.FAILED, prefill_rank=0, reason="x"))
     assert rig.decode_sglang.prefill_statuses == [] and rig.decode_sglang.status(3) is None
 
 
@@ -108,7 +108,7 @@ def test_a_failure_decided_on_another_thread_never_splits_a_success():
     rig = decode_rig()
     svc = rig.decode_service
     svc.p.metrics = metrics = CountingMetrics()
-    rig.new_attempt(6)
+    attempt = rig.new_attempt(6)
     rig.metadata(6, pages=[1], aux_index=0)
     svc.handle(protocol.encode(protocol.TransferStarted(room=6, prefill_rank=0)))
     failing = threading.Thread(target=svc.fail, args=(6, "duplicate room", PROTOCOL))
@@ -133,7 +133,7 @@ def test_a_failure_decided_on_another_thread_never_splits_a_success():
             failing.start()  # waits for the lock this decision holds
 
     rig.decode_sglang.apply_prefill_status = apply_then_fail_elsewhere
-    svc.on_status(protocol.RoomStatus(room=6, status=S.SUCCESS, prefill_rank=0, aux=[b"a" * 16]))
+    svc.on_status(protocol.RoomStatus(room=6, attempt=attempt, status=S.SUCCESS, prefill_rank=0, aux=[b"a" * 16]))
     failing.join()
     assert rig.decode_sglang.status(6) == S.SUCCESS
     assert svc.p.rooms.get(6).phase is DecodePhase.SUCCEEDED

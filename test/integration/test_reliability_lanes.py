@@ -203,6 +203,11 @@ def test_lane_faults_fail_only_their_rooms_and_drain_before_release():
     # rightly ACKed at once; one with writes held on the stalled lanes must keep its pages until the
     # lanes resume. Both kinds occur, in proportions that depend on timing; check_end proves for
     # every room that nothing landed after release, and here at least one room must have been held.
+    # A room whose write breaks lane 1 (a chunk's writes spread over the lanes: in practice the
+    # round's first) is concluded with its own write's failure before prefill marks the peer failed
+    # (later rooms then read "failed recently"); test_peer_failure_order.py holds prefill to that order,
+    # without which a loaded host (the completion thread preempted after the mark) left no room
+    # here with the lane's own reason.
     broken = [i for i in lane if "fail_lane" in pre[i].failure and "failed recently" not in pre[i].failure]
     assert broken, f"no room wrote through the failed lane\n{summary}"
     held = [i for i in broken if dec[i].t_released >= session.marks["lanes_resumed"]]

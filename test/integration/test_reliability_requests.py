@@ -170,7 +170,8 @@ def test_aborts_bad_input_and_replays_fail_only_their_rooms():
             if i not in BAD_PAGE + DUPLICATE:  # (those never had a sender finish with metadata)
                 pusher.send(s.info.prefill_endpoints[0],
                             _retargeted_metadata(s, i, decode_key, decode_endpoint, attempts[ids[i]]))
-            pusher.send(decode_endpoint, protocol.encode(protocol.RoomStatus(room=ids[i], status=4, prefill_rank=0)))
+            replayed = protocol.RoomStatus(room=ids[i], attempt=attempts.get(ids[i], 1), status=4, prefill_rank=0)
+            pusher.send(decode_endpoint, protocol.encode(replayed))
         # Mismatched registrations, each from its own (fake) engine.
         box["fakes"] = _mismatched_registrations(s.info.decode_registrations[0])
         for _key, frames in box["fakes"].values():

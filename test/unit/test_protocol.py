@@ -59,10 +59,10 @@ metadatas = st.builds(
 )
 starteds = st.builds(TransferStarted, room=rooms, prefill_rank=ints)
 statuses_without_aux = st.builds(
-    RoomStatus, room=rooms, status=ints, prefill_rank=ints, reason=st.none() | texts, aux=st.none()
+    RoomStatus, room=rooms, attempt=ints, status=ints, prefill_rank=ints, reason=st.none() | texts, aux=st.none()
 )
 statuses_with_aux = st.builds(
-    RoomStatus, room=rooms, status=ints, prefill_rank=ints, reason=st.none() | texts,
+    RoomStatus, room=rooms, attempt=ints, status=ints, prefill_rank=ints, reason=st.none() | texts,
     aux=st.lists(blobs, max_size=4),
 )
 aborts = st.builds(Abort, room=rooms, attempt=ints, decode_ip=texts, decode_port=ints, generation=opt_ints)
@@ -93,8 +93,8 @@ def samples():
                      aux_index=3, state_indices=[[1, 2], None], required_dst_info_num=2,
                      decode_prefix_len=16, is_dummy=True),
         TransferStarted(room=7, prefill_rank=1),
-        RoomStatus(room=8, status=2, prefill_rank=0, reason=None, aux=[b"aux0", b""]),
-        RoomStatus(room=9, status=3, prefill_rank=1, reason="peer down"),
+        RoomStatus(room=8, attempt=1, status=2, prefill_rank=0, reason=None, aux=[b"aux0", b""]),
+        RoomStatus(room=9, attempt=1, status=3, prefill_rank=1, reason="peer down"),
         Abort(room=10, attempt=77, decode_ip="127.0.0.1", decode_port=17003, generation=4),
         AbortAck(room=11, prefill_rank=0, generation=4),
     ]
@@ -146,9 +146,9 @@ def test_round_trip_fixed_samples(message):
 
 
 def test_room_status_aux_distinguishes_none_from_empty():
-    none = decode(encode(RoomStatus(room=1, status=2, prefill_rank=0)))
-    empty = decode(encode(RoomStatus(room=1, status=2, prefill_rank=0, aux=[])))
-    with_data = decode(encode(RoomStatus(room=1, status=2, prefill_rank=0, aux=[b"\x00" * 300, b"x"])))
+    none = decode(encode(RoomStatus(room=1, attempt=1, status=2, prefill_rank=0)))
+    empty = decode(encode(RoomStatus(room=1, attempt=1, status=2, prefill_rank=0, aux=[])))
+    with_data = decode(encode(RoomStatus(room=1, attempt=1, status=2, prefill_rank=0, aux=[b"\x00" * 300, b"x"])))
     assert none.aux is None and none.reason is None
     assert empty.aux == []
     assert with_data.aux == [b"\x00" * 300, b"x"]
@@ -288,7 +288,7 @@ def test_deep_nesting_is_malformed(depth):
 
 @pytest.mark.parametrize("version", [0, 1, PROTOCOL_VERSION + 100, -1])
 def test_other_version_carries_room(version):
-    exc = reject(encode(RoomStatus(version=version, room=123, status=2, prefill_rank=0)))
+    exc = reject(encode(RoomStatus(version=version, room=123, attempt=1, status=2, prefill_rank=0)))
     assert exc.reason == REJECT_VERSION
     assert exc.room == 123
     assert f"protocol version {version}" in exc.detail
@@ -310,7 +310,7 @@ def test_version_checked_before_room_sign():
 @pytest.mark.parametrize("make", [
     lambda r: RoomMetadata(room=r, attempt=1, engine_key="k", decode_ip="h", decode_port=1, kv_indices=b""),
     lambda r: TransferStarted(room=r, prefill_rank=0),
-    lambda r: RoomStatus(room=r, status=2, prefill_rank=0),
+    lambda r: RoomStatus(room=r, attempt=1, status=2, prefill_rank=0),
     lambda r: Abort(room=r, attempt=1, decode_ip="h", decode_port=1),
     lambda r: AbortAck(room=r, prefill_rank=0),
 ], ids=["metadata", "started", "status", "abort", "abort_ack"])
@@ -434,3 +434,18 @@ def reject_with(call) -> ProtocolError:
     with pytest.raises(ProtocolError) as info:
         call()
     return info.value
+
+
+def test_a_status_of_the_previous_protocol_is_told_apart_from_garbage():
+    """Version 2's RoomStatus had no attempt: from an old prefill it is a version error naming its
+    room (not "malformed"), and a current one without it is malformed, naming the field."""
+    import msgspec
+
+    old = msgspec.msgpack.encode({"kind": "status", "version": 2, "room": 5, "status": 4, "prefill_rank": 0})
+    exc = reject([MAGIC, old])
+    assert (exc.reason, exc.room) == (REJECT_VERSION, 5)
+    assert f"protocol version 2, this build speaks {PROTOCOL_VERSION}" in exc.detail
+    current = msgspec.msgpack.encode({"kind": "status", "version": PROTOCOL_VERSION, "room": 5, "status": 4,
+                                      "prefill_rank": 0})
+    exc = reject([MAGIC, current])
+    assert exc.reason == REJECT_MALFORMED and "attempt" in exc.detail

@@ -200,8 +200,11 @@ class MoriKVManager(compat.CompatKVManager):
 
     # SGLang's common code sends terminal statuses and abort ACKs through these (sglang_compat).
     def encode_status_message(self, room: int, status: int, reason: Optional[str]) -> List[bytes]:
-        return protocol.encode(protocol.RoomStatus(room=room, status=status, prefill_rank=self.sglang.prefill_rank,
-                                                   reason=reason))
+        # Only SGLang's deferred bootstrap (the prefill_complete allocation policy) sends statuses
+        # this way, one message for every destination of the room: it can name no receiver
+        # attempt, and decode counts it stale. Our own statuses go out in prefill/effects.py.
+        return protocol.encode(protocol.RoomStatus(room=room, attempt=protocol.NO_ATTEMPT, status=status,
+                                                   prefill_rank=self.sglang.prefill_rank, reason=reason))
 
     def send_abort_ack(self, room: int, ip: str, port: int, generation: Optional[int]) -> None:
         self.messenger.send((ip, port), protocol.AbortAck(room=room, prefill_rank=self.sglang.prefill_rank,

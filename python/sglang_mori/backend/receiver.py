@@ -57,7 +57,12 @@ class MoriKVReceiver(compat.CompatKVReceiver):
             except Exception as exc:  # best effort: a dead prefill cannot be told
                 logger.debug("abort for room %s not delivered to %s: %s", self.bootstrap_room, info, exc)
 
-    def after_clear(self) -> None:
+    def before_clear(self) -> None:
+        # Before SGLang drops the room's status: from here on a status naming this attempt is
+        # stale, and one the status thread is applying finishes (under the registry lock) while
+        # the status is still this receiver's, never a next receiver's of the same room id.
         if self.attempt is not None:
             self.kv_mgr.service.forget(self.bootstrap_room, self.attempt)
+
+    def after_clear(self) -> None:
         self.kv_mgr.forget_bootstrap_failures(self.bootstrap_addr)

@@ -89,11 +89,15 @@ class CompatKVReceiver(CommonKVReceiver):
         self.notify_abort(force_arm=force_arm)
 
     def _clear(self) -> None:
+        self.before_clear()
         super()._clear()
         self.after_clear()
 
     def notify_abort(self, *, force_arm: bool = False) -> None:
         raise NotImplementedError
+
+    def before_clear(self) -> None:
+        pass
 
     def after_clear(self) -> None:
         pass

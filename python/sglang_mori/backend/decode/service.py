@@ -81,6 +81,8 @@ class DecodeService:
         self.deadline_s = parts.config.transfer_timeout_ms / 1000.0 + DEADLINE_GRACE_S
         self.stopped = threading.Event()
         self.thread: Optional[threading.Thread] = None
+        # Statuses naming a receiver attempt that is not the room's current one (counted, dropped).
+        self.stale_statuses = 0
 
     def start(self) -> None:
         if self.p.control_socket is not None:
@@ -193,21 +195,36 @@ class DecodeService:
 
     def on_status(self, msg: protocol.RoomStatus) -> None:
         p = self.p
-        before = p.sglang.status(msg.room)
-        if before is None:
-            return  # concluded and cleared already; a late or replayed status changes nothing
-        if msg.status == room_status.FAILED:
-            self.effects.prefill_failed(msg.room, msg.prefill_rank, msg.reason)
-            return
-        if msg.status != room_status.SUCCESS:
-            self.reject(protocol.ProtocolError(protocol.REJECT_MALFORMED, f"non-terminal status {msg.status}", msg.room),
-                        "decode status socket")
-            return
-        error = self._copy_aux(msg)
-        if error:
-            self.fail(msg.room, error, OTHER)
-            return
-        self.effects.prefill_succeeded(msg.room, msg.prefill_rank, msg.reason)
+        # Under the registry lock from the attempt check to the end: a receiver forgets its attempt
+        # under it before SGLang drops the room's status (receiver.before_clear), so the status
+        # applied here is the named attempt's, never the room id's next receiver's.
+        with p.rooms.lock:
+            if p.rooms.attempt_of(msg.room) != msg.attempt:
+                self._stale(msg)
+                return
+            if p.sglang.status(msg.room) is None:
+                return  # concluded and cleared already; a late or replayed status changes nothing
+            if msg.status == room_status.FAILED:
+                self.effects.prefill_failed(msg.room, msg.prefill_rank, msg.reason)
+                return
+            if msg.status != room_status.SUCCESS:
+                self.reject(protocol.ProtocolError(protocol.REJECT_MALFORMED, f"non-terminal status {msg.status}",
+                                                   msg.room), "decode status socket")
+                return
+            error = self._copy_aux(msg)
+            if error:
+                self.fail(msg.room, error, OTHER, msg.attempt)
+                return
+            self.effects.prefill_succeeded(msg.room, msg.prefill_rank, msg.reason)
+
+    def _stale(self, msg: protocol.RoomStatus) -> None:
+        """A status for a receiver attempt that is over (cleared, or replaced by a new receiver of
+        the room id after a retraction): applying it would conclude a request it is not about."""
+        self.stale_statuses += 1
+        if self.stale_statuses == 1 or self.stale_statuses % 100 == 0:
+            logger.info("sglang-mori: stale status #%d dropped: room %s status %s from prefill rank %s names "
+                        "attempt %s, the room's receiver is %s", self.stale_statuses, msg.room, msg.status,
+                        msg.prefill_rank, msg.attempt, self.p.rooms.attempt_of(msg.room) or "gone")
 
     def _copy_aux(self, msg: protocol.RoomStatus) -> Optional[str]:
         """Copy the aux items into this room's aux slot; an error string if they do not fit.

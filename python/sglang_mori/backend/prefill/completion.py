@@ -96,12 +96,15 @@ class Completion:
         if state is WriteState.SUCCEEDED:
             self._conclude_success(r, now)
         elif state is WriteState.FAILED:
+            # The room first, the peer after: once the peer is marked failed, a submitter fails
+            # this room's next chunk with "failed recently", and the room's own failure (the
+            # first cause) would be lost to that consequence of it.
+            timed_out = any(w.handle.state() is WriteState.RUNNING for w in r.writes)
+            self.failures.fail_life(r, reason, TIMEOUT if timed_out else PEER_DEAD)
             for w in r.writes:
                 if w.handle.state() is WriteState.FAILED and w.handle.failure_kind().breaks_peer:
                     if p.peers.mark_failed(w.handle.peer_key, reason):
                         p.metrics.peer_down(w.handle.peer_key)
-            timed_out = any(w.handle.state() is WriteState.RUNNING for w in r.writes)
-            self.failures.fail_life(r, reason, TIMEOUT if timed_out else PEER_DEAD)
 
     def _conclude_success(self, r: PrefillRoom, now: float) -> None:
         """Success once every write succeeded after the last chunk was tracked and no submitter
@@ -122,7 +125,9 @@ class Completion:
     def handle_peer_failures(self) -> None:
         p = self.p
         for failure in p.engine.pop_peer_failures():
+            # Its rooms first (with the engine's reason), then the peer (later rooms: "failed
+            # recently"), as in _maybe_conclude.
+            self.on_peer_failed(failure.engine_key, failure.reason)
             if p.peers.mark_failed(failure.engine_key, failure.reason):
                 logger.error("sglang-mori: decode engine %s failed: %s", failure.engine_key, failure.reason)
-            self.on_peer_failed(failure.engine_key, failure.reason)
             p.metrics.peer_down(failure.engine_key)

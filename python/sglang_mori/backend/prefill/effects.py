@@ -30,14 +30,14 @@ class Failure:
     room: int
     reason: str
     label: Optional[str]  # metrics reason; None: counted when the room concluded
-    addresses: list  # decode ranks to tell (empty: decode knows, or nobody to tell)
+    destinations: list  # (decode address, attempt) to tell (empty: decode knows, or nobody to tell)
     in_sglang: bool  # the room's sender holds it: SGLang records the failure
 
 
 @dataclass
 class Success:
     room: int
-    addresses: list
+    destinations: list  # (decode address, attempt)
     aux: Optional[list]
 
 
@@ -130,13 +130,14 @@ class RoomEffects:
                 continue
             logger.warning("sglang-mori: room %s failed: %s", f.room, f.reason)
             p.metrics.request_finished(ok=False, reason=f.label)
-            if f.addresses:
-                p.messenger.send_all(f.addresses, protocol.RoomStatus(
-                    room=f.room, status=room_status.FAILED, prefill_rank=p.sglang.prefill_rank, reason=f.reason))
+            for address, attempt in f.destinations:
+                p.messenger.send(address, protocol.RoomStatus(room=f.room, attempt=attempt, status=room_status.FAILED,
+                                                              prefill_rank=p.sglang.prefill_rank, reason=f.reason))
         for s in fx.successes:
             p.sglang.set_status(s.room, room_status.SUCCESS)
-            p.messenger.send_all(s.addresses, protocol.RoomStatus(
-                room=s.room, status=room_status.SUCCESS, prefill_rank=p.sglang.prefill_rank, aux=s.aux))
+            for address, attempt in s.destinations:
+                p.messenger.send(address, protocol.RoomStatus(room=s.room, attempt=attempt, status=room_status.SUCCESS,
+                                                              prefill_rank=p.sglang.prefill_rank, aux=s.aux))
             p.metrics.request_finished(ok=True)
         for room in fx.acks:
             p.sglang.release_acks(room)

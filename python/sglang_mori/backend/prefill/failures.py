@@ -62,6 +62,6 @@ class PrefillFailures:
         """The door itself, inside a caller's `effects.transition()`."""
         if not r.conclude(False, reason, self.p.clock()):
             return False
-        fx.failures.append(Failure(r.room, reason, label, r.notify_addresses() if tell_decode else [],
+        fx.failures.append(Failure(r.room, reason, label, r.notify_destinations() if tell_decode else [],
                                    in_sglang=r.claimed))
         return True

@@ -160,11 +160,13 @@ class PrefillRoom:
     def live_targets(self) -> List[RoomTarget]:
         return [t for t in self.targets.values() if not t.is_dummy]
 
-    def notify_addresses(self) -> List[Tuple[str, int]]:
-        out: List[Tuple[str, int]] = []
+    def notify_destinations(self) -> List[Tuple[Tuple[str, int], int]]:
+        """(decode address, attempt) of each live target, once each: a status names the attempt of
+        the receiver it goes to, so decode never applies it to a later receiver of the room id."""
+        out: List[Tuple[Tuple[str, int], int]] = []
         for t in self.live_targets():
-            if t.address not in out:
-                out.append(t.address)
+            if (t.address, t.attempt) not in out:
+                out.append((t.address, t.attempt))
         return out
 
     def attempts(self) -> frozenset:
@@ -459,7 +461,7 @@ class PrefillRoomRegistry:
             return False
         if not r.conclude(True, None, now):
             return False
-        fx.successes.append(Success(r.room, r.notify_addresses(), aux))
+        fx.successes.append(Success(r.room, r.notify_destinations(), aux))
         fx.changed = True
         return True
 
