@@ -22,6 +22,9 @@ def add_arguments(p) -> None:
     p.add_argument("--window", type=int, default=8, help="requests in flight at once")
     p.add_argument("--token-bytes", type=int, default=16,
                    help="bytes per token and buffer (the real 1152 / 2048 move the same Python, more bytes)")
+    p.add_argument("--engine", choices=("softio", "instant"), default="softio",
+                   help="instant: softio's batch_write returns finished statuses and moves no bytes "
+                        "(our Python alone; the polling threads' idle cost no longer follows softio's speed)")
     p.add_argument("--json", action="store_true", help="print one JSON object per case")
 
 
@@ -38,11 +41,12 @@ def run(args) -> int:
 
     for case in args.cases.split(","):
         shape, tokens = case.split(":")
-        result = run_case(shape, int(tokens), args.requests, args.window, args.token_bytes)
+        result = run_case(shape, int(tokens), args.requests, args.window, args.token_bytes,
+                          engine_mode=args.engine)
         if args.json:
             print(json.dumps(result), flush=True)
             continue
-        print(f"{shape} {tokens} tokens ({result['pages']} pages), {result['requests']} requests, "
+        print(f"[{args.engine}] {shape} {tokens} tokens ({result['pages']} pages), {result['requests']} requests, "
               f"window {result['window']}, {result['wall_s']} s", flush=True)
         print(_row(result, "prefill"))
         print(_row(result, "decode"))

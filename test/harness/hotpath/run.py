@@ -12,7 +12,9 @@ from sglang_mori.backend import room_status as S
 from sglang_mori.config import MoriConfig
 
 from harness.hotpath.meter import CallMeter, EngineMeter, ThreadClocks, metered_engine
-from harness.hotpath.rig import AUX_SLOTS, SHAPES, PDPair
+import contextlib
+
+from harness.hotpath.rig import AUX_SLOTS, SHAPES, PDPair, instant_writes
 
 WAIT_S = 120.0
 # Thread roles of each side (after role(): digits -> N). Everything else in the process is the
@@ -96,11 +98,12 @@ def report(calls: dict, threads: dict, engine: EngineMeter, requests: int, wall_
 
 
 def run_case(shape_key: str, tokens: int, requests: int, window: int, token_bytes: int,
-             config: MoriConfig | None = None) -> dict:
+             config: MoriConfig | None = None, engine_mode: str = "softio") -> dict:
     shape = SHAPES[shape_key]
     per = math.ceil(tokens / shape.page_size)
     config = config or MoriConfig(transfer_shards=1)
-    with metered_engine() as engine:
+    writes = instant_writes() if engine_mode == "instant" else contextlib.nullcontext()
+    with writes, metered_engine() as engine:
         pair = PDPair(shape, per * window, token_bytes, config)
         pair.start()
         try:
@@ -123,6 +126,6 @@ def run_case(shape_key: str, tokens: int, requests: int, window: int, token_byte
         finally:
             pair.stop()
             gc.unfreeze()
-    result.update(shape=shape_key, tokens=tokens, pages=per, window=window, token_bytes=token_bytes,
+    result.update(shape=shape_key, tokens=tokens, engine=engine_mode, pages=per, window=window, token_bytes=token_bytes,
                   rejections=pair.rejections)
     return result
