@@ -21,6 +21,7 @@ import zmq
 
 import sglang_mori.softio as io
 from sglang_mori import protocol
+from sglang_mori.backend import room_status as S
 from sglang_mori.backend.decode.service import AuxSlots, DecodeIdentity, DecodeParts, DecodeService
 from sglang_mori.backend.messenger import Messenger
 from sglang_mori.backend.peers import InflightBudget, PeerRegistry
@@ -83,6 +84,9 @@ class Pool:
         self.engine.close()
 
 
+WAITED_FOR = (S.WAITING_FOR_INPUT, S.SUCCESS, S.FAILED)
+
+
 class ConcludedSGLang(FakeSGLang):
     """FakeSGLang that wakes the driver when a room turns Success or Failed."""
 
@@ -92,8 +96,9 @@ class ConcludedSGLang(FakeSGLang):
 
     def set_status(self, room, status):
         super().set_status(room, status)
-        with self.changed:
-            self.changed.notify_all()
+        if status in WAITED_FOR:  # the driver waits for these only: others cost no wake-up
+            with self.changed:
+                self.changed.notify_all()
 
     def wait_all(self, rooms, done, timeout_s: float) -> None:
         with self.changed:
