@@ -12,6 +12,7 @@ which is reported apart. Needs no SGLang, torch or GPU.
 from __future__ import annotations
 
 import json
+import sys
 
 DEFAULT_CASES = "mla61p64:1024,mla61p64:8192,gqa32p16:1024,gqa32p16:8192"
 
@@ -26,6 +27,15 @@ def add_arguments(p) -> None:
                    help="instant: softio's batch_write returns finished statuses and moves no bytes "
                         "(our Python alone; the polling threads' idle cost no longer follows softio's speed)")
     p.add_argument("--json", action="store_true", help="print one JSON object per case")
+    p.add_argument("--backend-root", default="",
+                   help="count another checkout's backend (its python/ folder) with this harness: a "
+                        "same-run baseline, e.g. a `git worktree` of the commit before a change")
+
+
+def Path_of(module) -> str:
+    from pathlib import Path
+
+    return str(Path(module.__file__).resolve().parents[1])
 
 
 def _row(result: dict, side: str) -> str:
@@ -37,7 +47,16 @@ def _row(result: dict, side: str) -> str:
 
 
 def run(args) -> int:
+    if args.backend_root:
+        from pathlib import Path
+
+        if "sglang_mori" in sys.modules:
+            raise SystemExit("--backend-root: sglang_mori was imported before the path could change")
+        sys.path.insert(0, str(Path(args.backend_root).resolve() / "python"))
     from harness.hotpath.run import run_case
+    import sglang_mori
+
+    print(f"# backend: {Path_of(sglang_mori)}", file=sys.stderr, flush=True)
 
     for case in args.cases.split(","):
         shape, tokens = case.split(":")
