@@ -106,14 +106,14 @@ class KVPlanner:
         planner = self._planners.get(peer.engine_key) if peer is not None else None
         if planner is None:
             return None
-        caps = planner.decode.kv_capacities()
-        if target.kv_indices.size and caps:
+        kv_pages, aux_slots = planner.decode_capacity_floors
+        if target.kv_indices.size and kv_pages is not None:
             low, high = int(target.kv_indices.min()), int(target.kv_indices.max())
-            if low < 0 or high >= min(caps):
+            if low < 0 or high >= kv_pages:
                 return (f"decode page index out of range: indices span {low}..{high}, "
-                        f"decode KV buffers hold {min(caps)} pages")
-        if target.aux_index is not None and planner.decode.aux_capacities():
-            if not 0 <= target.aux_index < min(planner.decode.aux_capacities()):
+                        f"decode KV buffers hold {kv_pages} pages")
+        if target.aux_index is not None and aux_slots is not None:
+            if not 0 <= target.aux_index < aux_slots:
                 return f"decode aux index {target.aux_index} out of range"
         return None
 

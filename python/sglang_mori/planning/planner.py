@@ -104,6 +104,10 @@ class TransferPlanner:
         src_caps, dst_caps = prefill.kv_capacities(), decode.kv_capacities()
         self._src_kv_limits = [src_caps[i] for i, _ in self.kv_pairs]
         self._dst_kv_limits = [dst_caps[j] for _, j in self.kv_pairs]
+        # (pages of decode's smallest KV buffer, slots of its smallest aux buffer), None where it
+        # has none: every room's destination is checked against them (plans.check_destination).
+        self.decode_capacity_floors = (min(decode.kv_capacities(), default=None),
+                                       min(decode.aux_capacities(), default=None))
         self._src_kv_floor = min(self._src_kv_limits, default=0)
         self._dst_kv_floor = min(self._dst_kv_limits, default=0)
         self._src_kv_names = [f"prefill KV buffer {i}" for i, _ in self.kv_pairs]
