@@ -427,23 +427,18 @@ def test_batch_write_raising_on_a_retry_keeps_earlier_statuses(clock):
     assert not h.quiescent()  # the raising call may have posted writes we hold no status for
 
 
-def test_wait_running_waits_on_the_last_running_status(clock):
-    """One wake per chunk, not one per layer: the wait is on the last running status."""
+def test_wait_running_waits_on_the_first_running_status(clock):
     eng = make_engine()
+    running = Status(IN_PROGRESS)
     waited = []
-    first, last = Status(IN_PROGRESS), Status(IN_PROGRESS)
-    first.WaitFor = lambda ms: waited.append(("first", ms))
-    last.WaitFor = lambda ms: waited.append(("last", ms))
-    eng.engine.script = [[ok(), first, last]]
-    h = eng.write("decode-a", [pair(0), pair(1), pair(2)], deadline=clock.now + 10, retry_max=0)
+    running.WaitFor = lambda ms: waited.append(ms)
+    eng.engine.script = [[ok(), running]]
+    h = eng.write("decode-a", [pair(0), pair(1)], deadline=clock.now + 10, retry_max=0)
     assert h.wait_running(250) is True
-    assert waited == [("last", 250)]
-    last.code = SUCCESS  # finished out of order: the one still running is waited on next
-    assert h.wait_running(250) is True
-    assert waited == [("last", 250), ("first", 250)]
-    first.code = SUCCESS
+    assert waited == [250]
+    running.code = SUCCESS
     assert h.wait_running(250) is False  # nothing running: returns at once
-    assert len(waited) == 2
+    assert waited == [250]
 
 
 def test_sq_full_resubmissions_are_counted_on_the_handle(clock):

@@ -225,19 +225,16 @@ class TransferHandle:
         return classify_failure(code, self.failure_message())
 
     def wait_running(self, timeout_ms: int) -> bool:
-        """Block (GIL released) until the last running status finishes or `timeout_ms` passes;
+        """Block (GIL released) until the first running status finishes or `timeout_ms` passes;
         False when nothing was running.
 
-        The last one, not the first: a chunk's statuses (one per layer buffer) finish at about
-        the same time in any order, and waking for each would be one completion pass per layer;
-        waiting for the last posted one usually wakes once, when all are done."""
+        The first one: waiting on the last running status instead (one wake per chunk rather than
+        one per finished layer buffer) cut the completion thread's CPU on softio but made
+        `bench transfer` slower in five of five same-run rounds (docs/benchmarks.md, issue 28):
+        a room that finished while the thread waited on another's last status waited too."""
         if self.result() != IN_PROGRESS:
             return False
-        live = self.live
-        for i in range(len(live) - 1, self._live_done - 1, -1):
-            if int(live[i].Code()) == IN_PROGRESS:
-                live[i].WaitFor(timeout_ms)
-                break
+        self.live[self._live_done].WaitFor(timeout_ms)
         return True
 
     def quiescent(self) -> bool:
