@@ -25,6 +25,7 @@ sys.path.insert(0, str(REPO / "test"))  # the harness (test tooling, not in the 
 BENCHMARKS = {
     "transfer": ("harness.bench_transfer", "full backend, prefill and decode processes"),
     "soak": ("harness.bench_soak", "long run with injected faults and aborts"),
+    "hotpath": ("harness.bench_hotpath", "our Python per request by thread role, in one process (no SGLang)"),
 }
 
 

@@ -8,7 +8,7 @@ from typing import Optional
 
 import msgspec
 
-from sglang_mori.engine.transfer_engine import WritePair
+from sglang_mori.engine.transfer_engine import WriteBatch, WritePair
 from sglang_mori.planning import InvalidLayoutError, KVLayout, PlanError, TransferPlanner, UnsupportedLayoutError
 from sglang_mori.planning.kv_shard import SHARDED_STATE_TYPE, owned_pages
 from sglang_mori.planning.transfer_plan import TransferPlan
@@ -54,6 +54,9 @@ class KVPlanner:
         # (DSA) is narrowed to this rank's pages here; SGLang narrows the KV pages itself.
         self.kv_shard = (int(kv_shard[0]), int(kv_shard[1]))
         self._planners: dict[str, TransferPlanner] = {}
+        # engine key -> (planner, peer's KV descs, local column, remote column): the descriptor
+        # columns of a chunk's engine call, the same list objects for every chunk to that peer.
+        self._kv_desc_columns: dict = {}
 
     def accept_peer(self, key: str, layout_blob: bytes, kv, aux, state, dcp=None) -> KVLayout:
         """Check a registering decode rank; raise a PlanningError naming both sides' values.
@@ -88,6 +91,7 @@ class KVPlanner:
 
     def forget_peer(self, key: str) -> None:
         self._planners.pop(key, None)
+        self._kv_desc_columns.pop(key, None)
 
     def registered_planner(self, peer) -> TransferPlanner:
         """The planner of a peer; PlanError when it was forgotten (replaced or pruned) after the
@@ -102,16 +106,40 @@ class KVPlanner:
         planner = self._planners.get(peer.engine_key) if peer is not None else None
         if planner is None:
             return None
-        caps = planner.decode.kv_capacities()
-        if target.kv_indices.size and caps:
+        kv_pages, aux_slots = planner.decode_capacity_floors
+        if target.kv_indices.size and kv_pages is not None:
             low, high = int(target.kv_indices.min()), int(target.kv_indices.max())
-            if low < 0 or high >= min(caps):
+            if low < 0 or high >= kv_pages:
                 return (f"decode page index out of range: indices span {low}..{high}, "
-                        f"decode KV buffers hold {min(caps)} pages")
-        if target.aux_index is not None and planner.decode.aux_capacities():
-            if not 0 <= target.aux_index < min(planner.decode.aux_capacities()):
+                        f"decode KV buffers hold {kv_pages} pages")
+        if target.aux_index is not None and aux_slots is not None:
+            if not 0 <= target.aux_index < aux_slots:
                 return f"decode aux index {target.aux_index} out of range"
         return None
+
+    def write_batch(self, peer, chunk, target) -> WriteBatch:
+        """Every write of one chunk to one decode rank, as one engine call's columns: the KV of
+        all layers from arrays planned once per distinct geometry, no object per pair."""
+        planner = self.registered_planner(peer)
+        columns = None if planner.dcp_relayout else planner.plan_kv_columns(
+            chunk.kv_indices, target.kv_indices[chunk.index_slice])
+        if columns is None:  # decode context parallel, an empty chunk, or a pair with no range
+            return WriteBatch.of_pairs(self.write_pairs(peer, chunk, target))
+        local, remote = self._desc_columns(peer, planner)
+        state = self._state_pairs(planner, peer, chunk, target)
+        if not state:
+            return WriteBatch(local, remote, *columns, sessions_key=id(remote))
+        return WriteBatch(local + [w.local for w in state], remote + [w.remote for w in state],
+                          columns[0] + [w.local_offsets for w in state],
+                          columns[1] + [w.remote_offsets for w in state], columns[2] + [w.sizes for w in state])
+
+    def _desc_columns(self, peer, planner) -> tuple:
+        cached = self._kv_desc_columns.get(peer.engine_key)
+        if cached is None or cached[0] is not planner or cached[1] is not peer.kv_descs:
+            local = [self.local.kv[i] for i, _ in planner.kv_pairs]
+            remote = [peer.kv_descs[j] for _, j in planner.kv_pairs]
+            cached = self._kv_desc_columns[peer.engine_key] = (planner, peer.kv_descs, local, remote)
+        return cached[2], cached[3]
 
     def write_pairs(self, peer, chunk, target) -> list:
         """Every (local region, remote region) write of one chunk to one decode rank."""
@@ -124,7 +152,11 @@ class KVPlanner:
                 decode_prefix_len=target.decode_prefix_len or 0, num_tokens=chunk.num_kv_tokens)
         else:
             kv_plan = planner.plan_kv(chunk.kv_indices, target.kv_indices[chunk.index_slice])
-        pairs = to_pairs(kv_plan, self.local.kv, peer.kv_descs)
+        return to_pairs(kv_plan, self.local.kv, peer.kv_descs) + self._state_pairs(planner, peer, chunk, target)
+
+    def _state_pairs(self, planner, peer, chunk, target) -> list:
+        """The state writes of a last chunk (none for other chunks)."""
+        pairs: list = []
         if chunk.is_last and chunk.state_indices is not None and target.state_indices is not None:
             if len(chunk.state_indices) != len(target.state_indices):
                 raise PlanError(

@@ -3,7 +3,7 @@
 from sglang_mori.engine.loader import EngineUnavailable, load_io_module
 from sglang_mori.engine.outcomes import FailureKind, PeerFailure, WriteState
 from sglang_mori.engine.settings import EngineSettings
-from sglang_mori.engine.transfer_engine import SubmitError, TransferEngine, TransferHandle, WritePair
+from sglang_mori.engine.transfer_engine import SubmitError, TransferEngine, TransferHandle, WriteBatch, WritePair
 
 __all__ = [
     "EngineSettings",
@@ -11,6 +11,7 @@ __all__ = [
     "FailureKind",
     "PeerFailure",
     "WriteState",
+    "WriteBatch",
     "WritePair",
     "load_io_module",
     "SubmitError",

@@ -71,15 +71,57 @@ def _total(sizes) -> int:
 def _pairs_bytes(pairs: Sequence["WritePair"]) -> int:
     """Bytes of all pairs, summing each distinct sizes array once: a 61-layer chunk shares one
     array across its pairs, and a numpy sum per pair was most of this call's time."""
+    return _column_bytes([p.sizes for p in pairs])
+
+
+def _column_bytes(sizes_column) -> int:
     by_array: dict = {}
     total = 0
-    for p in pairs:
-        sizes = p.sizes
+    for sizes in sizes_column:
         n = by_array.get(id(sizes))
         if n is None:
             n = by_array[id(sizes)] = _total(sizes)
         total += n
     return total
+
+
+class WriteBatch:
+    """The writes of one engine call, as the columns `batch_write` takes: entry i of every
+    column is one (local region, remote region) pair. Offsets and sizes are int64 arrays (or
+    lists), usually one array object shared by every pair of a chunk, so a 61-layer chunk is
+    five 61-entry lists and three arrays, with no object per pair.
+
+    `sessions_key`: a stable key for the (local, remote) region pairs of this batch (the
+    planner's cached descriptor columns), so a submitter checks that their sessions are open
+    once per peer, not once per pair and chunk; None: check pair by pair.
+    """
+
+    __slots__ = ("local", "remote", "local_offsets", "remote_offsets", "sizes", "nbytes", "sessions_key")
+
+    def __init__(self, local: list, remote: list, local_offsets: list, remote_offsets: list, sizes: list,
+                 nbytes: Optional[int] = None, sessions_key=None):
+        self.local, self.remote = local, remote
+        self.local_offsets, self.remote_offsets, self.sizes = local_offsets, remote_offsets, sizes
+        self.nbytes = _column_bytes(sizes) if nbytes is None else nbytes
+        self.sessions_key = sessions_key
+
+    @classmethod
+    def of_pairs(cls, pairs: Sequence["WritePair"]) -> "WriteBatch":
+        return cls([p.local for p in pairs], [p.remote for p in pairs], [p.local_offsets for p in pairs],
+                   [p.remote_offsets for p in pairs], [p.sizes for p in pairs])
+
+    def __len__(self) -> int:
+        return len(self.local)
+
+    def pair(self, i: int) -> "WritePair":
+        return WritePair(self.local[i], self.remote[i], self.local_offsets[i], self.remote_offsets[i], self.sizes[i])
+
+    def pairs(self) -> list:
+        return [self.pair(i) for i in range(len(self.local))]
+
+    def select(self, indices: Sequence[int]) -> "WriteBatch":
+        return WriteBatch(*([column[i] for i in indices] for column in (
+            self.local, self.remote, self.local_offsets, self.remote_offsets, self.sizes)))
 
 
 def _as_lists(columns: list) -> list:
@@ -95,7 +137,14 @@ def _as_lists(columns: list) -> list:
             done[key] = (values, values.tolist())  # the array is kept so its id stays unique
         return done[key][1]
 
-    return [[one(v) for v in column] for column in columns]
+    out = []
+    for column in columns:
+        first = column[0] if column else None
+        if first is not None and all(v is first for v in column):
+            out.append([one(first)] * len(column))  # one shared array: one list, shared too
+        else:
+            out.append([one(v) for v in column])
+    return out
 
 
 @dataclass
@@ -177,7 +226,12 @@ class TransferHandle:
 
     def wait_running(self, timeout_ms: int) -> bool:
         """Block (GIL released) until the first running status finishes or `timeout_ms` passes;
-        False when nothing was running."""
+        False when nothing was running.
+
+        The first one: waiting on the last running status instead (one wake per chunk rather than
+        one per finished layer buffer) cut the completion thread's CPU on softio but made
+        `bench transfer` slower in five of five same-run rounds (docs/benchmarks.md, issue 28):
+        a room that finished while the thread waited on another's last status waited too."""
         if self.result() != IN_PROGRESS:
             return False
         self.live[self._live_done].WaitFor(timeout_ms)
@@ -338,17 +392,18 @@ class TransferEngine:
     def write(
         self,
         peer_key: str,
-        pairs: Sequence[WritePair],
+        writes,
         *,
         deadline: float,
         retry_max: int,
     ) -> TransferHandle:
-        handle = TransferHandle(
-            peer_key=peer_key, nbytes=_pairs_bytes(pairs), started_at=self.clock()
-        )
-        if not pairs:
+        """Post `writes` (a WriteBatch, or a sequence of WritePair) to `peer_key` in one
+        `batch_write`; "SQ full" pairs are resubmitted with backoff until `deadline`."""
+        batch = writes if isinstance(writes, WriteBatch) else WriteBatch.of_pairs(writes)
+        handle = TransferHandle(peer_key=peer_key, nbytes=batch.nbytes, started_at=self.clock())
+        if not len(batch):
             return handle
-        handle.live = self._submit(pairs, handle)
+        handle.live = self._submit(batch, handle)
         for attempt in range(1, retry_max + 1):
             retry = [i for i, status in enumerate(handle.live) if is_retryable(status)]
             if not retry:
@@ -359,20 +414,19 @@ class TransferEngine:
             time.sleep(backoff)  # backpressure from the NIC: give the send queue time to drain
             logger.info("resubmitting %d pair(s) after SQ full (attempt %d)", len(retry), attempt)
             handle.retries += len(retry)
-            fresh = self._submit([pairs[i] for i in retry], handle)
+            fresh = self._submit(batch.select(retry), handle)
             for i, status in zip(retry, fresh):
                 handle.live[i] = status
         return handle
 
-    def _submit(self, pairs: Sequence[WritePair], handle: TransferHandle) -> list:
-        uids = [self.engine.allocate_transfer_uid() for _ in pairs]
-        columns = [[p.local_offsets for p in pairs], [p.remote_offsets for p in pairs], [p.sizes for p in pairs]]
+    def _submit(self, batch: WriteBatch, handle: TransferHandle) -> list:
+        allocate = self.engine.allocate_transfer_uid
+        uids = [allocate() for _ in range(len(batch))]
+        columns = [batch.local_offsets, batch.remote_offsets, batch.sizes]
         if not self.takes_arrays:
             columns = _as_lists(columns)
         try:
-            statuses = self.engine.batch_write(
-                [p.local for p in pairs], columns[0], [p.remote for p in pairs], columns[1], columns[2], uids
-            )
+            statuses = self.engine.batch_write(batch.local, columns[0], batch.remote, columns[1], columns[2], uids)
         except Exception as exc:
             # Earlier pairs of this call may have been posted, and we hold no status for them.
             handle.unaccounted = True

@@ -96,9 +96,20 @@ class TransferPlanner:
                 pair_head_slice(base_slice, i, j, prefill.kv_item_lens[i], decode.kv_item_lens[j])
                 for i, j in self.kv_pairs
             ]
+        # The distinct geometries, and each pair's slot among them: a chunk computes one set of
+        # ranges per distinct geometry (one for MLA, one or two for MHA), shared by every pair.
+        self._kv_unique_geometries: List[Hashable] = list(dict.fromkeys(self._kv_geometry))
+        slot = {g: k for k, g in enumerate(self._kv_unique_geometries)}
+        self._kv_geometry_slots: List[int] = [slot[g] for g in self._kv_geometry]
         src_caps, dst_caps = prefill.kv_capacities(), decode.kv_capacities()
         self._src_kv_limits = [src_caps[i] for i, _ in self.kv_pairs]
         self._dst_kv_limits = [dst_caps[j] for _, j in self.kv_pairs]
+        # (pages of decode's smallest KV buffer, slots of its smallest aux buffer), None where it
+        # has none: every room's destination is checked against them (plans.check_destination).
+        self.decode_capacity_floors = (min(decode.kv_capacities(), default=None),
+                                       min(decode.aux_capacities(), default=None))
+        self._src_kv_floor = min(self._src_kv_limits, default=0)
+        self._dst_kv_floor = min(self._dst_kv_limits, default=0)
         self._src_kv_names = [f"prefill KV buffer {i}" for i, _ in self.kv_pairs]
         self._dst_kv_names = [f"decode KV buffer {j}" for _, j in self.kv_pairs]
         self.state_specs: Tuple[StatePlanSpec, ...] = tuple(
@@ -113,6 +124,31 @@ class TransferPlanner:
         Runs contiguous on both sides become one range per buffer pair; with MHA head slicing,
         one range per token slot (merged across slots and pages when whole tokens move).
         """
+        ranges = self._kv_ranges(src_pages, dst_pages)
+        if ranges is None:
+            return TransferPlan("kv")
+        return TransferPlan("kv", tuple(
+            BufferTransfer.of_frozen(i, j, ranges[k]) for (i, j), k in zip(self.kv_pairs, self._kv_geometry_slots)))
+
+    def plan_kv_columns(self, src_pages, dst_pages) -> Optional[Tuple[list, list, list, int]]:
+        """plan_kv as the columns of one engine call over every KV pair, in `kv_pairs` order:
+        (local offsets, remote offsets, sizes) with one entry per pair (the same read-only
+        arrays shared by every pair of a geometry) and the total bytes. No object per pair.
+        None when nothing moves, or when some pair gets no range (plan_kv drops such pairs)."""
+        ranges = self._kv_ranges(src_pages, dst_pages)
+        if ranges is None or any(r[2].size == 0 for r in ranges):
+            return None
+        slots = self._kv_geometry_slots
+        if len(ranges) == 1:
+            local, remote, sizes = ranges[0]
+            n = len(slots)
+            return [local] * n, [remote] * n, [sizes] * n, int(sizes.sum()) * n
+        per_slot = [int(r[2].sum()) for r in ranges]
+        return ([ranges[k][0] for k in slots], [ranges[k][1] for k in slots], [ranges[k][2] for k in slots],
+                sum(per_slot[k] for k in slots))
+
+    def _kv_ranges(self, src_pages, dst_pages) -> Optional[List[Ranges]]:
+        """The checked, read-only ranges of each distinct KV geometry; None for no pages."""
         if self.dcp_relayout:
             raise PlanError(
                 f"decode context parallel (decode dcp_size={self.decode.dcp_size}) needs the token "
@@ -122,21 +158,15 @@ class TransferPlanner:
         dst = as_index_array(dst_pages, "decode KV page indices")
         check_paired(src, dst, "KV page indices")
         if src.size == 0:
-            return TransferPlan("kv")
-        check_in_range(src, self._src_kv_limits, self._src_kv_names, "page")
-        check_in_range(dst, self._dst_kv_limits, self._dst_kv_names, "page")
-        by_geometry: Dict[Hashable, Ranges] = {}
-        transfers = []
-        for (i, j), geometry in zip(self.kv_pairs, self._kv_geometry):
-            ranges = by_geometry.get(geometry)
-            if ranges is None:
-                if isinstance(geometry, HeadSlice):
-                    ranges = head_sliced_ranges(src, dst, geometry)
-                else:
-                    ranges = contiguous_item_ranges(src, dst, geometry)
-                ranges = by_geometry[geometry] = _read_only(ranges)
-            transfers.append(BufferTransfer.of_frozen(i, j, ranges))
-        return TransferPlan("kv", tuple(transfers))
+            return None
+        # The smallest buffer bounds every index: one min/max each, the buffer named only on a miss.
+        if int(src.min()) < 0 or int(src.max()) >= self._src_kv_floor:
+            check_in_range(src, self._src_kv_limits, self._src_kv_names, "page")
+        if int(dst.min()) < 0 or int(dst.max()) >= self._dst_kv_floor:
+            check_in_range(dst, self._dst_kv_limits, self._dst_kv_names, "page")
+        return [_read_only(head_sliced_ranges(src, dst, g) if isinstance(g, HeadSlice)
+                           else contiguous_item_ranges(src, dst, g))
+                for g in self._kv_unique_geometries]
 
     def plan_kv_dcp(self, src_pages, dst_pages, *, page_offset: int, decode_prefix_len: int = 0,
                     num_tokens: Optional[int] = None) -> TransferPlan:

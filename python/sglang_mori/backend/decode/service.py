@@ -161,13 +161,20 @@ class DecodeService:
         sock = self.p.control_socket
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
+        poll_s = self.p.config.wait_poll_ms / 1000.0
+        next_sweep = 0.0
         while not self.stopped.is_set():
             try:
                 # Wakes for a message at once; idle, every SGLANG_MORI_WAIT_POLL_MS for the deadlines.
                 if poller.poll(self.p.config.wait_poll_ms):
                     self.handle(sock.recv_multipart())
-                self.enforce_deadlines(self.p.clock())
-                self.p.metrics.set_open_rooms(len(self.p.rooms))
+                # The deadline sweep walks every room: once per poll interval, not per message
+                # (two messages per request would make it O(rooms) per message under load).
+                now = self.p.clock()
+                if now >= next_sweep:
+                    next_sweep = now + poll_s
+                    self.enforce_deadlines(now)
+                    self.p.metrics.set_open_rooms(len(self.p.rooms))
             except zmq.ZMQError:
                 if self.stopped.is_set():
                     return

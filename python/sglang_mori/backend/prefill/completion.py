@@ -68,6 +68,11 @@ class Completion:
     def advance(self, r: PrefillRoom, now: float) -> None:
         if not r.concluded:
             self._maybe_conclude(r, now)
+            if not r.concluded and not any(not w.handle.released and w.handle.quiescent() for w in r.writes):
+                # Open, every write still running or returned: settling would publish the same
+                # outstanding count (submitters publish their own changes) and return nothing.
+                # Skipped, so a pass over rooms in flight costs a status look each, no transition.
+                return
         with self.effects.transition() as fx:
             finished = self.p.rooms.settle(r, now, DRAIN_GIVE_UP_DEADLINES * self.p.timeout_s, fx)
         if finished is not Phase.POISONED:

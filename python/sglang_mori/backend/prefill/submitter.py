@@ -155,7 +155,7 @@ class ChunkSubmitter:
                     self.failures.conclude_locked(r, *failure, fx)
         return len(writes)
 
-    def _open_sessions(self, peer, pairs) -> Optional[str]:
+    def _open_sessions(self, peer, batch) -> Optional[str]:
         """First contact with every (local, remote) region pair of a write before it is posted;
         None when they are all open.
 
@@ -163,26 +163,32 @@ class ChunkSubmitter:
         when it meets the pair there, and that can raise after earlier pairs of the same call were
         posted: those writes are then in flight with no status to wait on, and their room could
         never prove it drained. Opening the pairs here means a dead or broken peer fails the write
-        before a single byte is posted.
+        before a single byte is posted. A batch over the planner's cached descriptor columns is
+        checked once per peer (its `sessions_key`), not pair by pair on every chunk.
         """
         opened = peer.open_pairs
-        missing = [pair for pair in pairs if (pair.local.id, pair.remote.id) not in opened]
-        if not missing:
+        batch_key = ("columns", batch.sessions_key) if batch.sessions_key is not None else None
+        if batch_key is not None and batch_key in opened:
             return None
+        missing = [(local, remote) for local, remote in zip(batch.local, batch.remote)
+                   if (local.id, remote.id) not in opened]
         p = self.p
-        with peer.session_lock:
-            for pair in missing:
-                key = (pair.local.id, pair.remote.id)
-                if key in opened:
-                    continue
-                try:
-                    p.engine.connect(pair.local, pair.remote)
-                except Exception as exc:
-                    reason = f"cannot reach decode engine {peer.engine_key}: {exc}"
-                    if p.peers.mark_failed(peer.engine_key, reason):
-                        p.metrics.peer_down(peer.engine_key)
-                    return reason
-                opened.add(key)
+        if missing:
+            with peer.session_lock:
+                for local, remote in missing:
+                    key = (local.id, remote.id)
+                    if key in opened:
+                        continue
+                    try:
+                        p.engine.connect(local, remote)
+                    except Exception as exc:
+                        reason = f"cannot reach decode engine {peer.engine_key}: {exc}"
+                        if p.peers.mark_failed(peer.engine_key, reason):
+                            p.metrics.peer_down(peer.engine_key)
+                        return reason
+                    opened.add(key)
+        if batch_key is not None:
+            opened.add(batch_key)
         return None
 
     def post(self, chunk: Chunk, targets, writes: List[TrackedWrite]):
@@ -203,17 +209,17 @@ class ChunkSubmitter:
                 return reason, PEER_DEAD
             peer = p.peers.get(t.engine_key)
             try:
-                pairs = p.planner.write_pairs(peer, chunk, t)
+                batch = p.planner.write_batch(peer, chunk, t)
             except PlanningError as exc:
                 return f"room {chunk.room}: {exc}", BAD_INDEX
-            failure = self._open_sessions(peer, pairs) if pairs else None
+            failure = self._open_sessions(peer, batch) if len(batch) else None
             if failure is not None:
                 return failure, PEER_DEAD
             if not self.effects.take_slot(peer.engine_key, deadline):
                 return (f"decode engine {peer.engine_key} has {p.peers.budget.count(peer.engine_key)} transfers in "
                         "flight (SGLANG_MORI_MAX_INFLIGHT_PER_PEER) and none finished before the deadline", TIMEOUT)
             try:
-                handle = p.engine.write(peer.engine_key, pairs, deadline=deadline, retry_max=p.config.submit_retry_max)
+                handle = p.engine.write(peer.engine_key, batch, deadline=deadline, retry_max=p.config.submit_retry_max)
             except SubmitError as exc:
                 # Track what was issued: it must drain (or be given up on) like any write.
                 p.metrics.transfer_started(peer.engine_key)

@@ -18,6 +18,7 @@ from typing import FrozenSet, List, Optional
 import numpy as np
 
 from sglang_mori.backend.plans import KVPlanner, to_pairs
+from sglang_mori.engine import WriteBatch
 from sglang_mori.backend.prefill.submitter import Chunk
 from sglang_mori.planning.transfer_plan import TransferPlan
 
@@ -71,6 +72,11 @@ class LayerwisePlanner(KVPlanner):
             dst = target.kv_indices[stream.dst_slice]
             plan = stream.plans[peer.engine_key] = self.registered_planner(peer).plan_kv(stream.src_pages, dst)
         return plan
+
+    def write_batch(self, peer, chunk, target):
+        if isinstance(chunk, (LayerChunk, SelectedChunk)):
+            return WriteBatch.of_pairs(self.write_pairs(peer, chunk, target))
+        return super().write_batch(peer, chunk, target)
 
     def write_pairs(self, peer, chunk, target) -> list:
         if isinstance(chunk, LayerChunk):

@@ -1,0 +1,73 @@
+"""`scripts/bench_backend.py hotpath`: our Python per request, by thread role, both sides, on softio.
+
+One prefill service and one decode service in this process (test/harness/hotpath/rig.py), driven
+as SGLang's schedulers drive them: decode's receiver opens the room and sends its metadata, the
+prefill's sender claims it and sends every page with the aux slot in one chunk, both wait for
+Success, both clear. Counted with each thread's CPU clock (not wall time): the scheduler thread's
+own calls into us one by one, our threads (shard, completion, control; decode's status thread)
+whole, minus the CPU spent inside softio's IOEngine calls (C++ that releases the GIL on MORI-IO),
+which is reported apart. Needs no SGLang, torch or GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+DEFAULT_CASES = "mla61p64:1024,mla61p64:8192,gqa32p16:1024,gqa32p16:8192"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--cases", default=DEFAULT_CASES, help="comma-separated SHAPE:TOKENS (shapes: mla61p64, gqa32p16)")
+    p.add_argument("--requests", type=int, default=96, help="measured requests per case")
+    p.add_argument("--window", type=int, default=8, help="requests in flight at once")
+    p.add_argument("--token-bytes", type=int, default=16,
+                   help="bytes per token and buffer (the real 1152 / 2048 move the same Python, more bytes)")
+    p.add_argument("--engine", choices=("softio", "instant"), default="softio",
+                   help="instant: softio's batch_write returns finished statuses and moves no bytes "
+                        "(our Python alone; the polling threads' idle cost no longer follows softio's speed)")
+    p.add_argument("--json", action="store_true", help="print one JSON object per case")
+    p.add_argument("--backend-root", default="",
+                   help="count another checkout's backend (its python/ folder) with this harness: a "
+                        "same-run baseline, e.g. a `git worktree` of the commit before a change")
+
+
+def Path_of(module) -> str:
+    from pathlib import Path
+
+    return str(Path(module.__file__).resolve().parents[1])
+
+
+def _row(result: dict, side: str) -> str:
+    rows = result[side]
+    parts = [f"{name} {v['ours_us']}" + (f" (+{v['engine_us']} engine)" if v.get("engine_us") else "")
+             for name, v in rows.items() if name != "total"]
+    total = rows["total"]
+    return f"  {side}: ours {total['ours_us']} us/request (engine {total['engine_us']}) = " + ", ".join(parts)
+
+
+def run(args) -> int:
+    if args.backend_root:
+        from pathlib import Path
+
+        if "sglang_mori" in sys.modules:
+            raise SystemExit("--backend-root: sglang_mori was imported before the path could change")
+        sys.path.insert(0, str(Path(args.backend_root).resolve() / "python"))
+    from harness.hotpath.run import run_case
+    import sglang_mori
+
+    print(f"# backend: {Path_of(sglang_mori)}", file=sys.stderr, flush=True)
+
+    for case in args.cases.split(","):
+        shape, tokens = case.split(":")
+        result = run_case(shape, int(tokens), args.requests, args.window, args.token_bytes,
+                          engine_mode=args.engine)
+        if args.json:
+            print(json.dumps(result), flush=True)
+            continue
+        print(f"[{args.engine}] {shape} {tokens} tokens ({result['pages']} pages), {result['requests']} requests, "
+              f"window {result['window']}, {result['wall_s']} s", flush=True)
+        print(_row(result, "prefill"))
+        print(_row(result, "decode"))
+        print(f"  softio's own threads: {result['softio_threads_us']} us/request", flush=True)
+    return 0

@@ -1,0 +1,1 @@
+"""`scripts/bench_backend.py hotpath`: our Python per request, split by thread role, on softio."""

@@ -1,0 +1,131 @@
+"""Drive one PD pair as the two schedulers do and count our Python per request by thread role."""
+
+from __future__ import annotations
+
+import gc
+import math
+import time
+
+import numpy as np
+
+from sglang_mori.backend import room_status as S
+from sglang_mori.config import MoriConfig
+
+from harness.hotpath.meter import CallMeter, EngineMeter, ThreadClocks, metered_engine
+import contextlib
+
+from harness.hotpath.rig import AUX_SLOTS, SHAPES, PDPair, instant_writes
+
+WAIT_S = 120.0
+# Thread roles of each side (after role(): digits -> N). Everything else in the process is the
+# harness (MainThread, whose calls into us are timed one by one) or softio's own threads.
+PREFILL_THREADS = ("mori-shard-N", "mori-completion", "mori-control")
+DECODE_THREADS = ("mori-decode-status",)
+
+
+class Driver:
+    def __init__(self, pair: PDPair, tokens: int, window: int, seed: int = 0):
+        self.pair = pair
+        self.calls = CallMeter()
+        self.per = math.ceil(tokens / pair.shape.page_size)
+        self.window = window
+        self.rng = np.random.default_rng(seed)
+        self.next_room = 1000
+
+    def batch(self) -> None:
+        """`window` requests at once, each one chunk (SGLang's last send with every page and aux)."""
+        p, c = self.pair, self.calls
+        rooms = list(range(self.next_room, self.next_room + self.window))
+        self.next_room += self.window
+        total = self.per * self.window
+        src = self.rng.permutation(total).reshape(self.window, self.per)
+        dst = self.rng.permutation(total).reshape(self.window, self.per)
+        attempts = {}
+        for i, room in enumerate(rooms):
+            p.decode_sglang.open(room)  # SGLang's receiver init opens the room
+            with c.call("decode.init"):
+                attempts[room] = p.decode.new_receiver(room)
+            with c.call("decode.send_metadata"):
+                frames = p.encode(p.decode.record_destination(
+                    bootstrap_room=room, required_dst_info_num=1, kv_indices=dst[i], aux_index=room % AUX_SLOTS,
+                    state_indices=None, decode_prefix_len=None, is_dummy=False))
+            p.send_to_prefill(frames)  # SGLang's bootstrap socket
+            p.prefill_sglang.open(room)  # SGLang's sender init
+            with c.call("prefill.init"):
+                refused = p.prefill.claim(room)
+            if refused:
+                raise RuntimeError(f"room {room} refused: {refused}")
+        # The scheduler polls until decode's metadata made the room WaitingForInput, then sends.
+        p.prefill_sglang.wait_all(rooms, (S.WAITING_FOR_INPUT,), WAIT_S)
+        for i, room in enumerate(rooms):
+            with c.call("prefill.send"):
+                p.prefill.add_chunk(room, src[i], slice(0, self.per), True, aux_index=room % AUX_SLOTS)
+        p.prefill_sglang.wait_all(rooms, (S.SUCCESS, S.FAILED), WAIT_S)
+        p.decode_sglang.wait_all(rooms, (S.SUCCESS, S.FAILED), WAIT_S)
+        failed = [r for r in rooms if p.prefill_sglang.status(r) != S.SUCCESS or p.decode_sglang.status(r) != S.SUCCESS]
+        if failed:
+            raise RuntimeError(f"rooms failed: {[(r, p.prefill_sglang.failure_reason(r)) for r in failed[:3]]}")
+        for room in rooms:
+            with c.call("prefill.clear"):
+                p.prefill.release(room)
+            p.prefill_sglang.clear(room)
+            with c.call("decode.clear"):
+                p.decode.forget(room, attempts[room])
+            p.decode_sglang.clear(room)
+
+
+def _us(ns: float, n: int) -> float:
+    return round(ns / n / 1e3, 1)
+
+
+def report(calls: dict, threads: dict, engine: EngineMeter, requests: int, wall_s: float) -> dict:
+    out: dict = {"requests": requests, "wall_s": round(wall_s, 3)}
+    for side, roles in (("prefill", PREFILL_THREADS), ("decode", DECODE_THREADS)):
+        rows: dict = {}
+        for name, ns in sorted(calls.items()):
+            if name.startswith(side + "."):
+                rows["scheduler." + name.split(".", 1)[1]] = {"ours_us": _us(ns, requests), "engine_us": 0.0}
+        for r in roles:
+            eng = engine.ns.get(r, 0)
+            rows[r] = {"ours_us": _us(threads.get(r, 0) - eng, requests), "engine_us": _us(eng, requests),
+                       "engine_calls": round(engine.calls.get(r, 0) / requests, 1)}
+        rows["total"] = {"ours_us": round(sum(v["ours_us"] for v in rows.values()), 1),
+                         "engine_us": round(sum(v["engine_us"] for v in rows.values()), 1)}
+        out[side] = rows
+    known = set(PREFILL_THREADS) | set(DECODE_THREADS) | {"MainThread"}
+    out["softio_threads_us"] = _us(sum(v for k, v in threads.items() if k not in known), requests)
+    return out
+
+
+def run_case(shape_key: str, tokens: int, requests: int, window: int, token_bytes: int,
+             config: MoriConfig | None = None, engine_mode: str = "softio") -> dict:
+    shape = SHAPES[shape_key]
+    per = math.ceil(tokens / shape.page_size)
+    config = config or MoriConfig(transfer_shards=1)
+    writes = instant_writes() if engine_mode == "instant" else contextlib.nullcontext()
+    with writes, metered_engine() as engine:
+        pair = PDPair(shape, per * window, token_bytes, config)
+        pair.start()
+        try:
+            driver = Driver(pair, tokens, window)
+            for _ in range(2):  # warm-up: sessions, first plans, caches
+                driver.batch()
+            gc.collect()
+            gc.freeze()  # as the backend does after start-up: no full collections of old objects
+            clocks = ThreadClocks()
+            batches = max(1, requests // window)
+            engine.reset()
+            driver.calls.enabled = True
+            clocks.start()
+            start = time.perf_counter()
+            for _ in range(batches):
+                driver.batch()
+            wall = time.perf_counter() - start
+            threads = clocks.since()
+            result = report(driver.calls.ns, threads, engine, batches * window, wall)
+        finally:
+            pair.stop()
+            gc.unfreeze()
+    result.update(shape=shape_key, tokens=tokens, engine=engine_mode, pages=per, window=window, token_bytes=token_bytes,
+                  rejections=pair.rejections)
+    return result
