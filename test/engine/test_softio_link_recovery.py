@@ -17,6 +17,7 @@ survives as long). It needs the private network namespace of scripts/in_private_
 from __future__ import annotations
 
 import time
+from multiprocessing import resource_tracker
 
 import numpy as np
 import pytest
@@ -46,6 +47,10 @@ def hosts():
 
 
 def test_a_lane_resumes_within_a_second_after_an_outage(io, engine_kind, hosts):
+    # multiprocessing starts its resource tracker (a process living as long as this one) on first
+    # use: started from the decode host's thread, it would keep that namespace, and its veth here,
+    # alive after the topology is closed. Started here, it lives in this namespace.
+    resource_tracker.ensure_running()
     peer = on_host(hosts.hosts["decode"], lambda: EnginePeer(engine_kind, qp=2, host=ADDRS["decode"],
                                                              role="outage-target"))
     try:
@@ -86,4 +91,7 @@ def _outage_then_write(io, kind, hosts, peer) -> None:
         assert took < RESUMED_WITHIN_S, f"the write completed {took:.1f} s after the link was back"
         assert np.array_equal(remote, local)
     finally:
-        engine.remove_backend(io.BackendType.RDMA)
+        # Every socket and thread of this engine was made inside the prefill host's namespace and
+        # keeps it alive (with its veth in this namespace, so the next Topology cannot build):
+        # shut it down now, not whenever the engine object is collected.
+        engine._core.shutdown()

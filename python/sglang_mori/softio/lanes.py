@@ -151,9 +151,13 @@ class Lane:
             self._expect.clear()
         if batch is not None:
             pending.append(batch)
+        # Wake the sender so it exits, on every call: the drain above may have taken the sentinel
+        # an earlier call left (the receiver breaking the lane again after shutdown did), and a
+        # sender left waiting on an empty queue lives, with its network namespace, as long as the
+        # process. Extra sentinels are never read: the sender returns at the first.
+        self._queue.put(None)
         if first:
             wire.abort_socket(self.sock)
-            self._queue.put(None)  # wake the sender so it exits
             with self._sq:
                 self._sq.notify_all()
         message = f"lane {self.index} to {self.peer.key} failed: {reason}"
