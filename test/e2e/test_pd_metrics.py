@@ -155,8 +155,13 @@ def test_pd_metrics_move_with_requests(pd, tiny_model):
              lambda v: v == pytest.approx(got["prefill bytes"], rel=1e-6), "== our transfer bytes"),
             ("sglang prefill kv_transfer_bootstrap_ms count", lambda v: v == n, f"== {n}"),
             ("sglang prefill kv_transfer_alloc_ms count", lambda v: v == n, f"== {n}"),
-            ("sglang decode kv_transfer_bootstrap_ms count", lambda v: v == n, f"== {n}"),
-            ("sglang decode kv_transfer_alloc_ms count", lambda v: v == n, f"== {n}"),
+            # At least n, not exactly: SGLang's /health generates one token by default
+            # (SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION), as a fake-bootstrap request that passes
+            # decode's prealloc and transfer queues and can be observed in these two histograms; the
+            # router's periodic health check can land inside this window (CI once counted 5 for 4).
+            # The exact count of real requests is decode's own "requests ok" below.
+            ("sglang decode kv_transfer_bootstrap_ms count", lambda v: v >= n, f">= {n}"),
+            ("sglang decode kv_transfer_alloc_ms count", lambda v: v >= n, f">= {n}"),
             ("decode failures", lambda v: v == 0, "== 0"),
             ("decode requests failed", lambda v: v == 0, "== 0"),
             ("decode requests ok", lambda v: v == n, f"== {n} requests received"),
