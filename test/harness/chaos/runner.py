@@ -18,6 +18,7 @@ from harness.chaos.deployment import NetnsPD
 from harness.chaos.faults import Fault, FaultContext
 from harness.chaos.hosts import ADDRS, Topology
 from harness.chaos.load import LoadSpec, start_client, wait_client
+from harness.chaos.recovery import Outcome, serving_again_after
 from harness.chaos.verdict import Counts, Key, Reference, answers, classify, read_records, replay_references
 
 PROBE_PROMPT = "The network came back and the next request"
@@ -33,6 +34,9 @@ class RunSettings:
     client_cap_s: float = 420.0  # the whole client run, after which it is stopped
     inject_within_s: float = 90.0  # the fault goes in once transfers are in flight, or by then
     recovery_limit_s: float = 120.0  # probing stops here ("not recovered")
+    # After the first served probe, probing goes on this long: a breaker that opens a few seconds
+    # after the fault (failures counted as they come back) must show in "serving again after".
+    recovery_watch_s: float = 15.0
     drain_s: float = 60.0  # servers must hold no request after the load, within this
     bounds: lo.Bounds = field(default_factory=lo.Bounds)
 
@@ -49,7 +53,7 @@ class FaultResult:
     fault_s: float = 0.0  # how long the fault lasted (restarts: kill until ready again)
     fault_window: tuple = ()  # (start, end) of the fault, CLOCK_MONOTONIC as in the records
     inject_note: str = ""
-    recovered_s: Optional[float] = None  # fault end -> first request sent that was served
+    recovered_s: Optional[float] = None  # fault end -> first served request after the last refused one (recovery.py)
     other_restarts: List[str] = field(default_factory=list)
     leftovers: Dict[str, List[str]] = field(default_factory=dict)
     snapshots: Dict[str, lo.Snapshot] = field(default_factory=dict)
@@ -100,20 +104,28 @@ def probe_ok(dep: NetnsPD, expected_ids: List[int], timeout_s: float = 30.0) -> 
     return gen.ok and gen.output_ids == expected_ids
 
 
-def _wait_recovery(dep: NetnsPD, expected_ids: List[int], fault_end: float, limit_s: float) -> Optional[float]:
-    """Seconds from the fault's end to the send time of the first probe that was served right."""
-    while time.monotonic() - fault_end < limit_s:
-        sent = time.monotonic()
-        if probe_ok(dep, expected_ids, timeout_s=max(1.0, limit_s - (sent - fault_end))):
-            return sent - fault_end
-        time.sleep(0.5)  # the next probe; the servers are not answering yet
-    return None
+def _probe_recovery(dep: NetnsPD, expected_ids: List[int], fault_end: float, limit_s: float,
+                    watch_s: float) -> List[Outcome]:
+    """(send time, served right) of each probe from the fault's end: until one is served right,
+    within `limit_s`, then for `watch_s` more (a late breaker opening refuses them)."""
+    outcomes: List[Outcome] = []
+    first_ok: Optional[float] = None
+    while True:
+        now = time.monotonic()
+        if first_ok is None and now - fault_end >= limit_s:
+            return outcomes
+        if first_ok is not None and now - first_ok >= watch_s:
+            return outcomes
+        timeout_s = max(1.0, limit_s - (now - fault_end)) if first_ok is None else watch_s
+        ok = probe_ok(dep, expected_ids, timeout_s=timeout_s)
+        outcomes.append((now, ok))
+        if ok and first_ok is None:
+            first_ok = now
+        time.sleep(0.5)  # the next probe: a bounded count over a bounded time
 
 
-def _first_served_after(reqs, refs, fault_end: float) -> Optional[float]:
-    sent = [r.start - fault_end for r in reqs
-            if r.start >= fault_end and r.success and r.text in answers(refs.get(r.key))]
-    return min(sent) if sent else None
+def _load_outcomes(reqs, refs) -> List[Outcome]:
+    return [(r.start, r.success and r.text in answers(refs.get(r.key))) for r in reqs]
 
 
 def snapshots(dep: NetnsPD, topo: Topology) -> Dict[str, lo.Snapshot]:
@@ -161,7 +173,8 @@ def run_fault(dep: NetnsPD, topo: Topology, fault: Fault, settings: RunSettings,
         fault_end = time.monotonic()
         result.fault_s = fault_end - t0
         result.fault_window = (t0, fault_end)
-        probed = _wait_recovery(dep, probe_ids, fault_end, settings.recovery_limit_s)
+        probed = _probe_recovery(dep, probe_ids, fault_end, settings.recovery_limit_s,
+                                 settings.recovery_watch_s)
         result.client_exit = wait_client(proc, max(10.0, settings.client_cap_s - (time.monotonic() - started)))
     finally:
         proc.stop(grace_s=2.0)
@@ -170,8 +183,7 @@ def run_fault(dep: NetnsPD, topo: Topology, fault: Fault, settings: RunSettings,
     if replay_reference:
         refs.update(replay_references(dep.router_url, reqs, settings.load.max_concurrency))
     result.counts = classify(reqs, refs, settings.hang_bound_s, until)
-    served = [s for s in (probed, _first_served_after(reqs, refs, fault_end)) if s is not None]
-    result.recovered_s = min(served) if served else None
+    result.recovered_s = serving_again_after(probed + _load_outcomes(reqs, refs), fault_end)
     result.other_restarts = [role for role, pid in pids.items()
                              if role != fault.restarts and (dep.pid(role) != pid or not dep.procs[role].alive())]
     result.snapshots = drain(dep, topo, settings.drain_s)
