@@ -36,13 +36,19 @@ def _aux_slot(rig, slot: int) -> bytes:
     return rig.decode.aux[slot * AUX_BYTES:(slot + 1) * AUX_BYTES].tobytes()
 
 
+def _first_attempt_claimed(rig):
+    """The room's first receiver attempt, its destination recorded and the room claimed by prefill:
+    (decode service, that attempt's id)."""
+    rig.register()
+    first = rig.new_attempt(ROOM)
+    rig.metadata(ROOM, pages=[1, 2], aux_index=OLD_AUX)
+    rig.claim(ROOM)
+    return rig.decode_service, first
+
+
 def test_a_late_success_of_the_old_attempt_leaves_the_new_receiver_waiting():
     with PrefillRig() as rig:
-        rig.register()
-        svc = rig.decode_service
-        first = rig.new_attempt(ROOM)
-        rig.metadata(ROOM, pages=[1, 2], aux_index=OLD_AUX)
-        rig.claim(ROOM)
+        svc, first = _first_attempt_claimed(rig)
         rig.send(ROOM, pages=[3, 4], last=True, aux_index=1)
         rig.wait_status(ROOM, S.SUCCESS)
         (late,) = rig.messenger.of_type(protocol.RoomStatus, ROOM)  # prefill's Success, still on the way
@@ -77,11 +83,7 @@ def test_a_late_success_of_the_old_attempt_leaves_the_new_receiver_waiting():
 
 def test_a_late_failure_of_the_old_attempt_does_not_fail_the_new_receiver():
     with PrefillRig() as rig:
-        rig.register()
-        svc = rig.decode_service
-        first = rig.new_attempt(ROOM)
-        rig.metadata(ROOM, pages=[1, 2], aux_index=OLD_AUX)
-        rig.claim(ROOM)
+        svc, first = _first_attempt_claimed(rig)
         assert rig.service.fail(ROOM, "the lane broke")  # prefill fails it and tells decode
         (late,) = rig.messenger.of_type(protocol.RoomStatus, ROOM)
         assert late.status == S.FAILED
