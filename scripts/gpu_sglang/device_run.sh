@@ -17,8 +17,9 @@ python3 -m pip install -q --no-index --no-deps --target "$SITE" "$WHL"/*.whl > "
 # SGLang loads plugins through entry points (group sglang.srt.plugins): a dist-info makes ours visible.
 DI="$SITE/sglang_mori-0.1.0.dist-info"; mkdir -p "$DI"
 printf 'Metadata-Version: 2.1\nName: sglang-mori\nVersion: 0.1.0\n' > "$DI/METADATA"
-# room_trace (scripts/gpu_sglang) only acts where SGLANG_MORI_ROOM_TRACE is set (pd_latency.py --trace).
-printf '[sglang.srt.plugins]\nsglang_mori = sglang_mori.plugin:register\nroom_trace = room_trace:register\n' > "$DI/entry_points.txt"
+# room_trace and kv_hash (scripts/gpu_sglang) only act where SGLANG_MORI_ROOM_TRACE (pd_latency.py
+# --trace) or SGLANG_MORI_KV_HASH (pd_identity.py --kv-hash) is set: measurement only.
+printf '[sglang.srt.plugins]\nsglang_mori = sglang_mori.plugin:register\nroom_trace = room_trace:register\nkv_hash = kv_hash:register\n' > "$DI/entry_points.txt"
 export PYTHONPATH="$ROOT/python:$ROOT/scripts/gpu_stubs:$ROOT/scripts/gpu_sglang:$SITE"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 SGLANG_HOST_IP=127.0.0.1 PYTHONUNBUFFERED=1
 # The stand-in is not the sglang-kernel distribution SGLang's launcher asks for (>= 0.4.9).

@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, List
 
+import kv_hash
 from servers import PDClient, Server, generate, record_failure, sampling, server_argv
 
 CHUNK = 1024  # --chunked-prefill-size: prompts up to 3x this are prefilled (and sent) in chunks
@@ -110,7 +111,10 @@ def run_phase(name: str, args, items: List[Dict], logs: Path, ports: List[int]) 
     servers: List[Server] = []
     try:
         if name == "standalone":
-            srv = Server(name, server_argv(model, ports[0], base, args.mem, flags), env, logs, ports[0]).start()
+            if args.kv_hash:  # no rooms here: the plugin records the process's float32 matmul settings
+                env.update(kv_hash_env(args, name))
+            srv = Server(name, server_argv(model, ports[0], base, args.mem, flags, tp=args.standalone_tp),
+                         env, logs, ports[0]).start()
             servers.append(srv)
             srv.wait_ready(args.start_timeout)
             send = lambda body: generate(srv.url, body)  # noqa: E731
@@ -118,6 +122,8 @@ def run_phase(name: str, args, items: List[Dict], logs: Path, ports: List[int]) 
             penv = dict(env, SGLANG_MORI_ENGINE="soft")
             if name.startswith("pd_lw"):
                 penv.update(LAYERWISE_ENV)
+            if args.kv_hash:
+                penv.update(kv_hash_env(args, name))
             boot = ports[2]
             pextra = ["--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "mori",
                       "--disaggregation-bootstrap-port", str(boot)]
@@ -149,7 +155,18 @@ def run_phase(name: str, args, items: List[Dict], logs: Path, ports: List[int]) 
     finally:
         for s in servers:
             s.stop()
+    if args.kv_hash and name != "standalone":
+        phase["kv_hash"] = kv_hash.compare(Path(args.kv_hash) / name)
+        print(f"[{name}] KV bytes: {json.dumps({k: v for k, v in phase['kv_hash'].items() if k != 'mismatches'})}",
+              flush=True)
     return phase
+
+
+def kv_hash_env(args, name: str) -> Dict[str, str]:
+    """kv_hash.py's switch: one folder per phase, and the prefill TP that decode slices its heads by."""
+    folder = Path(args.kv_hash) / name
+    folder.mkdir(parents=True, exist_ok=True)
+    return {kv_hash.ENV: str(folder), kv_hash.PREFILL_TP_ENV: str(args.prefill_tp)}
 
 
 def main() -> None:
@@ -166,6 +183,8 @@ def main() -> None:
     ap.add_argument("--deterministic", action="store_true")
     ap.add_argument("--gpu-base", type=int, default=0, help="first GPU this run uses")
     ap.add_argument("--prefill-tp", type=int, default=1, help="prefill TP size (GPUs base..base+tp-1; decode after)")
+    ap.add_argument("--standalone-tp", type=int, default=1, help="TP size of the standalone server")
+    ap.add_argument("--kv-hash", help="folder: hash each room's KV on both PD sides (kv_hash.py) and compare")
     ap.add_argument("--port-base", type=int, default=31000)
     ap.add_argument("--reference", help="a pd_identity.json whose standalone phase is the reference")
     ap.add_argument("--dtype", help="--dtype for every server (float32: TP-invariant numerics)")
@@ -180,7 +199,8 @@ def main() -> None:
     report: Dict = {"prompts": len(items), "prompt_tokens": [len(p["input_ids"]) for p in items],
                     "chunked_prefill_size": CHUNK, "gpus": args.gpus,
                     "deterministic": args.deterministic, "gpu_base": args.gpu_base,
-                    "prefill_tp": args.prefill_tp, "dtype": args.dtype, "phases": {}}
+                    "prefill_tp": args.prefill_tp, "standalone_tp": args.standalone_tp, "dtype": args.dtype,
+                    "triton_f32_default": os.environ.get("TRITON_F32_DEFAULT"), "phases": {}}
     ports = [args.port_base, args.port_base + 10, args.port_base + 20]
     for name in args.phases.split(","):
         phase = run_phase(name, args, items, logs, ports)

@@ -1,7 +1,7 @@
 # Sourced by device_run.sh (wheels installed, environment set): runs side by side on a 4-GPU
 # machine, one plan per device call. Each run writes under $W; the JSONs are copied to $OUT and
 # every log travels back in $OUT/<plan>.tgz (a call returns at most 8 files).
-# Usage: device_run.sh plan plan1|plan2|plan3
+# Usage: device_run.sh plan plan1|plan2|plan3|tp_proof
 S="$ROOT/scripts/gpu_sglang"
 W=/tmp/w
 
@@ -62,6 +62,36 @@ plan3() {
     --concurrency 1 --tag latency_pd_auto --port-base 37000 > $W/lat_auto.out 2>&1
 }
 
+# Is prefill TP 2 -> decode TP 1's difference from the TP 1 standalone (7/64 identical in bf16)
+# TP arithmetic or the transfer? Round 1: TP 2 standalone, bf16 (GPUs 0,1), beside TP 2 standalone
+# in float32 with IEEE float32 dots (GPUs 2,3; Triton's default for a float32 dot is TF32, and the
+# batch-invariant matmul is a Triton kernel). Round 2: PD TP 2 (GPUs 0,1) -> TP 1 (GPU 2) with the
+# KV byte check (kv_hash.py), chunk-wise and layer-wise, beside the TP 1 standalone references on
+# GPU 3 (bf16, then float32 IEEE), made on this machine. tp_invariance.py compares (a)-(d).
+tp_proof() {
+  local P="python3 $S/pd_identity.py --model /tmp/gpu-llama --deterministic"
+  local IEEE="env TRITON_F32_DEFAULT=ieee TRITON_CACHE_DIR=/tmp/triton-ieee"
+  PLAN_JSONS="$W/pd/*.json $W/analysis/*.json"  # the rest travels in the archive (8 files a call)
+  $P --out $W/tp2s --phases standalone --standalone-tp 2 --gpu-base 0 --tag standalone_tp2 \
+    --kv-hash $W/kv_tp2s --port-base 34000 > $W/tp2s.out 2>&1 & local a=$!
+  $IEEE $P --out $W/tp2s32 --phases standalone --standalone-tp 2 --gpu-base 2 --dtype float32 \
+    --tag standalone_tp2_fp32_ieee --kv-hash $W/kv_tp2s32 --port-base 35000 > $W/tp2s32.out 2>&1 & local b=$!
+  wait $a $b
+  ( $P --out $W/ref --phases standalone --gpu-base 3 --tag standalone --kv-hash $W/kv_ref \
+      --port-base 36000 > $W/ref.out 2>&1
+    $IEEE $P --out $W/ref32 --phases standalone --gpu-base 3 --dtype float32 --tag standalone_fp32_ieee \
+      --kv-hash $W/kv_ref32 --port-base 36500 > $W/ref32.out 2>&1 ) & local c=$!
+  $P --out $W/pd --phases pd,pd_lw --gpus 2 --prefill-tp 2 --reference $W/ref/standalone.json \
+    --kv-hash $W/kv_pd --tag identity_tp2_kvhash --port-base 37000 > $W/pd.out 2>&1
+  wait $c
+  mkdir -p $W/analysis
+  python3 "$S/tp_invariance.py" --tp1 $W/ref/standalone.json --tp2 $W/tp2s/standalone_tp2.json \
+    --pd $W/pd/identity_tp2_kvhash.json --tp1-old docs/data/gpu_sglang_identity_tp2_h200x4.json \
+    --tp1-ieee $W/ref32/standalone_fp32_ieee.json --tp2-ieee $W/tp2s32/standalone_tp2_fp32_ieee.json \
+    --out $W/analysis/tp_invariance.json 2>&1 | tee $W/analysis.out
+  for k in $W/kv_*; do echo "$k: $(cat $k/*/kv-*.jsonl 2>/dev/null | grep '"process"' | sort -u)"; done
+}
+
 run_plan() {
   local plan=$1
   rm -rf $W && mkdir -p $W
@@ -73,7 +103,7 @@ run_plan() {
   kill $ticker
   wait  # the plan's side jobs (a GPU test) have ended too; the ticker is gone
   for f in $W/*.out; do echo "=== $f"; tail -25 "$f"; done
-  cp $W/*/*.json "$OUT/" 2>/dev/null
+  cp ${PLAN_JSONS:-$W/*/*.json} "$OUT/" 2>/dev/null
   tar czf "$OUT/$plan.tgz" -C $W . 2>/dev/null
   ls -la "$OUT"
 }

@@ -43,6 +43,10 @@ request). DP attention pads every rank's batch to a common size before the forwa
    sgl-kernel's CPU ops and fails at import with `No module named 'sgl_kernel'` (its CPU build is
    not on PyPI). `_is_cpu` is a module constant, not a function a HookRegistry hook could replace.
 
+KV bytes: the measurement plugin scripts/gpu_sglang/kv_hash.py (the one the GPU runs use) is loaded
+on both PD sides here; it hashes each room's KV per layer on every prefill rank and on decode, decode
+sliced by the prefill ranks' heads, and the last test requires every room to match byte for byte.
+
 This module starts its own PD servers and runs before the shared ones (own_servers); its reference
 is the shared standalone server (TP 1, sleeping when idle).
 """
@@ -57,6 +61,7 @@ import pytest
 from harness import client, launch
 from harness.deployment import PDDeployment
 from harness.failure_env import FAILURE_ENV
+from harness.kv_hash_plugin import KV_HASH, kv_hash_plugin_env
 from harness.outputs import assert_same_tokens
 from harness.prompts import varied_prompts
 
@@ -83,14 +88,16 @@ def tp_servers(e2e_backend, server_options, reference_server, reference_ports, a
     after the module's last test."""
     log_dir = tmp_path_factory.mktemp("e2e-tp-logs")
     opts = dataclasses.replace(server_options, extra_args=["--enable-metrics"], prefill_overlap=True)
+    kv_dir = tmp_path_factory.mktemp("e2e-tp-kv-hash")
     env = {**FAILURE_ENV, "SGLANG_MORI_LAYERWISE": "off",
-           "PYTHONPATH": launch.plugin_pythonpath(launch.CPU_HOOKS)}
+           **kv_hash_plugin_env(tmp_path_factory.mktemp("kv-hash-plugin"), kv_dir, prefill_tp=PREFILL_TP)}
     pd = PrefillTP2(opts, e2e_backend, log_dir, reference_ports, env=env)
     active_deployments.append(pd)
     try:
         pd.start()
         pd.wait_ready(400)
         reference_server.wait_ready(300)
+        pd.kv_hash_dir = kv_dir
         yield reference_server, pd
     finally:
         active_deployments.remove(pd)
@@ -138,3 +145,15 @@ def test_prefix_hit_matches_standalone(tp_servers):
     # SGLang logs each prefill batch's radix hit; only the repeated long prompt can hit a whole chunk
     hits = [int(n) for n in re.findall(r"#cached-token: (\d+)", pd.log_text("prefill"))]
     assert max(hits) >= CHUNK, sorted(set(hits))
+
+
+def test_kv_bytes_equal_on_both_sides(tp_servers):
+    """Each room's KV as prefill rank r holds it after Success equals decode's heads [r, r+1) of the
+    room's pages after Success, every layer, K and V (every room of this module's requests)."""
+    standalone, pd = tp_servers
+    prompts = varied_prompts(4, seed=31)
+    _compare(standalone, pd, prompts)
+    got = KV_HASH.compare(pd.kv_hash_dir)
+    assert got["rooms"] >= len(prompts) and got["rooms_matched"] == got["rooms"], got
+    assert got["slices"] == PREFILL_TP * got["rooms"] and got["bytes_compared"] > 0, got
+    assert (got["unsupported"], got["errors"], got["decode_slices_without_prefill"]) == ([], [], 0), got
