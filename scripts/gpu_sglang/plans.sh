@@ -1,7 +1,7 @@
 # Sourced by device_run.sh (wheels installed, environment set): runs side by side on a 4-GPU
 # machine, one plan per device call. Each run writes under $W; the JSONs are copied to $OUT and
 # every log travels back in $OUT/<plan>.tgz (a call returns at most 8 files).
-# Usage: device_run.sh plan plan1|plan2|plan3|tp_proof
+# Usage: device_run.sh plan plan1|plan2|plan3|tp_proof|tp_fp32_ieee
 S="$ROOT/scripts/gpu_sglang"
 W=/tmp/w
 
@@ -89,6 +89,18 @@ tp_proof() {
     --pd $W/pd/identity_tp2_kvhash.json --tp1-old docs/data/gpu_sglang_identity_tp2_h200x4.json \
     --tp1-ieee $W/ref32/standalone_fp32_ieee.json --tp2-ieee $W/tp2s32/standalone_tp2_fp32_ieee.json \
     --out $W/analysis/tp_invariance.json 2>&1 | tee $W/analysis.out
+  for k in $W/kv_*; do echo "$k: $(cat $k/*/kv-*.jsonl 2>/dev/null | grep '"process"' | sort -u)"; done
+}
+
+# PD TP 2 -> TP 1 where TP 2 and TP 1 compute alike (float32, IEEE float32 dots: tp_proof found the
+# two standalones 64/64 identical), chunk-wise and layer-wise, with the KV byte check, against the
+# float32 IEEE TP 1 standalone that tp_proof made (carried: TP_REF, default docs/data/'s copy).
+tp_fp32_ieee() {
+  PLAN_JSONS="$W/*/*.json"
+  env TRITON_F32_DEFAULT=ieee TRITON_CACHE_DIR=/tmp/triton-ieee python3 "$S/pd_identity.py" \
+    --model /tmp/gpu-llama --deterministic --dtype float32 --out $W/pd32 --phases pd,pd_lw --gpus 2 \
+    --prefill-tp 2 --reference "${TP_REF:-docs/data/gpu_sglang_tp1_fp32_ieee_h200x4.json}" --kv-hash $W/kv_pd32 \
+    --tag identity_tp2_fp32_ieee_kvhash --port-base 37000 > $W/pd32.out 2>&1
   for k in $W/kv_*; do echo "$k: $(cat $k/*/kv-*.jsonl 2>/dev/null | grep '"process"' | sort -u)"; done
 }
 
