@@ -187,7 +187,7 @@ def main() -> None:
     ap.add_argument("--kv-hash", help="folder: hash each room's KV on both PD sides (kv_hash.py) and compare")
     ap.add_argument("--port-base", type=int, default=31000)
     ap.add_argument("--reference", help="a pd_identity.json whose standalone phase is the reference")
-    ap.add_argument("--dtype", help="--dtype for every server (float32: TP-invariant numerics)")
+    ap.add_argument("--dtype", help="--dtype for every server (float32 with TRITON_F32_DEFAULT=ieee: TP 2 matched TP 1, plans.sh tp_proof)")
     ap.add_argument("--tag", default="pd_identity", help="name of the JSON written under --out")
     ap.add_argument("--start-timeout", type=float, default=420)
     args = ap.parse_args()

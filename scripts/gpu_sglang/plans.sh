@@ -44,7 +44,8 @@ plan2() {
   wait $a $b
 }
 
-# Prefill TP 2 -> decode TP 1 again in float32 (TP-invariant numerics: bf16 TP 2 and TP 1 round
+# Prefill TP 2 -> decode TP 1 again in float32 (meant as TP-invariant numerics, but its matmuls ran as
+# TF32, Triton's float32 dot default: tp_fp32_ieee below is the IEEE run; bf16 TP 2 and TP 1 round
 # differently, so the bf16 run cannot tell a wrong byte from rounding) beside its float32 standalone
 # reference on GPU 3, and test/gpu/test_layerwise_graph_replay.py on GPU 3; then the traced PD run
 # at 8K, concurrency 1, layer-wise auto (GPUs 0->1). (As run on 2026-11-27, a second PD run beside it
