@@ -146,6 +146,19 @@ class SoftRdmaBackend:
             dropped = [self._sessions.pop(k) for k, s in list(self._sessions.items()) if which(k, s)]
         _release(dropped)
 
+    def fence_peer(self, remote_key: str, reason: str) -> None:
+        """Stop every write to `remote_key` that has not landed yet, for good: its connections are
+        reset (a post-batch queued, held or half sent fails with ERR_RDMA_OP; RST drops what the
+        kernel still held, and the target reads nothing more of it), and the peer is forgotten, so
+        the next transfer dials fresh lanes. The counterpart of moving the peer's QPs to the error
+        state, which flushes their work requests, and rebuilding them (MORI-IO has no call for it).
+        No peer failure is reported: the peer is not at fault. Bytes the target had already read
+        off its socket still land, within its copy time (like packets already on the fabric)."""
+        self._drop_sessions(lambda k, s: k[0] == remote_key)
+        peer = self.peers.forget(remote_key)
+        if peer is not None:
+            peer.abort(f"fenced: {reason}", report=False)
+
     # ---- faults and teardown -------------------------------------------------------------------
     def abort_peer(self, remote_key: str, reason: str) -> None:
         peer = self.peers.contacted(remote_key)

@@ -223,6 +223,10 @@ class EngineCore:
         for backend in self.backends.values():
             backend.abort_peer(remote_key, reason)
 
+    def fence_peer(self, remote_key: str, reason: str) -> None:
+        for backend in self.backends.values():
+            backend.fence_peer(remote_key, reason)
+
     def abort_all(self, reason: str) -> None:
         for backend in self.backends.values():
             backend.shutdown(reason)

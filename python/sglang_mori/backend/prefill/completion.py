@@ -21,6 +21,7 @@ import logging
 
 from sglang_mori.backend import room_status
 from sglang_mori.backend.prefill.effects import RoomEffects
+from sglang_mori.backend.prefill.fence import WriteFence
 from sglang_mori.backend.prefill.failures import ABORTED, FAILED_ON_PREFILL, PEER_DEAD, TIMEOUT, PrefillFailures
 from sglang_mori.backend.prefill.parts import PrefillParts
 from sglang_mori.backend.prefill.rooms import Phase, PrefillRoom
@@ -44,6 +45,7 @@ class Completion:
         # How long one pass waits on a running write before looking at every room again: another
         # room's write that finished meanwhile waits this long for its Success, hence the cap.
         self.poll_ms = max(1, min(parts.config.wait_poll_ms, COMPLETION_POLL_CAP_MS))
+        self.fence = WriteFence(parts, DRAIN_GIVE_UP_DEADLINES)
 
     def run_once(self) -> None:
         p = self.p
@@ -73,6 +75,8 @@ class Completion:
                 # outstanding count (submitters publish their own changes) and return nothing.
                 # Skipped, so a pass over rooms in flight costs a status look each, no transition.
                 return
+        if self.fence.due(r, now):
+            self.fence.fence(r, now)  # its writes can no longer land: settled below as drained
         with self.effects.transition() as fx:
             finished = self.p.rooms.settle(r, now, DRAIN_GIVE_UP_DEADLINES * self.p.timeout_s, fx)
         if finished is not Phase.POISONED:
@@ -107,7 +111,9 @@ class Completion:
             timed_out = any(w.handle.state() is WriteState.RUNNING for w in r.writes)
             self.failures.fail_life(r, reason, TIMEOUT if timed_out else PEER_DEAD)
             for w in r.writes:
-                if w.handle.state() is WriteState.FAILED and w.handle.failure_kind().breaks_peer:
+                # A write our fence failed says nothing of the peer's health.
+                if (w.handle.state() is WriteState.FAILED and w.handle.failure_kind().breaks_peer
+                        and not w.handle.fenced):
                     if p.peers.mark_failed(w.handle.peer_key, reason):
                         p.metrics.peer_down(w.handle.peer_key)
 
