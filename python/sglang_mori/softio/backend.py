@@ -31,6 +31,9 @@ DEFAULT_SOCKET_BUFFER = 4 * 1024 * 1024
 # The most a TCP connection of this engine waits between retransmissions (wire.tune_socket).
 RTO_MAX_ENV = "SGLANG_MORI_SOFTIO_RTO_MAX_MS"
 DEFAULT_RTO_MAX_MS = 1000
+# How long fence_peer waits for a lane's sender to fail the batch it holds (a stalled sender looks
+# every 0.2 s); the lane is reset either way, so nothing it holds can be sent.
+FENCE_JOIN_S = 5.0
 
 
 class SoftRdmaBackend:
@@ -153,11 +156,15 @@ class SoftRdmaBackend:
         the next transfer dials fresh lanes. The counterpart of moving the peer's QPs to the error
         state, which flushes their work requests, and rebuilding them (MORI-IO has no call for it).
         No peer failure is reported: the peer is not at fault. Bytes the target had already read
-        off its socket still land, within its copy time (like packets already on the fabric)."""
+        off its socket still land, within its copy time (like packets already on the fabric).
+        Returns once the lanes' senders have ended, so every write posted before has failed."""
         self._drop_sessions(lambda k, s: k[0] == remote_key)
         peer = self.peers.forget(remote_key)
-        if peer is not None:
-            peer.abort(f"fenced: {reason}", report=False)
+        if peer is None:
+            return
+        peer.abort(f"fenced: {reason}", report=False)
+        for lane in list(peer.lanes):
+            lane.join_sender(FENCE_JOIN_S)
 
     # ---- faults and teardown -------------------------------------------------------------------
     def abort_peer(self, remote_key: str, reason: str) -> None:
