@@ -10,6 +10,7 @@ byte of the aborted room may land there afterwards.
 import numpy as np
 
 import sglang_mori.softio.faults as faults
+from sglang_mori import protocol
 from sglang_mori.backend import room_status as S
 from sglang_mori.config import MoriConfig
 
@@ -45,6 +46,11 @@ def test_writes_stuck_past_decodes_release_never_land_in_reused_pages():
             rig.send(7, pages=[8, 9], last=True)
             life = rig.wait(lambda: rig.service.p.rooms.get(7), "room 7")
             rig.wait(lambda: life.writes, "writes submitted")
+            rig.new_attempt(9)  # another request, queued behind room 7 on the same stalled lanes
+            rig.metadata(9, pages=[60])
+            rig.claim(9)
+            rig.send(9, pages=[4], last=True)
+            rig.wait(lambda: rig.service.p.rooms.get(9).writes, "room 9's writes submitted")
             rig.abort(7, generation=3)  # decode's KV wait timed out: it aborts and holds the pages
             assert rig.sglang.failure_records[7] == "Aborted by decode"
             # Decode's deferred release: the held ACK, or its timeout, whichever comes first.
@@ -65,8 +71,15 @@ def test_writes_stuck_past_decodes_release_never_land_in_reused_pages():
                 assert rig.decode.page(b, page) == reused.tobytes(), (
                     f"a write of aborted room 7 landed in reused page {page} of buffer {b}")
         assert rig.sglang.acks_sent == [(7, "127.0.0.1", 17001, 3)]  # released on proof, not timeout
+        # Room 9's write shared the fenced lanes: it fails, with the fence as its cause, and decode
+        # is told; nothing of it landed either.
+        rig.wait_status(9, S.FAILED)
+        assert "fenced" in rig.sglang.failure_records[9] and "room 7" in rig.sglang.failure_records[9]
+        (told,) = rig.messenger.of_type(protocol.RoomStatus, 9)
+        assert told.status == S.FAILED and "fenced" in told.reason
+        assert rig.decode.page(0, 60) == bytes(PAGE_BYTES)
 
-        # The peer serves the next request (its lanes were rebuilt), and it lands.
+        # The peer serves the next request (its lanes were rebuilt, it was not marked failed).
         rig.new_attempt(8)
         rig.metadata(8, pages=[52])
         rig.claim(8)
