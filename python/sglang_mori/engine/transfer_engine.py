@@ -398,10 +398,11 @@ class TransferEngine:
         writes posted to one peer (docs/reliability.md)."""
         return hasattr(self.engine, "fence_peer")
 
-    def fence_peer(self, key: str, reason: str) -> None:
-        """Once this returns, no write posted to `key` before the call can still land (they fail);
-        later writes to `key` go over new connections. Only where `can_fence`."""
-        self.engine.fence_peer(key, reason)
+    def fence_peer(self, key: str, reason: str) -> bool:
+        """True: as this returns, no write posted to `key` before the call can still land (they
+        fail), and later writes to `key` go over new connections. False: this peer cannot be
+        fenced (softio's device path). Only where `can_fence`."""
+        return bool(self.engine.fence_peer(key, reason))
 
     def peer_keys(self) -> list:
         with self._setup_lock:

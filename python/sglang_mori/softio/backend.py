@@ -149,7 +149,7 @@ class SoftRdmaBackend:
             dropped = [self._sessions.pop(k) for k, s in list(self._sessions.items()) if which(k, s)]
         _release(dropped)
 
-    def fence_peer(self, remote_key: str, reason: str) -> None:
+    def fence_peer(self, remote_key: str, reason: str) -> bool:
         """Stop every write to `remote_key` that has not landed yet, for good: its connections are
         reset (a post-batch queued, held or half sent fails with ERR_RDMA_OP; RST drops what the
         kernel still held, and the target reads nothing more of it), and the peer is forgotten, so
@@ -157,14 +157,20 @@ class SoftRdmaBackend:
         state, which flushes their work requests, and rebuilding them (MORI-IO has no call for it).
         No peer failure is reported: the peer is not at fault. Bytes the target had already read
         off its socket still land, within its copy time (like packets already on the fabric).
-        Returns once the lanes' senders have ended, so every write posted before has failed."""
+        Returns once the lanes' senders have ended, so every write posted before has failed; True.
+        False, and nothing is done, for a peer reached through device memory: a copy queued on a
+        GPU stream cannot be withdrawn."""
+        with self._sessions_lock:
+            device = any(k[0] == remote_key and isinstance(s, DeviceSession) for k, s in self._sessions.items())
+        if device:
+            return False
         self._drop_sessions(lambda k, s: k[0] == remote_key)
         peer = self.peers.forget(remote_key)
-        if peer is None:
-            return
-        peer.abort(f"fenced: {reason}", report=False)
-        for lane in list(peer.lanes):
-            lane.join_sender(FENCE_JOIN_S)
+        if peer is not None:
+            peer.abort(f"fenced: {reason}", report=False)
+            for lane in list(peer.lanes):
+                lane.join_sender(FENCE_JOIN_S)
+        return True
 
     # ---- faults and teardown -------------------------------------------------------------------
     def abort_peer(self, remote_key: str, reason: str) -> None:

@@ -223,9 +223,8 @@ class EngineCore:
         for backend in self.backends.values():
             backend.abort_peer(remote_key, reason)
 
-    def fence_peer(self, remote_key: str, reason: str) -> None:
-        for backend in self.backends.values():
-            backend.fence_peer(remote_key, reason)
+    def fence_peer(self, remote_key: str, reason: str) -> bool:
+        return all([backend.fence_peer(remote_key, reason) for backend in self.backends.values()])
 
     def abort_all(self, reason: str) -> None:
         for backend in self.backends.values():

@@ -141,11 +141,12 @@ class IOEngine:
         """
         return self._core.pop_peer_failure()
 
-    def fence_peer(self, remote_key: str, reason: str = "") -> None:
-        """softio only (MORI-IO has no such call): when this returns, no write to `remote_key`
-        posted before it can still land; they fail with ERR_RDMA_OP, and later transfers dial the
-        peer again (SoftRdmaBackend.fence_peer)."""
-        self._core.fence_peer(remote_key, reason)
+    def fence_peer(self, remote_key: str, reason: str = "") -> bool:
+        """softio only (MORI-IO has no such call): True when, as this returns, no write to
+        `remote_key` posted before it can still land (they failed with ERR_RDMA_OP; later
+        transfers dial the peer again); False for a peer reached through device memory, which
+        cannot be fenced (SoftRdmaBackend.fence_peer)."""
+        return self._core.fence_peer(remote_key, reason)
 
     def wait_all(self, statuses, timeout_ms: int = -1) -> StatusCode:
         return self._core.wait_all(statuses, timeout_ms)

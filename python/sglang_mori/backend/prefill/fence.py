@@ -77,8 +77,13 @@ class WriteFence:
             running = {key: sum(1 for h in covered if h.peer_key == key and not h.quiescent()) for key in keys}
         reason = (f"room {r.room} failed {now - r.concluded_at:.1f} s ago with writes still in flight, and decode "
                   f"frees its pages {self.release_timeout_s:.0f} s after the failure")
+        fenced = set()
         for key in sorted(keys):
-            p.engine.fence_peer(key, reason)
+            if not p.engine.fence_peer(key, reason):
+                logger.error("sglang-mori: room %s: decode engine %s cannot be fenced (device copies); its %d writes "
+                             "in flight keep the room until they end or are given up on", r.room, key, running[key])
+                continue
+            fenced.add(key)
             peer = p.peers.get(key)
             if peer is not None:
                 with peer.session_lock:
@@ -87,5 +92,6 @@ class WriteFence:
                          "land", key, reason, running[key])
         with p.rooms.lock:
             for handle in covered:
-                handle.fenced = True
+                if handle.peer_key in fenced:
+                    handle.fenced = True
             p.rooms.notify_locked()
