@@ -12,7 +12,8 @@ Per room:
   registry lock, where a submitter tracks writes and flags together), failure on the first
   failed write or expired deadline, or because SGLang failed the room meanwhile;
 - finishes a concluded room: DRAINED releases decode's held abort ACKs; POISONED (a write may
-  still land) never does, and decode releases those pages at its own timeout.
+  still land) never does, and decode releases those pages at its own timeout;
+- fences a failed room's writes still in flight before that timeout, where the engine can (fence.py).
 """
 
 from __future__ import annotations
@@ -82,8 +83,8 @@ class Completion:
         if finished is not Phase.POISONED:
             return
         if r.unfinished():
-            logger.error("sglang-mori: room %s: %d writes never became terminal; its decode pages stay held",
-                         r.room, len(r.unfinished()))
+            logger.error("sglang-mori: room %s: %d writes never became terminal and could not be fenced; no abort "
+                         "ACK (decode frees its pages at its release timeout)", r.room, len(r.unfinished()))
         else:
             logger.warning("sglang-mori: room %s: a failed transfer may still have writes in flight; no abort "
                            "ACK (decode releases at its own timeout)", r.room)
