@@ -41,3 +41,17 @@ def test_fenced_writes_fail_never_land_and_the_peer_serves_again(io, make_initia
     assert np.array_equal(remote[4 * PAGE:5 * PAGE], local[4 * PAGE:5 * PAGE])
     assert (remote[:4 * PAGE] == FILL).all()
     assert engine.wait_all([stuck], 0) == io.StatusCode.ERR_RDMA_OP
+
+
+def test_fence_off_leaves_softio_without_fence_peer_as_mori_io(io, monkeypatch):
+    from sglang_mori.engine import TransferEngine
+
+    monkeypatch.setenv("SGLANG_MORI_SOFTIO_FENCE", "0")
+    off = TransferEngine(io, role="prefill", host="127.0.0.1", qp_per_transfer=1, post_batch_size=-1, num_workers=1)
+    monkeypatch.delenv("SGLANG_MORI_SOFTIO_FENCE")
+    on = TransferEngine(io, role="prefill", host="127.0.0.1", qp_per_transfer=1, post_batch_size=-1, num_workers=1)
+    try:
+        assert (off.can_fence, on.can_fence) == (False, True)
+    finally:
+        off.close()
+        on.close()

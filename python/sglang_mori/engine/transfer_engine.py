@@ -396,7 +396,7 @@ class TransferEngine:
     def can_fence(self) -> bool:
         """Whether fence_peer exists: softio's; MORI-IO (HEAD and 1.2.4) has no call that stops the
         writes posted to one peer (docs/reliability.md)."""
-        return hasattr(self.engine, "fence_peer")
+        return callable(getattr(self.engine, "fence_peer", None))
 
     def fence_peer(self, key: str, reason: str) -> bool:
         """True: as this returns, no write posted to `key` before the call can still land (they

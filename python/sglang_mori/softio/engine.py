@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import os
+
 from .config import FabricBackendConfig, RdmaBackendConfig, XgmiBackendConfig
 from .core import EngineCore
 from .enums import BackendType, MemoryLocationType, StatusCode
@@ -48,9 +50,15 @@ class IOEngineSession:
         return True  # MORI's RDMA sessions always report alive
 
 
+# "0": this engine has no fence_peer, as MORI-IO has none: tests of the course real hardware takes.
+FENCE_ENV = "SGLANG_MORI_SOFTIO_FENCE"
+
+
 class IOEngine:
     def __init__(self, key, config):
         self._core = EngineCore(key, config)
+        if os.environ.get(FENCE_ENV, "1").strip() == "0":
+            self.fence_peer = None  # what callers feature-detect (TransferEngine.can_fence)
 
     def __del__(self):
         # Like the C++ destructor: stop serving and close every connection.
