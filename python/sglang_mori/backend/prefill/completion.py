@@ -76,10 +76,11 @@ class Completion:
                 # outstanding count (submitters publish their own changes) and return nothing.
                 # Skipped, so a pass over rooms in flight costs a status look each, no transition.
                 return
-        if self.fence.due(r, now):
-            self.fence.fence(r, now)  # its writes can no longer land: settled below as drained
+        give_up_after_s = self.fence.give_up_after(r, DRAIN_GIVE_UP_DEADLINES * self.p.timeout_s)
         with self.effects.transition() as fx:
-            finished = self.p.rooms.settle(r, now, DRAIN_GIVE_UP_DEADLINES * self.p.timeout_s, fx)
+            finished = self.p.rooms.settle(r, now, give_up_after_s, fx)
+        if finished is None and self.fence.due(r, now):
+            self.fence.fence(r, now)  # its writes can no longer land: the next pass finds it drained
         if finished is not Phase.POISONED:
             return
         if r.unfinished():

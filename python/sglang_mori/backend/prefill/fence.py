@@ -20,6 +20,7 @@ up on after DRAIN_GIVE_UP_DEADLINES transfer deadlines, poisoned, and never acke
 from __future__ import annotations
 
 import logging
+import math
 from typing import Optional
 
 from sglang_mori.backend.prefill.parts import PrefillParts
@@ -55,6 +56,12 @@ class WriteFence:
                                               self._give_up_deadlines * p.timeout_s)
             self._derived = True
         return self._after_s
+
+    def give_up_after(self, r: PrefillRoom, give_up_after_s: float) -> float:
+        """How long after its failure `r` may be given up on (poisoned, never acked): never while
+        its fence is pending, which comes first and may make it drained; the give-up otherwise
+        (an engine without a fence, or writes the fence did not cover)."""
+        return math.inf if self.after_s is not None and not r.fenced else give_up_after_s
 
     def due(self, r: PrefillRoom, now: float) -> bool:
         """Unlocked look: `r` failed `after_s` ago, is not fenced yet, and still has writes running."""
