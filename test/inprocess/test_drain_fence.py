@@ -23,7 +23,8 @@ FENCE_MARGIN_S = 3.0  # prefill fences that long before it
 
 
 def _rig():
-    return PrefillRig(config=MoriConfig(transfer_shards=2, transfer_timeout_ms=5000,
+    # A deadline well past the fence: room 9 must fail by the fence, not by its own deadline.
+    return PrefillRig(config=MoriConfig(transfer_shards=2, transfer_timeout_ms=30000,
                                         drain_fence_margin_s=FENCE_MARGIN_S),
                       sglang=FakeSGLang(decode_release_timeout_s=RELEASE_TIMEOUT_S))
 
