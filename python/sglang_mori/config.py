@@ -170,6 +170,15 @@ KNOBS: Tuple[Knob, ...] = (
     Knob("SGLANG_MORI_PEER_FAIL_FAST_S", "peer_fail_fast_s", "float", 5.0,
          "After a peer fails, new requests to it fail at once for this long, unless it registers "
          "again with a new engine key.", float_at_least_zero, ">= 0 (seconds)"),
+    Knob("SGLANG_MORI_DRAIN_FENCE_MARGIN_S", "drain_fence_margin_s", "float", 10.0,
+         "Prefill: a failed room whose writes are still in flight is fenced this long before "
+         "decode's SGLang frees its pages (SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT, "
+         "30 s by default, read from prefill's environment: launch both servers with the same "
+         "value) counted from the room's failure: the engine resets its connections to that decode, "
+         "every write posted to it before fails and cannot land, then the abort is acked. The "
+         "margin covers decode's abort reaching prefill late. softio only: MORI-IO has no fence, "
+         "and there the room stays poisoned as before (docs/reliability.md).",
+         float_at_least_zero, ">= 0 (seconds)"),
     Knob("SGLANG_MORI_HOST", "host", "ipv4", "",
          "IPv4 address put in our engine descriptor (what peers dial). Empty: SGLang's local IP.",
          ipv4_host, "IPv4 literal, or empty"),
@@ -224,6 +233,7 @@ class MoriConfig:
     max_queued_chunks: int = 4096
     submit_retry_max: int = 5
     peer_fail_fast_s: float = 5.0
+    drain_fence_margin_s: float = 10.0
     host: str = ""
     enable_notification: bool = False
     gc_freeze: bool = True

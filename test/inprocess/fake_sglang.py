@@ -15,9 +15,11 @@ from sglang_mori.backend import room_status as S
 
 
 class FakeSGLang:
-    def __init__(self, prefill_rank: int = 0, deferred_release: bool = True, bootstrap_timeout_s: float = 300.0):
+    def __init__(self, prefill_rank: int = 0, deferred_release: bool = True, bootstrap_timeout_s: float = 300.0,
+                 decode_release_timeout_s: float = 30.0):
         self.prefill_rank = prefill_rank
         self.deferred_release = deferred_release
+        self.decode_release_timeout_s = decode_release_timeout_s  # SGLang's deferred-release timeout
         self.bootstrap_timeout_s = bootstrap_timeout_s
         self.lock = threading.Lock()
         self.request_status: dict = {}

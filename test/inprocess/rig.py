@@ -93,12 +93,12 @@ class Side:
 
 class PrefillRig:
     def __init__(self, config: Optional[MoriConfig] = None, clock=time.monotonic, buffers: int = BUFFERS,
-                 planner_class=KVPlanner):
+                 planner_class=KVPlanner, sglang: Optional[FakeSGLang] = None):
         self.config = config or MoriConfig(transfer_shards=2, transfer_timeout_ms=5000)
         self.prefill = Side("prefill", fill=True, buffers=buffers)
         self.decode = Side("decode", fill=False, buffers=buffers)
         self.layerwise_session = None
-        self.sglang = FakeSGLang()
+        self.sglang = sglang or FakeSGLang()
         self.messenger = CapturingMessenger()
         self.rejections: list = []
         cfg = self.config

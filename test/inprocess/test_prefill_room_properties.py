@@ -49,7 +49,7 @@ class FakeWrite:
 
     def __init__(self, peer_key: str, serial: int, started_at: float):
         self.peer_key, self.nbytes, self.started_at = peer_key, serial, started_at
-        self.released, self.retries = False, 0
+        self.released, self.retries, self.fenced = False, 0, False
         self._state, self._drained = WriteState.RUNNING, False
 
     def finish(self, outcome: str) -> None:
@@ -185,7 +185,7 @@ class RoomMachine(RuleBasedStateMachine):
             config=MoriConfig(), rooms=PrefillRoomRegistry(), sglang=self.sglang, metrics=self.rec,
             messenger=self.rec, peers=SimpleNamespace(budget=self.budget, mark_failed=lambda *a: False),
             clock=lambda: self.now, timeout_s=TIMEOUT_S, owns_aux=False, read_aux=lambda i: None,
-            engine=SimpleNamespace(pop_peer_failures=lambda: []))
+            engine=SimpleNamespace(pop_peer_failures=lambda: [], can_fence=False))
         self.service = PrefillService(self.parts, reject=lambda *a: None)
         self.submitter = FakeSubmitter(self, self.parts, self.service.effects, self.service.failures)
         self.senders: set = set()  # room ids SGLang holds a sender for

@@ -47,7 +47,7 @@ class FakeSGLang:
 def parts():
     return SimpleNamespace(config=MoriConfig(), peers=SimpleNamespace(budget=InflightBudget(4)),
                            metrics=NullTransferMetrics(), sglang=FakeSGLang(), rooms=PrefillRoomRegistry(),
-                           timeout_s=30.0, clock=lambda: 1.0)
+                           timeout_s=30.0, clock=lambda: 1.0, engine=SimpleNamespace(can_fence=False))
 
 
 def test_a_write_that_finishes_during_the_pass_still_returns_its_budget():

@@ -33,6 +33,13 @@ class SGLangAdapter:
     def deferred_release(self) -> bool:
         return bool(self._mgr.enable_deferred_decode_kv_release)
 
+    @property
+    def decode_release_timeout_s(self) -> float:
+        """How long decode's SGLang holds a failed room's pages for prefill's abort ACK
+        (SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT), read from this process's
+        environment: prefill cannot see decode's, so both must be launched with the same value."""
+        return compat.deferred_release_timeout_s()
+
     # --- room status ---------------------------------------------------------------------------
     def status(self, room: int) -> Optional[int]:
         return self._mgr.request_status.get(room)

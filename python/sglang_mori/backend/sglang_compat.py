@@ -202,3 +202,11 @@ def abort_generation(receiver) -> Optional[int]:
 def bootstrap_socket(receiver, info: dict):
     """(socket, lock) to the prefill rank `info` names, from SGLang's shared socket cache."""
     return receiver._connect_to_bootstrap_server(info)
+
+
+def deferred_release_timeout_s() -> float:
+    """SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT as SGLang reads it (decode.py's
+    DecodeTransferQueue): how long decode holds a failed room's pages waiting for prefill's ACK."""
+    from sglang.srt.environ import envs
+
+    return float(envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT.get())

@@ -167,6 +167,10 @@ class TransferHandle:
     released: bool = False
     # Resubmissions after "SQ full" (counted by the caller's metrics).
     retries: int = 0
+    # Set by the owner after TransferEngine.fence_peer returned for this handle's peer, for a
+    # handle it tracked before calling it: nothing of it can land any more (drained), whatever
+    # its statuses say.
+    fenced: bool = False
 
     # Caches: the completion thread asks every in-flight handle on every wake-up, and thousands of
     # status reads per pass would take the GIL from the threads moving the bytes. Terminal codes
@@ -243,6 +247,8 @@ class TransferHandle:
         That proves no write can still land only when every status also succeeded: see drained().
         INIT counts as quiescent: a status left in INIT was never posted.
         """
+        if self.fenced:
+            return True
         if self.unaccounted:
             return False
         issued = self.issued
@@ -259,6 +265,8 @@ class TransferHandle:
         post-batches on other QPs (or those posted before a failed post) are still on the wire
         and land later; only failures raised before anything is posted count (DRAINED_CODES).
         """
+        if self.fenced:
+            return True
         return self.quiescent() and all(int(s.Code()) in DRAINED_CODES for s in self.issued)
 
     def failure_message(self) -> str:
@@ -383,6 +391,18 @@ class TransferEngine:
                 break
             events.append(PeerFailure.from_event(event))
         return events
+
+    @property
+    def can_fence(self) -> bool:
+        """Whether fence_peer exists: softio's; MORI-IO (HEAD and 1.2.4) has no call that stops the
+        writes posted to one peer (docs/reliability.md)."""
+        return callable(getattr(self.engine, "fence_peer", None))
+
+    def fence_peer(self, key: str, reason: str) -> bool:
+        """True: as this returns, no write posted to `key` before the call can still land (they
+        fail), and later writes to `key` go over new connections. False: this peer cannot be
+        fenced (softio's device path). Only where `can_fence`."""
+        return bool(self.engine.fence_peer(key, reason))
 
     def peer_keys(self) -> list:
         with self._setup_lock:

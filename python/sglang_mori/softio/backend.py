@@ -31,6 +31,9 @@ DEFAULT_SOCKET_BUFFER = 4 * 1024 * 1024
 # The most a TCP connection of this engine waits between retransmissions (wire.tune_socket).
 RTO_MAX_ENV = "SGLANG_MORI_SOFTIO_RTO_MAX_MS"
 DEFAULT_RTO_MAX_MS = 1000
+# How long fence_peer waits for a lane's sender to fail the batch it holds (a stalled sender looks
+# every 0.2 s); the lane is reset either way, so nothing it holds can be sent.
+FENCE_JOIN_S = 5.0
 
 
 class SoftRdmaBackend:
@@ -145,6 +148,29 @@ class SoftRdmaBackend:
         with self._sessions_lock:
             dropped = [self._sessions.pop(k) for k, s in list(self._sessions.items()) if which(k, s)]
         _release(dropped)
+
+    def fence_peer(self, remote_key: str, reason: str) -> bool:
+        """Stop every write to `remote_key` that has not landed yet, for good: its connections are
+        reset (a post-batch queued, held or half sent fails with ERR_RDMA_OP; RST drops what the
+        kernel still held, and the target reads nothing more of it), and the peer is forgotten, so
+        the next transfer dials fresh lanes. The counterpart of moving the peer's QPs to the error
+        state, which flushes their work requests, and rebuilding them (MORI-IO has no call for it).
+        No peer failure is reported: the peer is not at fault. Bytes the target had already read
+        off its socket still land, within its copy time (like packets already on the fabric).
+        Returns once the lanes' senders have ended, so every write posted before has failed; True.
+        False, and nothing is done, for a peer reached through device memory: a copy queued on a
+        GPU stream cannot be withdrawn."""
+        with self._sessions_lock:
+            device = any(k[0] == remote_key and isinstance(s, DeviceSession) for k, s in self._sessions.items())
+        if device:
+            return False
+        self._drop_sessions(lambda k, s: k[0] == remote_key)
+        peer = self.peers.forget(remote_key)
+        if peer is not None:
+            peer.abort(f"fenced: {reason}", report=False)
+            for lane in list(peer.lanes):
+                lane.join_sender(FENCE_JOIN_S)
+        return True
 
     # ---- faults and teardown -------------------------------------------------------------------
     def abort_peer(self, remote_key: str, reason: str) -> None:

@@ -223,6 +223,9 @@ class EngineCore:
         for backend in self.backends.values():
             backend.abort_peer(remote_key, reason)
 
+    def fence_peer(self, remote_key: str, reason: str) -> bool:
+        return all([backend.fence_peer(remote_key, reason) for backend in self.backends.values()])
+
     def abort_all(self, reason: str) -> None:
         for backend in self.backends.values():
             backend.shutdown(reason)

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import os
+
 from .config import FabricBackendConfig, RdmaBackendConfig, XgmiBackendConfig
 from .core import EngineCore
 from .enums import BackendType, MemoryLocationType, StatusCode
@@ -48,9 +50,15 @@ class IOEngineSession:
         return True  # MORI's RDMA sessions always report alive
 
 
+# "0": this engine has no fence_peer, as MORI-IO has none: tests of the course real hardware takes.
+FENCE_ENV = "SGLANG_MORI_SOFTIO_FENCE"
+
+
 class IOEngine:
     def __init__(self, key, config):
         self._core = EngineCore(key, config)
+        if os.environ.get(FENCE_ENV, "1").strip() == "0":
+            self.fence_peer = None  # what callers feature-detect (TransferEngine.can_fence)
 
     def __del__(self):
         # Like the C++ destructor: stop serving and close every connection.
@@ -140,6 +148,13 @@ class IOEngine:
         None means nothing has been observed to fail, not that peers are healthy.
         """
         return self._core.pop_peer_failure()
+
+    def fence_peer(self, remote_key: str, reason: str = "") -> bool:
+        """softio only (MORI-IO has no such call): True when, as this returns, no write to
+        `remote_key` posted before it can still land (they failed with ERR_RDMA_OP; later
+        transfers dial the peer again); False for a peer reached through device memory, which
+        cannot be fenced (SoftRdmaBackend.fence_peer)."""
+        return self._core.fence_peer(remote_key, reason)
 
     def wait_all(self, statuses, timeout_ms: int = -1) -> StatusCode:
         return self._core.wait_all(statuses, timeout_ms)

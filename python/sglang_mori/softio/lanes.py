@@ -167,6 +167,12 @@ class Lane:
         if first:
             self.peer.lane_broken(self, reason, failure, report)
 
+    def join_sender(self, timeout_s: float) -> None:
+        """Wait for a broken lane's sender thread to end: by then it has failed the batch it held
+        (a stalled or paced one) as well as the queued ones."""
+        if self._sender is not threading.current_thread():
+            self._sender.join(timeout_s)
+
     # ---- sender thread -------------------------------------------------------------------------
     def _send_loop(self) -> None:
         faults = self._faults

@@ -205,6 +205,11 @@ class PeerBook:
                 self._peers[key] = peer
             return peer
 
+    def forget(self, key: str) -> RemotePeer | None:
+        """Drop the connections built to `key` (the address stays): the next contact dials anew."""
+        with self._lock:
+            return self._peers.pop(key, None)
+
     def contacted(self, key: str) -> RemotePeer | None:
         return self._peers.get(key)
 

@@ -12,7 +12,8 @@ Per room:
   registry lock, where a submitter tracks writes and flags together), failure on the first
   failed write or expired deadline, or because SGLang failed the room meanwhile;
 - finishes a concluded room: DRAINED releases decode's held abort ACKs; POISONED (a write may
-  still land) never does, and decode releases those pages at its own timeout.
+  still land) never does, and decode releases those pages at its own timeout;
+- fences a failed room's writes still in flight before that timeout, where the engine can (fence.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import logging
 
 from sglang_mori.backend import room_status
 from sglang_mori.backend.prefill.effects import RoomEffects
+from sglang_mori.backend.prefill.fence import WriteFence
 from sglang_mori.backend.prefill.failures import ABORTED, FAILED_ON_PREFILL, PEER_DEAD, TIMEOUT, PrefillFailures
 from sglang_mori.backend.prefill.parts import PrefillParts
 from sglang_mori.backend.prefill.rooms import Phase, PrefillRoom
@@ -44,6 +46,7 @@ class Completion:
         # How long one pass waits on a running write before looking at every room again: another
         # room's write that finished meanwhile waits this long for its Success, hence the cap.
         self.poll_ms = max(1, min(parts.config.wait_poll_ms, COMPLETION_POLL_CAP_MS))
+        self.fence = WriteFence(parts, DRAIN_GIVE_UP_DEADLINES)
 
     def run_once(self) -> None:
         p = self.p
@@ -73,13 +76,16 @@ class Completion:
                 # outstanding count (submitters publish their own changes) and return nothing.
                 # Skipped, so a pass over rooms in flight costs a status look each, no transition.
                 return
+        give_up_after_s = self.fence.give_up_after(r, DRAIN_GIVE_UP_DEADLINES * self.p.timeout_s)
         with self.effects.transition() as fx:
-            finished = self.p.rooms.settle(r, now, DRAIN_GIVE_UP_DEADLINES * self.p.timeout_s, fx)
+            finished = self.p.rooms.settle(r, now, give_up_after_s, fx)
+        if finished is None and self.fence.due(r, now):
+            self.fence.fence(r, now)  # its writes can no longer land: the next pass finds it drained
         if finished is not Phase.POISONED:
             return
         if r.unfinished():
-            logger.error("sglang-mori: room %s: %d writes never became terminal; its decode pages stay held",
-                         r.room, len(r.unfinished()))
+            logger.error("sglang-mori: room %s: %d writes never became terminal and could not be fenced; no abort "
+                         "ACK (decode frees its pages at its release timeout)", r.room, len(r.unfinished()))
         else:
             logger.warning("sglang-mori: room %s: a failed transfer may still have writes in flight; no abort "
                            "ACK (decode releases at its own timeout)", r.room)
@@ -107,7 +113,9 @@ class Completion:
             timed_out = any(w.handle.state() is WriteState.RUNNING for w in r.writes)
             self.failures.fail_life(r, reason, TIMEOUT if timed_out else PEER_DEAD)
             for w in r.writes:
-                if w.handle.state() is WriteState.FAILED and w.handle.failure_kind().breaks_peer:
+                # A write our fence failed says nothing of the peer's health.
+                if (w.handle.state() is WriteState.FAILED and w.handle.failure_kind().breaks_peer
+                        and not w.handle.fenced):
                     if p.peers.mark_failed(w.handle.peer_key, reason):
                         p.metrics.peer_down(w.handle.peer_key)
 

@@ -127,6 +127,7 @@ class PrefillRoom:
     reason: Optional[str] = None
     concluded_at: float = 0.0
     layerwise: object = None  # layerwise.session.RoomRecord of this life, once it streams
+    fenced: bool = False  # its running writes' peers were fenced (fence.py), at most once
 
     # --- queries ------------------------------------------------------------------------
     @property
