@@ -198,8 +198,9 @@ class ChunkSubmitter:
         p = self.p
         # Every chunk restarts decode's deadline: a long chunked prefill is slow, not dead.
         if chunk.announce:
-            started = protocol.TransferStarted(room=chunk.room, prefill_rank=p.sglang.prefill_rank)
-            p.messenger.send_all([t.address for t in targets], started)
+            for t in targets:  # each destination under its own attempt
+                p.messenger.send(t.address, protocol.TransferStarted(room=chunk.room, attempt=t.attempt,
+                                                                     prefill_rank=p.sglang.prefill_rank))
         if chunk.wait_event is not None:
             chunk.wait_event.synchronize()  # source KV is ready only after the forward pass
         deadline = p.clock() + p.timeout_s
