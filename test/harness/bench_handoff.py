@@ -96,9 +96,9 @@ def _wait(sglang, room, statuses, timeout_s=30.0) -> None:
 def _submit_last(pair, chunk) -> None:
     """Hand the last chunk over as layer-wise `add_chunk` does on this checkout."""
     service = pair.prefill
-    if hasattr(service, "submit_chunk"):
-        service.submit_chunk(chunk)
-    else:
+    if hasattr(service, "track_last_without_writes"):
+        service.track_last_without_writes(chunk)
+    else:  # a checkout before issue 27's change: every chunk through a shard
         service.submitter.enqueue(chunk)
 
 
