@@ -161,7 +161,8 @@ def run(args) -> int:
                     _wait(pair.decode_sglang, room, (S.SUCCESS, S.FAILED))
                     if pair.decode_sglang.status(room) != S.SUCCESS:
                         raise RuntimeError(f"room {room}: {pair.prefill_sglang.failure_reason(room)}")
-                    t_pub, t_ps, t_ds = pre.at[(room, "published")], pre.at[(room, S.SUCCESS)], dec.at[(room, S.SUCCESS)]
+                    t_pub = pre.at[(room, "published")]
+                    t_ps, t_ds = pre.at[(room, S.SUCCESS)], dec.at[(room, S.SUCCESS)]
                     if n >= 5:
                         for key, v in zip(SEGMENTS, (t_pub - t_meta, t_ps - t_last, t_ds - t_ps, t_ds - t_last)):
                             samples[key].append(v * 1e3)
@@ -179,7 +180,8 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(out))
     else:
-        print(f"{args.shape} {args.tokens} tokens, {args.mode}, spin={args.spin}, {args.engine}, {args.requests} requests")
+        print(f"{args.shape} {args.tokens} tokens, {args.mode}, spin={args.spin}, {args.engine}, "
+              f"{args.requests} requests")
         for key in SEGMENTS:
             print(f"  {key:40s} p50 {out[key]['p50_ms']:7.3f} ms  p90 {out[key]['p90_ms']:7.3f} ms")
     return 0

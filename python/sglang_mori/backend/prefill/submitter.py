@@ -105,7 +105,7 @@ class ChunkSubmitter:
         status = p.sglang.status(chunk.room)
         if status is None or status == room_status.FAILED:
             return True  # as `enqueue`: nothing to track for a failed or cleared room
-        with self.effects.transition() as fx:
+        with self.effects.transition(never_block=True) as fx:  # a failure found here is sent from SGLang's thread
             r = p.rooms.get(chunk.room)
             if r is not None and r.queued:
                 return False
