@@ -15,6 +15,8 @@ an earlier chunk whose writes are done, and the last `send()` has nothing left t
 layerwise/session.add_chunk hands over then). `--mode chunk`: the last chunk carries every page.
 `--spin`: a thread stands in for SGLang's scheduler loop, which runs Python between short calls
 that release the GIL (ZMQ polls), so our threads' wake-ups compete for the GIL as in a server.
+`--after-send-us N`: the driver runs N us of Python right after handing the last chunk over, as
+SGLang's scheduler goes on with the batch result after `send()`; a thread we woke waits for it.
 Timings only; correctness is the tests' (test/inprocess).
 """
 
@@ -38,6 +40,9 @@ def add_arguments(p) -> None:
     p.add_argument("--mode", choices=("streamed", "chunk"), default="streamed")
     p.add_argument("--spin", action="store_true", help="a Python thread spins as SGLang's scheduler loop does")
     p.add_argument("--engine", choices=("softio", "instant"), default="instant")
+    p.add_argument("--after-send-us", type=int, default=0,
+                   help="Python the driver runs right after the last hand-off, GIL held, as SGLang's "
+                        "scheduler goes on processing the batch result after send()")
     p.add_argument("--json", action="store_true")
 
 
@@ -87,6 +92,13 @@ class Spinner:
         self.stop.set()
         self.thread.join(5)
         self.sock.close(0)
+
+
+def _busy(seconds: float) -> None:
+    """Pure Python for `seconds`: the GIL is let go only when another thread forces a switch."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        sum(i for i in range(50))
 
 
 def _wait(sglang, room, statuses, timeout_s=30.0) -> None:
@@ -158,6 +170,8 @@ def run(args) -> int:
                     else:
                         t_last = time.perf_counter()
                         pair.prefill.add_chunk(room, src, slice(0, per), True, aux_index=aux)
+                    if args.after_send_us:
+                        _busy(args.after_send_us / 1e6)
                     _wait(pair.decode_sglang, room, (S.SUCCESS, S.FAILED))
                     if pair.decode_sglang.status(room) != S.SUCCESS:
                         raise RuntimeError(f"room {room}: {pair.prefill_sglang.failure_reason(room)}")
@@ -173,7 +187,7 @@ def run(args) -> int:
         finally:
             pair.stop()
     out = {"shape": args.shape, "tokens": args.tokens, "mode": args.mode, "spin": args.spin, "engine": args.engine,
-           "requests": args.requests}
+           "requests": args.requests, "after_send_us": args.after_send_us}
     for key, vals in samples.items():
         vals.sort()
         out[key] = {"p50_ms": round(statistics.median(vals), 3), "p90_ms": round(vals[int(0.9 * (len(vals) - 1))], 3)}
