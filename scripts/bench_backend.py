@@ -26,6 +26,7 @@ BENCHMARKS = {
     "transfer": ("harness.bench_transfer", "full backend, prefill and decode processes"),
     "soak": ("harness.bench_soak", "long run with injected faults and aborts"),
     "hotpath": ("harness.bench_hotpath", "our Python per request by thread role, in one process (no SGLang)"),
+    "handoff": ("harness.bench_handoff", "wall-clock hand-offs on time to first token (destinations, last chunk -> Success)"),
 }
 
 

@@ -8,7 +8,7 @@ turns into (at most) the failure of the room the message names. Nothing here rai
 Message flow (one decode rank D, one prefill rank P):
     D -> P  Register       once per (D, P): D's engine descriptor, memory descriptors and layout
     D -> P  RoomMetadata   per request: D's page indices, aux slot and state slots
-    P -> D  TransferStarted a chunk was submitted (restarts D's transfer deadline)
+    P -> D  TransferStarted a chunk was submitted (restarts D's transfer deadline; names the attempt)
     P -> D  RoomStatus     terminal: Success carries the aux bytes, so "done" never precedes the data;
                            it names the RoomMetadata attempt it concludes, and D applies it to that
                            receiver only (a late status of a retracted attempt is stale, not news)
@@ -25,7 +25,8 @@ import numpy as np
 
 # 2: RoomMetadata and Abort carry decode's attempt id (retract-rebootstrap reuses a room id).
 # 3: RoomStatus echoes that attempt id (a late status must not conclude the room id's next receiver).
-PROTOCOL_VERSION = 3
+# 4: TransferStarted names that attempt too (a late one must not restart the next receiver's deadline).
+PROTOCOL_VERSION = 4
 MAGIC = b"sglang-mori/1"
 
 # Rejection reasons (bounded label set, also used for metrics).
@@ -87,6 +88,9 @@ class RoomMetadata(_Message, tag="metadata", kw_only=True):
 
 class TransferStarted(_Message, tag="started", kw_only=True):
     room: int
+    # The RoomMetadata attempt of the destination it goes to: decode restarts the deadline of that
+    # receiver only, never of a later receiver of the same room id.
+    attempt: int
     prefill_rank: int
 
 

@@ -42,11 +42,16 @@ WAIT_S = 20.0
 class CapturingMessenger:
     def __init__(self):
         self.sent: list = []
+        self.nonblocking: list = []  # messages sent with block=False (from SGLang's scheduler thread)
+        self.threads: list = []  # (message, name of the thread that sent it)
         self._lock = threading.Lock()
 
-    def send(self, endpoint, message) -> bool:
+    def send(self, endpoint, message, *, block: bool = True) -> bool:
         with self._lock:
             self.sent.append((tuple(endpoint), message))
+            self.threads.append((message, threading.current_thread().name))
+            if not block:
+                self.nonblocking.append(message)
         return True
 
     def send_all(self, endpoints, message) -> None:

@@ -30,13 +30,13 @@ def test_transfer_deadline_restarts_per_chunk_and_fails_a_stalled_room():
     clock = Clock()
     rig = decode_rig(clock)
     svc = rig.decode_service
-    rig.new_attempt(1)
+    attempt = rig.new_attempt(1)
     rig.metadata(1, pages=[1])
     svc.enforce_deadlines(clock.now + 10_000)
     assert rig.decode_sglang.status(1) == S.BOOTSTRAPPING  # no deadline before prefill starts
-    svc.handle(protocol.encode(protocol.TransferStarted(room=1, prefill_rank=0)))
+    svc.handle(protocol.encode(protocol.TransferStarted(room=1, attempt=attempt, prefill_rank=0)))
     clock.now += svc.deadline_s - 1
-    svc.handle(protocol.encode(protocol.TransferStarted(room=1, prefill_rank=0)))  # the next chunk
+    svc.handle(protocol.encode(protocol.TransferStarted(room=1, attempt=attempt, prefill_rank=0)))  # the next chunk
     svc.enforce_deadlines(clock.now + svc.deadline_s - 0.5)
     assert rig.decode_sglang.status(1) == S.BOOTSTRAPPING
     svc.enforce_deadlines(clock.now + svc.deadline_s + 0.5)
@@ -110,7 +110,7 @@ def test_a_failure_decided_on_another_thread_never_splits_a_success():
     svc.p.metrics = metrics = CountingMetrics()
     attempt = rig.new_attempt(6)
     rig.metadata(6, pages=[1], aux_index=0)
-    svc.handle(protocol.encode(protocol.TransferStarted(room=6, prefill_rank=0)))
+    svc.handle(protocol.encode(protocol.TransferStarted(room=6, attempt=attempt, prefill_rank=0)))
     failing = threading.Thread(target=svc.fail, args=(6, "duplicate room", PROTOCOL))
     apply = rig.decode_sglang.apply_prefill_status
 
@@ -146,7 +146,7 @@ def test_a_deadline_fails_the_attempt_that_expired_not_the_rooms_next_receiver()
     svc = rig.decode_service
     first = rig.new_attempt(7)
     rig.metadata(7, pages=[1])
-    svc.handle(protocol.encode(protocol.TransferStarted(room=7, prefill_rank=0)))
+    svc.handle(protocol.encode(protocol.TransferStarted(room=7, attempt=first, prefill_rank=0)))
 
     def receiver_cleared_and_a_new_one_started():
         rig.decode_sglang.clear(7)
@@ -158,3 +158,29 @@ def test_a_deadline_fails_the_attempt_that_expired_not_the_rooms_next_receiver()
     assert svc.p.rooms.attempt_of(7) != first
     assert rig.decode_sglang.status(7) == S.BOOTSTRAPPING, rig.decode_sglang.failure_records.get(7)
     assert svc.p.rooms.get(7).phase is DecodePhase.AWAITING_PREFILL
+
+
+def test_a_late_transfer_started_of_an_earlier_attempt_never_restarts_the_next_receivers_deadline():
+    clock = Clock()
+    rig = decode_rig(clock)
+    svc = rig.decode_service
+    first = rig.new_attempt(8)
+    rig.metadata(8, pages=[1])
+    svc.handle(protocol.encode(protocol.TransferStarted(room=8, attempt=first, prefill_rank=0)))
+    # Decode retracts the request and bootstraps it again: a new receiver of the same room id.
+    rig.decode_sglang.clear(8)
+    svc.forget(8, first)
+    second = rig.new_attempt(8)
+    rig.metadata(8, pages=[2])
+    # The first attempt's TransferStarted, still on the wire, opens no deadline for the second.
+    svc.handle(protocol.encode(protocol.TransferStarted(room=8, attempt=first, prefill_rank=0)))
+    assert svc.p.rooms.get(8).phase is DecodePhase.AWAITING_PREFILL
+    svc.handle(protocol.encode(protocol.TransferStarted(room=8, attempt=second, prefill_rank=0)))
+    started = clock.now
+    # Near the second attempt's deadline another late one of the first arrives: it restarts nothing.
+    clock.now = started + svc.deadline_s - 1
+    svc.handle(protocol.encode(protocol.TransferStarted(room=8, attempt=first, prefill_rank=0)))
+    svc.enforce_deadlines(started + svc.deadline_s + 0.5)
+    assert rig.decode_sglang.status(8) == S.FAILED
+    assert "not complete" in rig.decode_sglang.failure_records[8]
+    assert svc.p.rooms.attempt_of(8) == second

@@ -109,8 +109,9 @@ def test_halving_groups_write_where_they_end_and_announce_once(rig):
     rig.wait_status(7, S.SUCCESS)
     assert_bytes(rig, src, dst)
     assert rig.metrics.layerwise == len(group_ends(LAYERS))
-    # one for the streamed groups (not one per group), one for send()'s last chunk
-    assert len(rig.messenger.of_type(protocol.TransferStarted, 7)) == 2
+    # one for the streamed groups (not one per group); send()'s last chunk had nothing left to
+    # write and announces nothing
+    assert len(rig.messenger.of_type(protocol.TransferStarted, 7)) == 1
 
 
 def test_a_short_batch_goes_chunk_wise_and_is_counted(rig):
@@ -187,9 +188,13 @@ def test_success_waits_for_streamed_writes_still_on_the_wire(rig):
         batch = session.begin_batch(view(7, [3, 4], 0, 2, 2))
         forward(session, rig, batch)
         session.add_chunk(7, np.array([3, 4]), slice(0, 2), True, aux_index=0)
-        rig.wait(lambda: len(rig.service.p.rooms.get(7).writes) >= LAYERS + 1, "every layer write and the last chunk tracked")
-        time.sleep(0.2)
+        life = rig.service.p.rooms.get(7)
+        # send() had nothing left to write: the last chunk adds no write of its own
+        rig.wait(lambda: len(life.writes) >= LAYERS and life.last_submitted and not life.submitting,
+                 "every layer write and the last chunk tracked, the worker's token returned")
+        assert not rig.service.success.try_succeed(life)  # every thread's decision: not while writes run
         assert rig.sglang.status(7) == S.TRANSFERRING
+        assert not rig.messenger.of_type(protocol.RoomStatus, 7)
     finally:
         faults.resume_lane(rig.prefill.engine.engine, None, key)
     rig.wait_status(7, S.SUCCESS)

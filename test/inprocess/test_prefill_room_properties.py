@@ -108,7 +108,7 @@ class Recorder:
     def send_all(self, addresses, message):
         self.sent.extend((a, message) for a in addresses)
 
-    def send(self, address, message):
+    def send(self, address, message, block=True):
         self.sent.append((address, message))
 
     def __getattr__(self, name):  # every other metric
@@ -187,7 +187,8 @@ class RoomMachine(RuleBasedStateMachine):
             clock=lambda: self.now, timeout_s=TIMEOUT_S, owns_aux=False, read_aux=lambda i: None,
             engine=SimpleNamespace(pop_peer_failures=lambda: [], can_fence=False))
         self.service = PrefillService(self.parts, reject=lambda *a: None)
-        self.submitter = FakeSubmitter(self, self.parts, self.service.effects, self.service.failures)
+        self.submitter = FakeSubmitter(self, self.parts, self.service.effects, self.service.failures,
+                                       self.service.success)
         self.senders: set = set()  # room ids SGLang holds a sender for
         self.writes: list = []
         self.attempts = 0

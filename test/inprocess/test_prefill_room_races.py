@@ -69,10 +69,10 @@ def record_write_states_at_success(rig, life):
     seen = []
     send = rig.messenger.send
 
-    def recording_send(endpoint, message):
+    def recording_send(endpoint, message, **kw):
         if isinstance(message, protocol.RoomStatus) and message.status == S.SUCCESS:
             seen.append([w.handle.state() for w in list(life.writes)])
-        return send(endpoint, message)
+        return send(endpoint, message, **kw)
 
     rig.messenger.send = recording_send
     return seen

@@ -61,7 +61,7 @@ def hostile_messages(rng: random.Random, rooms: list, registration) -> list:
         protocol.encode(meta),  # metadata from an engine that never registered
         protocol.encode(meta),  # ... and its replay
         protocol.encode(protocol.RoomStatus(room=r(), attempt=1, status=4, prefill_rank=0, aux=[b"x"])),  # decode-bound
-        protocol.encode(protocol.TransferStarted(room=r(), prefill_rank=0)),
+        protocol.encode(protocol.TransferStarted(room=r(), attempt=1, prefill_rank=0)),
         protocol.encode(protocol.AbortAck(room=r(), prefill_rank=0, generation=1)),
         protocol.encode(protocol.Abort(room=r(), attempt=1, decode_ip="127.0.0.1", decode_port=1)),
         protocol.encode(

@@ -57,7 +57,7 @@ metadatas = st.builds(
     decode_prefix_len=opt_ints,
     is_dummy=st.booleans(),
 )
-starteds = st.builds(TransferStarted, room=rooms, prefill_rank=ints)
+starteds = st.builds(TransferStarted, room=rooms, attempt=ints, prefill_rank=ints)
 statuses_without_aux = st.builds(
     RoomStatus, room=rooms, attempt=ints, status=ints, prefill_rank=ints, reason=st.none() | texts, aux=st.none()
 )
@@ -92,7 +92,7 @@ def samples():
                      decode_port=17002, kv_indices=b"\x01\x00\x00\x00\x02\x00\x00\x00",
                      aux_index=3, state_indices=[[1, 2], None], required_dst_info_num=2,
                      decode_prefix_len=16, is_dummy=True),
-        TransferStarted(room=7, prefill_rank=1),
+        TransferStarted(room=7, attempt=5, prefill_rank=1),
         RoomStatus(room=8, attempt=1, status=2, prefill_rank=0, reason=None, aux=[b"aux0", b""]),
         RoomStatus(room=9, attempt=1, status=3, prefill_rank=1, reason="peer down"),
         Abort(room=10, attempt=77, decode_ip="127.0.0.1", decode_port=17003, generation=4),
@@ -180,7 +180,7 @@ def test_kinds_have_distinct_tags():
 
 # --- rejections --------------------------------------------------------------------------------
 
-PAYLOAD = encode(TransferStarted(room=7, prefill_rank=0))[1]
+PAYLOAD = encode(TransferStarted(room=7, attempt=3, prefill_rank=0))[1]
 
 
 @pytest.mark.parametrize("frames", [
@@ -267,7 +267,7 @@ STARTED_WITH_JUNK_KEY = bytes([PAYLOAD[0] + 1]) + PAYLOAD[1:] + msgspec.msgpack.
 
 def test_unknown_extra_field_is_ignored():
     message = decode([MAGIC, STARTED_WITH_JUNK_KEY + msgspec.msgpack.encode([1, "x"])])
-    assert message == TransferStarted(room=7, prefill_rank=0)
+    assert message == TransferStarted(room=7, attempt=3, prefill_rank=0)
 
 
 @pytest.mark.parametrize("payload", [
@@ -309,7 +309,7 @@ def test_version_checked_before_room_sign():
 
 @pytest.mark.parametrize("make", [
     lambda r: RoomMetadata(room=r, attempt=1, engine_key="k", decode_ip="h", decode_port=1, kv_indices=b""),
-    lambda r: TransferStarted(room=r, prefill_rank=0),
+    lambda r: TransferStarted(room=r, attempt=1, prefill_rank=0),
     lambda r: RoomStatus(room=r, attempt=1, status=2, prefill_rank=0),
     lambda r: Abort(room=r, attempt=1, decode_ip="h", decode_port=1),
     lambda r: AbortAck(room=r, prefill_rank=0),
@@ -323,7 +323,7 @@ def test_negative_room(make, room):
 
 
 def test_room_zero_is_valid():
-    assert decode(encode(TransferStarted(room=0, prefill_rank=0))).room == 0
+    assert decode(encode(TransferStarted(room=0, attempt=1, prefill_rank=0))).room == 0
 
 
 def test_protocol_error_is_value_error_with_fields():

@@ -32,11 +32,13 @@ class Messenger:
         self._all_sockets: list = []
         self._lock = threading.Lock()
 
-    def send(self, endpoint: Tuple[str, int], message) -> bool:
-        """Push one protocol message to (ip, port); False (logged) when it cannot be sent."""
+    def send(self, endpoint: Tuple[str, int], message, *, block: bool = True) -> bool:
+        """Push one protocol message to (ip, port); False (logged) when it cannot be sent.
+        `block=False`: fail at once instead of waiting up to SEND_TIMEOUT_MS for room in the
+        peer's queue (SGLang's scheduler thread sends this way)."""
         ip, port = endpoint
         try:
-            self._socket(f"tcp://{ip}:{port}").send_multipart(protocol.encode(message))
+            self._socket(f"tcp://{ip}:{port}").send_multipart(protocol.encode(message), 0 if block else zmq.NOBLOCK)
             return True
         except Exception as exc:
             logger.warning("sglang-mori: cannot send %s to %s:%s: %s", type(message).__name__, ip, port, exc)

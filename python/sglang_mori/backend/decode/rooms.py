@@ -80,11 +80,13 @@ class DecodeRoomRegistry:
             r = self._rooms.get(room)
             return r.attempt if r is not None else None
 
-    def transfer_started(self, room: int, now: float) -> bool:
-        """Progress from prefill: (re)start the room's deadline. False for an unknown or closed room."""
+    def transfer_started(self, room: int, attempt: int, now: float) -> bool:
+        """Progress from prefill on `attempt`: (re)start the room's deadline. False for an unknown
+        or closed room, or one whose receiver is another attempt (a late TransferStarted of a
+        retracted attempt must not keep the next receiver's deadline from running out)."""
         with self.lock:
             r = self._rooms.get(room)
-            if r is None or not r.open:
+            if r is None or not r.open or r.attempt != attempt:
                 return False
             r.phase = DecodePhase.TRANSFERRING
             r.started_at = now

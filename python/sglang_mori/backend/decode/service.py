@@ -192,7 +192,7 @@ class DecodeService:
         if isinstance(message, protocol.RoomStatus):
             self.on_status(message)
         elif isinstance(message, protocol.TransferStarted):
-            p.rooms.transfer_started(message.room, p.clock())
+            p.rooms.transfer_started(message.room, message.attempt, p.clock())
         elif isinstance(message, protocol.AbortAck):
             if p.sglang.deferred_release and message.generation is not None:
                 self.effects.abort_acked(message.room, message.prefill_rank, message.generation)

@@ -9,7 +9,8 @@ Per room:
 - returns the in-flight budget of each write that became terminal, and counts it;
 - concludes an open room: Success once every write succeeded and the last chunk was submitted
   (aux rides on that Success message, so "done" never precedes the data; decided under the
-  registry lock, where a submitter tracks writes and flags together), failure on the first
+  registry lock, where a submitter tracks writes and flags together; success.py, which other
+  threads call too when they are the ones to see the room complete), failure on the first
   failed write or expired deadline, or because SGLang failed the room meanwhile;
 - finishes a concluded room: DRAINED releases decode's held abort ACKs; POISONED (a write may
   still land) never does, and decode releases those pages at its own timeout;
@@ -19,6 +20,7 @@ Per room:
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 from sglang_mori.backend import room_status
 from sglang_mori.backend.prefill.effects import RoomEffects
@@ -26,6 +28,7 @@ from sglang_mori.backend.prefill.fence import WriteFence
 from sglang_mori.backend.prefill.failures import ABORTED, FAILED_ON_PREFILL, PEER_DEAD, TIMEOUT, PrefillFailures
 from sglang_mori.backend.prefill.parts import PrefillParts
 from sglang_mori.backend.prefill.rooms import Phase, PrefillRoom
+from sglang_mori.backend.prefill.success import SuccessDecider
 from sglang_mori.engine import WriteState
 
 logger = logging.getLogger(__name__)
@@ -38,11 +41,13 @@ COMPLETION_POLL_CAP_MS = 20
 
 
 class Completion:
-    def __init__(self, parts: PrefillParts, effects: RoomEffects, failures: PrefillFailures, on_peer_failed):
+    def __init__(self, parts: PrefillParts, effects: RoomEffects, failures: PrefillFailures, on_peer_failed,
+                 success: Optional[SuccessDecider] = None):
         self.p = parts
         self.effects = effects
         self.failures = failures
         self.on_peer_failed = on_peer_failed  # (engine key, reason) -> None: fail its rooms
+        self.success = success if success is not None else SuccessDecider(parts, effects)
         # How long one pass waits on a running write before looking at every room again: another
         # room's write that finished meanwhile waits this long for its Success, hence the cap.
         self.poll_ms = max(1, min(parts.config.wait_poll_ms, COMPLETION_POLL_CAP_MS))
@@ -102,10 +107,10 @@ class Completion:
             return
         # A look outside the lock, to skip rooms whose writes still run. It decides a failure
         # (a failed or expired write stays so, whatever is tracked after it), never a Success:
-        # the last chunk's writes may be tracked right after this verdict (_conclude_success).
+        # the last chunk's writes may be tracked right after this verdict (success.try_succeed).
         state, reason = r.verdict(now)
         if state is WriteState.SUCCEEDED:
-            self._conclude_success(r, now)
+            self.success.try_succeed(r)
         elif state is WriteState.FAILED:
             # The room first, the peer after: once the peer is marked failed, a submitter fails
             # this room's next chunk with "failed recently", and the room's own failure (the
@@ -118,22 +123,6 @@ class Completion:
                         and not w.handle.fenced):
                     if p.peers.mark_failed(w.handle.peer_key, reason):
                         p.metrics.peer_down(w.handle.peer_key)
-
-    def _conclude_success(self, r: PrefillRoom, now: float) -> None:
-        """Success once every write succeeded after the last chunk was tracked and no submitter
-        works on the room (the layer-wise worker may track writes after the last chunk's: it holds
-        a submit token until its batch's end). Both looks are under the registry lock, where
-        writes and flags change together: the first only spares the aux read for rooms that are
-        not done; `rooms.succeed` decides again on the room as it is when it concludes."""
-        p = self.p
-        with p.rooms.lock:
-            if not r.ready_to_succeed(now):
-                return
-            aux_index = r.aux_index
-        aux = p.read_aux(aux_index) if p.owns_aux else None
-        with self.effects.transition() as fx:
-            if p.sglang.status(r.room) != room_status.FAILED:
-                p.rooms.succeed(r, aux_index, aux, now, fx)
 
     def handle_peer_failures(self) -> None:
         p = self.p

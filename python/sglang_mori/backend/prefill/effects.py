@@ -58,6 +58,9 @@ class Effects:
     successes: List[Success] = field(default_factory=list)
     acks: List[int] = field(default_factory=list)  # rooms whose held abort ACKs go out
     sends: list = field(default_factory=list)  # (address, message)
+    # The caller is SGLang's scheduler thread: a message that cannot be queued at once is dropped
+    # (logged) rather than stall the scheduler up to the send timeout.
+    never_block: bool = False
 
 
 class RoomEffects:
@@ -67,10 +70,10 @@ class RoomEffects:
         self.p = parts
 
     @contextlib.contextmanager
-    def transition(self):
+    def transition(self, *, never_block: bool = False):
         """`with effects.transition() as fx:` run transitions on `parts.rooms` (lock held), each
         recording into `fx`; on exit the effects are applied, also when the body raised."""
-        fx = Effects()
+        fx = Effects(never_block=never_block)
         try:
             with self.p.rooms.lock:
                 try:
@@ -114,6 +117,7 @@ class RoomEffects:
 
     def _apply_after(self, fx: Effects) -> None:
         p = self.p
+        block = not fx.never_block
         for handle in fx.slots:
             p.peers.budget.release(handle.peer_key)
             state = handle.state()
@@ -132,14 +136,16 @@ class RoomEffects:
             p.metrics.request_finished(ok=False, reason=f.label)
             for address, attempt in f.destinations:
                 p.messenger.send(address, protocol.RoomStatus(room=f.room, attempt=attempt, status=room_status.FAILED,
-                                                              prefill_rank=p.sglang.prefill_rank, reason=f.reason))
+                                                              prefill_rank=p.sglang.prefill_rank, reason=f.reason),
+                                 block=block)
         for s in fx.successes:
             p.sglang.set_status(s.room, room_status.SUCCESS)
             for address, attempt in s.destinations:
                 p.messenger.send(address, protocol.RoomStatus(room=s.room, attempt=attempt, status=room_status.SUCCESS,
-                                                              prefill_rank=p.sglang.prefill_rank, aux=s.aux))
+                                                              prefill_rank=p.sglang.prefill_rank, aux=s.aux),
+                                 block=block)
             p.metrics.request_finished(ok=True)
         for room in fx.acks:
             p.sglang.release_acks(room)
         for address, message in fx.sends:
-            p.messenger.send(address, message)
+            p.messenger.send(address, message, block=block)

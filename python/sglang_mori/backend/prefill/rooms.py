@@ -121,6 +121,9 @@ class PrefillRoom:
     # and layer-wise batches between their publication and their end (a count, not a phase: any
     # number of holders at once).
     submitting: int = 0
+    # Chunks the scheduler queued for a shard that no shard has taken yet (submitter.py): a last
+    # chunk with nothing to write may be tracked on the scheduler's thread only behind none.
+    queued: int = 0
     last_submitted: bool = False
     aux_index: Optional[int] = None
     outcome: Optional[Outcome] = None  # set on leaving the open phases

@@ -4,7 +4,9 @@ Built from explicit parts (parts.py). Threads, all daemon and stoppable:
 - control:    decode's messages on the manager's PULL socket (control.py), and housekeeping;
 - shard-N:    chunk planning and submission (submitter.py);
 - completion: watches writes, concludes and drains rooms (completion.py).
-The scheduler thread calls `claim` / `release` (a sender starts / is cleared) and `add_chunk`.
+The scheduler thread calls `claim` / `release` (a sender starts / is cleared) and `add_chunk`
+(layer-wise: `track_last_without_writes`). Success is decided by whichever thread sees a room
+complete (success.py).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from sglang_mori.backend.prefill.effects import RoomEffects
 from sglang_mori.backend.prefill.failures import ABORTED, CLEARED_ON_PREFILL, OTHER, PrefillFailures
 from sglang_mori.backend.prefill.parts import PrefillParts
 from sglang_mori.backend.prefill.submitter import Chunk, ChunkSubmitter
+from sglang_mori.backend.prefill.success import SuccessDecider
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +38,10 @@ class PrefillService:
         self.effects = RoomEffects(parts)
         self.failures = PrefillFailures(parts, self.effects)
         self.control = PrefillControl(parts, self.effects, self.failures, reject)
-        self.submitter = ChunkSubmitter(parts, self.effects, self.failures)
-        self.completion = Completion(parts, self.effects, self.failures, self.control.fail_rooms_of_peer)
+        self.success = SuccessDecider(parts, self.effects)
+        self.submitter = ChunkSubmitter(parts, self.effects, self.failures, self.success)
+        self.completion = Completion(parts, self.effects, self.failures, self.control.fail_rooms_of_peer,
+                                     self.success)
         self.stopped = threading.Event()
         self.threads: list = []
 
@@ -119,6 +124,17 @@ class PrefillService:
             is_last=is_last, aux_index=kw.get("aux_index"), state_indices=kw.get("state_indices"),
             wait_event=kw.get("wait_event"), num_kv_tokens=kw.get("num_kv_tokens"),
         ))
+
+    def track_last_without_writes(self, chunk: Chunk) -> None:
+        """Layer-wise `send()`'s last chunk when the forward streamed every page of it: tracked on
+        the scheduler's thread, and Success decided there if every streamed write is done (it
+        usually is: the copies ran during the forward), instead of two wake-ups (a shard thread,
+        then the completion thread) that each wait for the GIL. Queued like any chunk behind an
+        earlier chunk of the room still waiting for its shard."""
+        if not self.submitter.track_without_writes(chunk):
+            self.submitter.enqueue(chunk)
+        elif chunk.life is not None:
+            self.success.try_succeed(chunk.life, never_block=True)
 
     def fail(self, room_id: int, reason: str, label: str = OTHER) -> bool:
         return self.failures.fail(room_id, reason, label)

@@ -35,6 +35,7 @@ from sglang_mori.backend.prefill.failures import (
 )
 from sglang_mori.backend.prefill.parts import PrefillParts
 from sglang_mori.backend.prefill.rooms import Phase, TrackedWrite
+from sglang_mori.backend.prefill.success import SuccessDecider
 from sglang_mori.engine import SubmitError
 from sglang_mori.planning import PlanningError
 
@@ -57,13 +58,15 @@ class Chunk:
     # The room life the scheduler handed the chunk over for (set by `enqueue`): a chunk still
     # queued when that life ends is never written for a next life of the room id.
     life: object = None
+    queued: bool = False  # counted in `life.queued` until a shard takes it
 
 
 class ChunkSubmitter:
-    def __init__(self, parts: PrefillParts, effects: RoomEffects, failures: PrefillFailures):
+    def __init__(self, parts: PrefillParts, effects: RoomEffects, failures: PrefillFailures, success: SuccessDecider):
         self.p = parts
         self.effects = effects
         self.failures = failures
+        self.success = success
         cfg = parts.config
         self.queues = [queue.Queue(maxsize=cfg.max_queued_chunks) for _ in range(transfer_shard_count(cfg))]
         # Count and publish the queue depth as one step: shards and the scheduler update it at once.
@@ -77,15 +80,39 @@ class ChunkSubmitter:
             return
         with self.p.rooms.lock:
             chunk.life = self.p.rooms.get(chunk.room)  # the sender's life: the scheduler holds it
+            if chunk.life is not None:
+                chunk.life.queued += 1
+                chunk.queued = True
         if chunk.life is None:
             return
         q = self.queues[chunk.room % len(self.queues)]
         try:
             q.put_nowait(chunk)
         except queue.Full:
+            with self.p.rooms.lock:
+                chunk.life.queued -= 1
+                chunk.queued = False
             self.failures.fail_life(chunk.life, f"transfer queue full ({q.maxsize} chunks, "
                                     "SGLANG_MORI_MAX_QUEUED_CHUNKS)", BACKPRESSURE)
         self._publish_depth()
+
+    def track_without_writes(self, chunk: Chunk) -> bool:
+        """On the caller's thread (SGLang's scheduler), track a chunk that has nothing to write
+        (layer-wise streamed every page of it) as a shard would, without the hop to the shard's
+        thread. False, and nothing changes, while an earlier chunk of the room's life still waits
+        in a shard's queue: a room's chunks are tracked in order, so this one must queue too."""
+        p = self.p
+        status = p.sglang.status(chunk.room)
+        if status is None or status == room_status.FAILED:
+            return True  # as `enqueue`: nothing to track for a failed or cleared room
+        with self.effects.transition(never_block=True) as fx:  # a failure found here is sent from SGLang's thread
+            r = p.rooms.get(chunk.room)
+            if r is not None and r.queued:
+                return False
+            chunk.life = r
+            if self._begin_locked(r, fx) is not None:
+                p.rooms.end_submit(r, [], chunk.is_last, chunk.aux_index, fx)
+        return True
 
     def queued(self) -> int:
         return sum(q.qsize() for q in self.queues)
@@ -123,21 +150,29 @@ class ChunkSubmitter:
             # The chunk's own life, never the room id's current one (a next life by now, maybe);
             # a chunk handed in without `enqueue` (tests, tools) is for the current life.
             r = chunk.life if chunk.life is not None else p.rooms.get(chunk.room)
-            if r is None or r.concluded:
-                return
-            if r.phase is Phase.AWAITING_METADATA:
-                problem = (NO_METADATA, PROTOCOL)
-            else:
-                problem = next(((t.reject_reason, LAYOUT) for t in r.targets.values() if t.reject_reason), None)
-            if problem is not None:
-                self.failures.conclude_locked(r, *problem, fx)
-                return
-            if not p.rooms.begin_submit(r, fx):
-                # Its sender was cleared (a queued attempt's next life may hold the room id now):
-                # the chunk's writes never go anywhere.
-                return
-            targets = r.live_targets()
-        self.post_tracked(chunk, r, targets)
+            if chunk.queued:  # taken off the queue and, below, tracked or dropped at once
+                chunk.queued = False
+                r.queued -= 1
+            targets = self._begin_locked(r, fx)
+        if targets is not None:
+            self.post_tracked(chunk, r, targets)
+
+    def _begin_locked(self, r, fx) -> Optional[list]:
+        """A submit token on room life `r` (registry lock held) and its live targets; None when
+        nothing may be written: no life, concluded, failed here (no metadata, refused layout), or
+        its sender was cleared (a queued attempt's next life may hold the room id now)."""
+        if r is None or r.concluded:
+            return None
+        if r.phase is Phase.AWAITING_METADATA:
+            problem = (NO_METADATA, PROTOCOL)
+        else:
+            problem = next(((t.reject_reason, LAYOUT) for t in r.targets.values() if t.reject_reason), None)
+        if problem is not None:
+            self.failures.conclude_locked(r, *problem, fx)
+            return None
+        if not self.p.rooms.begin_submit(r, fx):
+            return None
+        return r.live_targets()
 
     def post_tracked(self, chunk: Chunk, r, targets) -> int:
         """Post `chunk` to `targets` for room life `r`, whose submit token the caller took
@@ -153,6 +188,10 @@ class ChunkSubmitter:
                 self.p.rooms.end_submit(r, writes, chunk.is_last, chunk.aux_index, fx)
                 if failure is not None:
                     self.failures.conclude_locked(r, *failure, fx)
+        if failure is None and r.last_submitted:
+            # Writes that finished while they were posted (fast links): Success from here, not
+            # after a wake-up of the completion thread (success.py).
+            self.success.try_succeed(r)
         return len(writes)
 
     def _open_sessions(self, peer, batch) -> Optional[str]:
@@ -198,8 +237,9 @@ class ChunkSubmitter:
         p = self.p
         # Every chunk restarts decode's deadline: a long chunked prefill is slow, not dead.
         if chunk.announce:
-            started = protocol.TransferStarted(room=chunk.room, prefill_rank=p.sglang.prefill_rank)
-            p.messenger.send_all([t.address for t in targets], started)
+            for t in targets:  # each destination under its own attempt
+                p.messenger.send(t.address, protocol.TransferStarted(room=chunk.room, attempt=t.attempt,
+                                                                     prefill_rank=p.sglang.prefill_rank))
         if chunk.wait_event is not None:
             chunk.wait_event.synchronize()  # source KV is ready only after the forward pass
         deadline = p.clock() + p.timeout_s

@@ -46,6 +46,11 @@ class SelectedChunk(Chunk):
 
     kv_selection: List[tuple] = field(default_factory=list)
 
+    @property
+    def writes_nothing(self) -> bool:
+        """Every page was streamed and no state goes with it: tracking it writes no byte."""
+        return not self.kv_selection and (not self.is_last or self.state_indices is None)
+
 
 class LayerwisePlanner(KVPlanner):
     """`refuse_unstreamable` (SGLANG_MORI_LAYERWISE=on): a decode whose pages the layer streams cannot

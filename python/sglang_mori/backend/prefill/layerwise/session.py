@@ -247,7 +247,11 @@ class LayerwiseSession:
             self.service.add_chunk(room_id, kv_indices, index_slice, is_last, **kw)
             return
         chunk = selected_chunk(room_id, kv_indices, index_slice, is_last, parts, **kw)
-        if chunk is not None:
+        if chunk is None:
+            return
+        if is_last and getattr(chunk, "writes_nothing", False):
+            self.service.track_last_without_writes(chunk)  # no hop: Success may go out from here
+        else:
             self.service.submitter.enqueue(chunk)
 
     # --- radix checkpoints ------------------------------------------------------------------------

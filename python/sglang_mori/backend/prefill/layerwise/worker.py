@@ -136,4 +136,7 @@ class LayerWorker:
             for stream in batch.streams:
                 p.rooms.end_submit(stream.life, [], False, None, fx)
                 p.rooms.batch_ended(stream.life)
+        for stream in batch.streams:
+            if stream.life.last_submitted:  # the last chunk came first: this token was what it waited for
+                self.submitter.success.try_succeed(stream.life)
         batch.done.set()

@@ -1,0 +1,201 @@
+"""`scripts/bench_backend.py handoff`: wall-clock latency of the hand-offs on a PD request's time to
+first token that are ours, on CPU (issue 27's "Where PD's 8K TTFT goes", docs/benchmarks.md).
+
+One prefill and one decode service in this process (hotpath/rig.py: softio, ZMQ between them),
+requests one at a time (concurrency 1), per request:
+
+- destinations: decode's scheduler builds and sends its RoomMetadata -> prefill publishes the
+  room's destinations to SGLang (WaitingForInput);
+- last chunk -> Success: prefill's scheduler hands over the last chunk -> prefill's SGLang table
+  says Success (our Success decision) -> decode's SGLang table says Success (the message arrived
+  and was applied).
+
+`--mode streamed` is layer-wise `auto` after a forward that streamed everything: the pages went in
+an earlier chunk whose writes are done, and the last `send()` has nothing left to write (what
+layerwise/session.add_chunk hands over then). `--mode chunk`: the last chunk carries every page.
+`--spin`: a thread stands in for SGLang's scheduler loop, which runs Python between short calls
+that release the GIL (ZMQ polls), so our threads' wake-ups compete for the GIL as in a server.
+`--after-send-us N`: the driver runs N us of Python right after handing the last chunk over, as
+SGLang's scheduler goes on with the batch result after `send()`; a thread we woke waits for it.
+Timings only; correctness is the tests' (test/inprocess).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import statistics
+import threading
+import time
+
+SEGMENTS = ("destinations", "last_chunk_to_prefill_success", "prefill_success_to_decode_success",
+            "last_chunk_to_decode_success")
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--shape", default="gqa32p16", help="mla61p64 or gqa32p16")
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--requests", type=int, default=200)
+    p.add_argument("--mode", choices=("streamed", "chunk"), default="streamed")
+    p.add_argument("--spin", action="store_true", help="a Python thread spins as SGLang's scheduler loop does")
+    p.add_argument("--engine", choices=("softio", "instant"), default="instant")
+    p.add_argument("--after-send-us", type=int, default=0,
+                   help="Python the driver runs right after the last hand-off, GIL held, as SGLang's "
+                        "scheduler goes on processing the batch result after send()")
+    p.add_argument("--json", action="store_true")
+
+
+class Stamps:
+    """Wraps a FakeSGLang's set_status/publish_destinations: the first time each room reaches a
+    status, stamped with perf_counter."""
+
+    def __init__(self, sglang):
+        self.at: dict = {}
+        original_set, original_publish = sglang.set_status, sglang.publish_destinations
+
+        def set_status(room, status):
+            original_set(room, status)
+            self.at.setdefault((room, status), time.perf_counter())
+
+        def publish(room, targets):
+            self.at.setdefault((room, "published"), time.perf_counter())
+            original_publish(room, targets)
+
+        sglang.set_status, sglang.publish_destinations = set_status, publish
+
+
+class Spinner:
+    """SGLang's scheduler loop, idle: Python work between non-blocking ZMQ polls (GIL released)."""
+
+    def __init__(self, ctx):
+        import zmq
+
+        self.sock = ctx.socket(zmq.PULL)
+        self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, name="scheduler-stand-in", daemon=True)
+
+    def run(self) -> None:
+        import zmq
+
+        deadline = time.monotonic() + 3600  # bounded: the bench ends it long before
+        while not self.stop.is_set() and time.monotonic() < deadline:
+            sum(i * i for i in range(200))  # ~10-20 us of Python, GIL held
+            self.sock.poll(0, zmq.POLLIN)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join(5)
+        self.sock.close(0)
+
+
+def _busy(seconds: float) -> None:
+    """Pure Python for `seconds`: the GIL is let go only when another thread forces a switch."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        sum(i for i in range(50))
+
+
+def _wait(sglang, room, statuses, timeout_s=30.0) -> None:
+    sglang.wait_all([room], statuses, timeout_s)
+
+
+def _submit_last(pair, chunk) -> None:
+    """Hand the last chunk over as layer-wise `add_chunk` does on this checkout."""
+    service = pair.prefill
+    if hasattr(service, "track_last_without_writes"):
+        service.track_last_without_writes(chunk)
+    else:  # a checkout before issue 27's change: every chunk through a shard
+        service.submitter.enqueue(chunk)
+
+
+def _streamed_done(pair, room) -> bool:
+    rooms = pair.prefill.p.rooms
+    with rooms.lock:
+        r = rooms.get(room)
+        return r is not None and not r.submitting and bool(r.writes) and not r.unfinished()
+
+
+def run(args) -> int:
+    import numpy as np
+
+    from harness.hotpath.rig import AUX_SLOTS, SHAPES, PDPair, instant_writes
+    from sglang_mori.backend import room_status as S
+    from sglang_mori.backend.prefill.layerwise.planner import LayerwisePlanner, selected_chunk
+    from sglang_mori.config import MoriConfig
+
+    shape = SHAPES[args.shape]
+    per = math.ceil(args.tokens / shape.page_size)
+    writes = instant_writes() if args.engine == "instant" else contextlib.nullcontext()
+    with writes:
+        pair = PDPair(shape, per, 16, MoriConfig(transfer_shards=1))
+        pool = pair.prefill_pool
+        pair.prefill.p.planner = LayerwisePlanner(pool.layout, pool.buffers)  # plans SelectedChunk
+        pre, dec = Stamps(pair.prefill_sglang), Stamps(pair.decode_sglang)
+        pair.start()
+        spin = Spinner(pair.ctx) if args.spin else contextlib.nullcontext()
+        samples = {k: [] for k in SEGMENTS}
+        try:
+            with spin:
+                rng = np.random.default_rng(0)
+                for n in range(args.requests + 5):  # 5 warm-up requests
+                    room = 5000 + n
+                    aux = room % AUX_SLOTS
+                    src, dst = rng.permutation(per), rng.permutation(per)
+                    pair.decode_sglang.open(room)
+                    attempt = pair.decode.new_receiver(room)
+                    pair.prefill_sglang.open(room)
+                    if pair.prefill.claim(room):
+                        raise RuntimeError(f"room {room} refused")
+                    t_meta = time.perf_counter()
+                    pair.send_to_prefill(pair.encode(pair.decode.record_destination(
+                        bootstrap_room=room, required_dst_info_num=1, kv_indices=dst, aux_index=aux,
+                        state_indices=None, decode_prefix_len=None, is_dummy=False)))
+                    _wait(pair.prefill_sglang, room, (S.WAITING_FOR_INPUT,))
+                    if args.mode == "streamed":
+                        pair.prefill.add_chunk(room, src, slice(0, per), False)
+                        deadline = time.monotonic() + 30
+                        while not _streamed_done(pair, room):  # bench only: the streamed writes ended
+                            if time.monotonic() > deadline:
+                                raise TimeoutError(f"room {room}: streamed writes never finished")
+                            time.sleep(0.0005)
+                        chunk = selected_chunk(room, src, slice(0, per), True, [], aux_index=aux)
+                        t_last = time.perf_counter()
+                        _submit_last(pair, chunk)
+                    else:
+                        t_last = time.perf_counter()
+                        pair.prefill.add_chunk(room, src, slice(0, per), True, aux_index=aux)
+                    if args.after_send_us:
+                        _busy(args.after_send_us / 1e6)
+                    _wait(pair.decode_sglang, room, (S.SUCCESS, S.FAILED))
+                    if pair.decode_sglang.status(room) != S.SUCCESS:
+                        raise RuntimeError(f"room {room}: {pair.prefill_sglang.failure_reason(room)}")
+                    t_pub = pre.at[(room, "published")]
+                    t_ps, t_ds = pre.at[(room, S.SUCCESS)], dec.at[(room, S.SUCCESS)]
+                    if n >= 5:
+                        for key, v in zip(SEGMENTS, (t_pub - t_meta, t_ps - t_last, t_ds - t_ps, t_ds - t_last)):
+                            samples[key].append(v * 1e3)
+                    pair.prefill.release(room)
+                    pair.prefill_sglang.clear(room)
+                    pair.decode.forget(room, attempt)
+                    pair.decode_sglang.clear(room)
+        finally:
+            pair.stop()
+    out = {"shape": args.shape, "tokens": args.tokens, "mode": args.mode, "spin": args.spin, "engine": args.engine,
+           "requests": args.requests, "after_send_us": args.after_send_us}
+    for key, vals in samples.items():
+        vals.sort()
+        out[key] = {"p50_ms": round(statistics.median(vals), 3), "p90_ms": round(vals[int(0.9 * (len(vals) - 1))], 3)}
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(f"{args.shape} {args.tokens} tokens, {args.mode}, spin={args.spin}, {args.engine}, "
+              f"{args.requests} requests")
+        for key in SEGMENTS:
+            print(f"  {key:40s} p50 {out[key]['p50_ms']:7.3f} ms  p90 {out[key]['p90_ms']:7.3f} ms")
+    return 0

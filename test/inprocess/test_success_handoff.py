@@ -1,0 +1,114 @@
+"""Who decides a room's Success (prefill/success.py), on the in-process rig with layer-wise on.
+
+Layer-wise streaming writes a room's pages during the forward, so SGLang's last `send()` often has
+nothing left to write: that chunk is tracked on the scheduler's own thread and, when every
+streamed write is done, Success goes out from there (no shard hop, no completion wake-up). These
+tests pin which thread sent it, that it never goes out while a write of the room runs or an
+earlier chunk of it still waits for its shard, and the bytes that landed.
+"""
+
+import threading
+
+import numpy as np
+import pytest
+
+from sglang_mori import protocol
+from sglang_mori.backend import room_status as S
+from sglang_mori.backend.prefill.layerwise.planner import LayerwisePlanner
+from sglang_mori.config import MoriConfig
+
+from layerwise_rig import CountingMetrics
+from rig import WAIT_S, PrefillRig
+from test_layerwise import LAYERS, assert_bytes, forward, open_room, view
+
+
+@pytest.fixture
+def rig():
+    with PrefillRig(MoriConfig(transfer_shards=1, transfer_timeout_ms=5000), buffers=2 * LAYERS,
+                    planner_class=LayerwisePlanner) as r:
+        r.metrics = r.parts.metrics = CountingMetrics()
+        r.register()
+        yield r
+
+
+def successes(rig, room):
+    return [m for m in rig.messenger.of_type(protocol.RoomStatus, room) if m.status == S.SUCCESS]
+
+
+def streamed_and_done(rig, room):
+    """Every streamed write tracked and finished, the worker's batch token returned."""
+    life = rig.service.p.rooms.get(room)
+    rig.wait(lambda: life.writes and not life.submitting and not life.unfinished(),
+             f"room {room}'s streamed writes done")
+    return life
+
+
+def test_a_last_send_with_nothing_left_succeeds_on_the_schedulers_thread(rig):
+    session = rig.layerwise()
+    src, dst = list(range(10, 18)), list(range(30, 38))
+    open_room(rig, 1, dst)
+    forward(session, rig, session.begin_batch(view(1, src, 0, 8, 8)))
+    streamed_and_done(rig, 1)
+    session.add_chunk(1, np.array(src), slice(0, 8), True, aux_index=2)
+    # Decided inside send(): no shard thread, no completion thread in between.
+    assert rig.sglang.status(1) == S.SUCCESS
+    (done,) = successes(rig, 1)
+    assert done.aux == [rig.prefill.aux[32:48].tobytes()]
+    senders = [name for message, name in rig.messenger.threads if message is done]
+    assert senders == [threading.current_thread().name]
+    assert done in rig.messenger.nonblocking  # the scheduler never waits on a full send queue
+    assert_bytes(rig, src, dst)
+
+
+def test_the_last_send_waits_behind_an_earlier_chunk_still_queued_for_its_shard(rig):
+    """Pass 1 went chunk-wise and its chunk still waits for the (held) shard; pass 2 streamed
+    everything. The last send() must not conclude the room before pass 1's writes are tracked
+    and done: it queues behind them."""
+    session = rig.layerwise()
+    src, dst = list(range(0, 8)), list(range(40, 48))
+    open_room(rig, 2, dst)
+    submitter = rig.service.submitter
+    shard_may_go, real_submit = threading.Event(), submitter.submit
+
+    def held_submit(chunk):
+        assert shard_may_go.wait(WAIT_S)
+        real_submit(chunk)
+
+    submitter.submit = held_submit
+    rig.service.add_chunk(2, np.array(src[:4]), slice(0, 4), False)  # pass 1, chunk-wise
+    forward(session, rig, session.begin_batch(view(2, src, 4, 4, 8, start_send=4)))  # pass 2 streams
+    life = rig.service.p.rooms.get(2)
+    rig.wait(lambda: not life.submitting and not life.unfinished(), "pass 2's streamed writes done")
+    session.add_chunk(2, np.array(src[4:]), slice(4, 8), True, aux_index=0)
+    assert rig.sglang.status(2) == S.TRANSFERRING and not successes(rig, 2)
+    assert life.queued == 2 and not life.last_submitted  # pass 1's chunk, then the last one behind it
+    shard_may_go.set()
+    rig.wait_status(2, S.SUCCESS)
+    assert len(successes(rig, 2)) == 1
+    assert_bytes(rig, src, dst)
+
+
+def test_the_last_send_before_the_workers_batch_end_succeeds_once_the_worker_is_done(rig):
+    """send() comes while the worker has not processed the batch's end marker (its token still
+    held): not concluded there; Success once the worker returns the token, exactly once."""
+    session = rig.layerwise()
+    src, dst = list(range(20, 28)), list(range(50, 58))
+    open_room(rig, 3, dst)
+    worker = session.worker
+    end_may_go, real_end = threading.Event(), worker._end
+
+    def held_end(batch):
+        assert end_may_go.wait(WAIT_S)
+        real_end(batch)
+
+    worker._end = held_end
+    forward(session, rig, session.begin_batch(view(3, src, 0, 8, 8)))
+    life = rig.service.p.rooms.get(3)
+    rig.wait(lambda: len(life.writes) == LAYERS and not life.unfinished(), "every layer's write done")
+    session.add_chunk(3, np.array(src), slice(0, 8), True, aux_index=0)
+    assert life.last_submitted and life.submitting == 1  # tracked here; the worker's token remains
+    assert rig.sglang.status(3) == S.TRANSFERRING and not successes(rig, 3)
+    end_may_go.set()
+    rig.wait_status(3, S.SUCCESS)
+    assert len(successes(rig, 3)) == 1
+    assert_bytes(rig, src, dst)
