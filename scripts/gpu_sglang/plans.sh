@@ -120,3 +120,25 @@ run_plan() {
   tar czf "$OUT/$plan.tgz" -C $W . 2>/dev/null
   ls -la "$OUT"
 }
+
+# Session 12 (issue 27 TTFT after Success moved to the thread that sees the room complete; issue 28
+# hot path of a candidate branch): the 8K concurrency-1 TTFT of standalone, PD chunk-wise and PD
+# `auto`, twice side by side (GPUs 0->1 in one order, 2->3 in the other; standalone on the prefill's
+# GPU), traced; beside them, on the CPU, `bench hotpath --engine instant` of this tree against the
+# candidate copied to .gpu/cand (ROOT is .gpu there) (absent: skipped), in both orders.
+ttft8k_hotpath() {
+  python3 "$S/pd_latency.py" --out $W/latA --configs standalone,pd_off,pd_auto --gpu-base 0 --trace \
+    --lengths 8192 --concurrency 1 --requests-c1 12 --repeats 2 --tag latency_8k_a --port-base 37000 > $W/latA.out 2>&1 & local a=$!
+  python3 "$S/pd_latency.py" --out $W/latB --configs pd_auto,pd_off,standalone --gpu-base 2 --trace \
+    --lengths 8192 --concurrency 1 --requests-c1 12 --repeats 2 --tag latency_8k_b --port-base 38000 > $W/latB.out 2>&1 & local b=$!
+  if [ -d "$ROOT/cand/python" ]; then
+    mkdir -p $W/hot
+    for r in 1 2; do
+      python3 "$ROOT/scripts/bench_backend.py" hotpath --engine instant --json > $W/hot/main_$r.jsonl 2> $W/hot/main_$r.err
+      python3 "$ROOT/scripts/bench_backend.py" hotpath --engine instant --json --backend-root "$ROOT/cand" \
+        > $W/hot/cand_$r.jsonl 2> $W/hot/cand_$r.err
+    done
+    cat $W/hot/*.jsonl > $W/hot/hotpath_all.json
+  fi
+  wait $a $b
+}
