@@ -410,7 +410,9 @@ class TransferEngine:
             return handle
         handle.live = self._submit(batch, handle)
         for attempt in range(1, retry_max + 1):
-            retry = [i for i, status in enumerate(handle.live) if is_retryable(status)]
+            # Failed() first: a call per status, and most have not failed (is_retryable reads the
+            # message of those that have).
+            retry = [i for i, status in enumerate(handle.live) if status.Failed() and is_retryable(status)]
             if not retry:
                 break
             backoff = min(0.001 * (2**attempt), 0.2)
