@@ -1,7 +1,10 @@
 """Wire protocol between decode and prefill managers.
 
 Every message is one `msgspec.Struct` with a protocol version and a `kind` tag, msgpack-encoded and
-sent as two ZMQ frames: `[MAGIC, payload]`. Decoding validates types; anything malformed, truncated,
+sent as one ZMQ frame `MAGIC + payload`; Register alone keeps the two frames `[MAGIC, payload]` of
+earlier versions, so a peer of another version still reads its version and says so (the per-request
+messages are one frame because each frame of a send costs the sending thread about 10 us more:
+docs/design.md, issue 28). Decoding validates types; anything malformed, truncated,
 of an unknown kind or of another version raises `ProtocolError`, which the caller counts, logs and
 turns into (at most) the failure of the room the message names. Nothing here raises anything else.
 
@@ -25,7 +28,8 @@ import numpy as np
 
 # 2: RoomMetadata and Abort carry decode's attempt id (retract-rebootstrap reuses a room id).
 # 3: RoomStatus echoes that attempt id (a late status must not conclude the room id's next receiver).
-# 4: TransferStarted names that attempt too (a late one must not restart the next receiver's deadline).
+# 4: TransferStarted names that attempt too (a late one must not restart the next receiver's deadline);
+#    every message but Register is one frame (MAGIC + payload).
 PROTOCOL_VERSION = 4
 MAGIC = b"sglang-mori/1"
 
@@ -138,20 +142,35 @@ _decoder = msgspec.msgpack.Decoder(AnyMessage)
 _envelope_decoder = msgspec.msgpack.Decoder(_Envelope)
 
 
+_MAGIC_LEN = len(MAGIC)
+
+
 def encode(message: _Message) -> list[bytes]:
-    return [MAGIC, _encoder.encode(message)]
+    if isinstance(message, Register):
+        return [MAGIC, _encoder.encode(message)]
+    return [MAGIC + _encoder.encode(message)]
+
+
+def _payload(frames: list[bytes]):
+    """The msgpack payload of `[MAGIC + payload]` or `[MAGIC, payload]`, or ProtocolError."""
+    if len(frames) == 1 and frames[0][:_MAGIC_LEN] == MAGIC:
+        if len(frames[0]) == _MAGIC_LEN:
+            raise ProtocolError(REJECT_MALFORMED, "no payload after the magic: got 1 frame holding the magic alone")
+        return memoryview(frames[0])[_MAGIC_LEN:]
+    if not frames or frames[0] != MAGIC:
+        raise ProtocolError(REJECT_FOREIGN, f"not an sglang-mori message ({len(frames)} frames)")
+    if len(frames) != 2:
+        raise ProtocolError(REJECT_MALFORMED, f"expected 1 or 2 frames, got {len(frames)}")
+    return frames[1]
 
 
 def decode(frames: list[bytes]) -> AnyMessage:
     """Frames -> message, or ProtocolError. Never raises anything else."""
-    if not frames or frames[0] != MAGIC:
-        raise ProtocolError(REJECT_FOREIGN, f"not an sglang-mori message ({len(frames)} frames)")
-    if len(frames) != 2:
-        raise ProtocolError(REJECT_MALFORMED, f"expected 2 frames, got {len(frames)}")
+    payload = _payload(frames)
     try:
-        message = _decoder.decode(frames[1])
+        message = _decoder.decode(payload)
     except msgspec.ValidationError as exc:
-        _raise_if_other_version(frames[1])
+        _raise_if_other_version(payload)
         raise ProtocolError(REJECT_MALFORMED, str(exc)) from None
     except msgspec.DecodeError as exc:
         raise ProtocolError(REJECT_MALFORMED, str(exc)) from None

@@ -160,3 +160,22 @@ def test_a_chunk_queued_for_a_life_is_never_written_for_the_next_life_of_its_roo
     assert (second.writes, second.submitting, second.last_submitted) == ([], 0, False)
     assert m.sglang.status(1) == S.WAITING_FOR_INPUT and not m.writes
     m.teardown()
+
+
+def test_full_shard_queue_fails_the_chunk_life_with_backpressure():
+    """SGLANG_MORI_MAX_QUEUED_CHUNKS bounds a shard's queue: a chunk handed over while its shard
+    holds that many fails its own room (backpressure), the queued one stays queued."""
+    m = RoomMachine()
+    m.submitter.max_queued = 1
+    shard = m.submitter.queues[0]
+    rooms = [len(m.submitter.queues) * k for k in (1, 2)]  # both map to shard 0
+    for room in rooms:
+        m.claim(room)
+        m._metadata(room, "decode-a", attempt=room, required=1)
+        m.submitter.enqueue(Chunk(room=room, kv_indices=np.arange(4), index_slice=slice(0, 4), is_last=True,
+                                  aux_index=0, state_indices=None, num_kv_tokens=1))
+    assert shard.qsize() == 1
+    assert m.sglang.status(rooms[0]) == S.WAITING_FOR_INPUT
+    assert m.sglang.status(rooms[1]) == S.FAILED
+    assert "transfer queue full (1 chunks" in (m.sglang.failure_reason(rooms[1]) or "")
+    m.teardown()

@@ -40,7 +40,7 @@ def hostile_messages(rng: random.Random, rooms: list, registration) -> list:
         room=r(), attempt=rng.randrange(1, 2**62), engine_key="no-such-engine", decode_ip="127.0.0.1", decode_port=1,
         kv_indices=b"\x01\x00\x00\x00" * 4, aux_index=0,
     )  # fmt: skip
-    meta_bytes = protocol.encode(meta)[1]
+    meta_bytes = msgspec.msgpack.encode(meta)
     msgs = [
         [os.urandom(rng.randint(1, 64))],
         [os.urandom(8), os.urandom(8), os.urandom(8)],
@@ -49,6 +49,8 @@ def hostile_messages(rng: random.Random, rooms: list, registration) -> list:
         [protocol.MAGIC, os.urandom(48)],
         [protocol.MAGIC, meta_bytes[: rng.randint(1, len(meta_bytes) - 1)]],  # truncated
         [protocol.MAGIC, meta_bytes, b"trailing frame"],
+        [protocol.MAGIC + os.urandom(48)],  # one frame: magic and garbage
+        [protocol.MAGIC + meta_bytes[: rng.randint(1, len(meta_bytes) - 1)]],  # one frame, truncated
         [protocol.MAGIC, _msgpack({"kind": "bogus", "version": 1, "room": r()})],  # unknown kind
         [protocol.MAGIC, _msgpack({"kind": "metadata", "version": 1, "room": "abc"})],  # wrong types
         [protocol.MAGIC, _msgpack({"kind": "register", "version": 1})],  # missing fields

@@ -546,3 +546,17 @@ def test_softio_gets_the_arrays_themselves():
     _, lo, _, _, sz, _ = engine.engine.calls[-1]
     assert lo[0] is offsets and sz[0].tolist() == [1, 4097]
     assert sglang_mori.softio._TAKES_OFFSET_ARRAYS is True
+
+
+def test_quiescent_reads_earlier_attempts_after_a_resubmission(clock):
+    """Every live status succeeded, but an earlier attempt of a resubmitted pair still runs: the
+    handle is not quiescent (the shortcut from result() holds only when nothing was resubmitted)."""
+    eng = make_engine()
+    first = [sq_full(), ok()]
+    eng.engine.script = [first, [ok()]]
+    h = eng.write("decode-a", [pair(0), pair(1)], deadline=clock.now + 10, retry_max=5)
+    first[0].code = IN_PROGRESS  # an attempt whose earlier post-batches are still writing
+    assert h.result() == SUCCESS
+    assert not h.quiescent()
+    first[0].code = SUCCESS
+    assert h.quiescent()

@@ -6,6 +6,7 @@ import threading
 from types import SimpleNamespace
 
 import pytest
+import zmq
 
 from sglang_mori.backend.decode import service as decode_service
 from sglang_mori.backend.decode.rooms import DecodeRoomRegistry
@@ -15,33 +16,35 @@ from sglang_mori.engine import WriteState
 from sglang_mori.metrics import NullTransferMetrics
 
 
-class OnePollThenStop:
-    """zmq.Poller stand-in: records the timeout of the status thread's poll, then stops the thread."""
+class OneTimeoutThenStop:
+    """The status thread's socket: records the receive timeout it is given, then times out once
+    (zmq.Again, as a blocking receive with RCVTIMEO does when nothing came) and stops the thread."""
 
-    timeouts: list = []
-    service = None
+    def __init__(self, service=None):
+        self.timeouts: list = []
+        self.service = service
 
-    def register(self, sock, flags):
-        pass
+    def setsockopt(self, option, value):
+        if option == zmq.RCVTIMEO:
+            self.timeouts.append(value)
 
-    def poll(self, timeout):
-        OnePollThenStop.timeouts.append(timeout)
-        OnePollThenStop.service.stopped.set()
-        return []
+    def recv_multipart(self):
+        self.service.stopped.set()
+        raise zmq.Again()
 
 
 @pytest.mark.parametrize("poll_ms", [7, 50, 250])
 def test_decode_status_thread_polls_at_the_knob(monkeypatch, poll_ms):
-    parts = SimpleNamespace(config=MoriConfig(wait_poll_ms=poll_ms), control_socket=object(), clock=lambda: 1.0,
+    sock = OneTimeoutThenStop()
+    parts = SimpleNamespace(config=MoriConfig(wait_poll_ms=poll_ms), control_socket=sock, clock=lambda: 1.0,
                             metrics=NullTransferMetrics(), rooms=DecodeRoomRegistry(), sglang=None)
     service = decode_service.DecodeService(parts, reject=lambda *a: None)
+    sock.service = service
     checked = []
     monkeypatch.setattr(service, "enforce_deadlines", checked.append)
-    monkeypatch.setattr(decode_service.zmq, "Poller", OnePollThenStop)
-    OnePollThenStop.timeouts, OnePollThenStop.service = [], service
     service._run_status_thread()
-    assert OnePollThenStop.timeouts == [poll_ms]
-    assert checked == [1.0]  # the deadlines were checked after the idle poll
+    assert sock.timeouts == [poll_ms]
+    assert checked == [1.0]  # the deadlines were checked after the idle wait
 
 
 class RunningWrite:

@@ -76,11 +76,9 @@ class Completion:
     def advance(self, r: PrefillRoom, now: float) -> None:
         if not r.concluded:
             self._maybe_conclude(r, now)
-            if not r.concluded and not any(not w.handle.released and w.handle.quiescent() for w in r.writes):
-                # Open, every write still running or returned: settling would publish the same
-                # outstanding count (submitters publish their own changes) and return nothing.
-                # Skipped, so a pass over rooms in flight costs a status look each, no transition.
-                return
+            # Every room is settled on every pass, also one whose writes all still run: skipping
+            # those (issue 28's second round) made `bench transfer` slower than without the skip
+            # in 3 of 3 locked same-run rounds (docs/benchmarks.md), for no CPU per request saved.
         give_up_after_s = self.fence.give_up_after(r, DRAIN_GIVE_UP_DEADLINES * self.p.timeout_s)
         with self.effects.transition() as fx:
             finished = self.p.rooms.settle(r, now, give_up_after_s, fx)

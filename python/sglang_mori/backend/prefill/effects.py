@@ -12,7 +12,6 @@ from the registry's.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
@@ -69,19 +68,11 @@ class RoomEffects:
     def __init__(self, parts):
         self.p = parts
 
-    @contextlib.contextmanager
-    def transition(self, *, never_block: bool = False):
+    def transition(self, *, never_block: bool = False) -> "_Transition":
         """`with effects.transition() as fx:` run transitions on `parts.rooms` (lock held), each
-        recording into `fx`; on exit the effects are applied, also when the body raised."""
-        fx = Effects(never_block=never_block)
-        try:
-            with self.p.rooms.lock:
-                try:
-                    yield fx
-                finally:
-                    self._apply_locked(fx)
-        finally:
-            self._apply_after(fx)
+        recording into `fx`; on exit the effects are applied, also when the body raised.
+        `never_block`: messages are sent without waiting on a full queue (SGLang's scheduler thread)."""
+        return _Transition(self, never_block)
 
     def take_slot(self, peer_key: str, deadline: float) -> bool:
         """One in-flight write to `peer_key` (waits up to `deadline`); returned through `fx.slots`
@@ -149,3 +140,29 @@ class RoomEffects:
             p.sglang.release_acks(room)
         for address, message in fx.sends:
             p.messenger.send(address, message, block=block)
+
+
+class _Transition:
+    """RoomEffects.transition() as a plain context manager: several run per request on the
+    scheduler's process, and a generator-based one cost a few microseconds more each (issue 28)."""
+
+    __slots__ = ("effects", "lock", "fx")
+
+    def __init__(self, effects: RoomEffects, never_block: bool):
+        self.effects = effects
+        self.lock = effects.p.rooms.lock
+        self.fx = Effects(never_block=never_block)
+
+    def __enter__(self) -> Effects:
+        self.lock.acquire()
+        return self.fx
+
+    def __exit__(self, *exc) -> bool:
+        try:
+            try:
+                self.effects._apply_locked(self.fx)
+            finally:
+                self.lock.release()
+        finally:
+            self.effects._apply_after(self.fx)
+        return False

@@ -430,7 +430,10 @@ class PrefillRoomRegistry:
             for target in r.next_life.values():
                 if fresh.phase is Phase.AWAITING_METADATA:
                     fresh.add_target(target)
-        self.notify_locked()
+        if not r.terminal or r.next_life:
+            # The completion thread watches what drains and what opens; a terminal life that
+            # leaves is nothing to it (the usual clear after Success: no wake-up, no pass).
+            self.notify_locked()
         return r
 
     # --- transitions with effects (lock held; `fx` from RoomEffects.transition()) ------------
