@@ -108,7 +108,7 @@ def _wait(sglang, room, statuses, timeout_s=30.0) -> None:
 def _submit_last(pair, chunk) -> None:
     """Hand the last chunk over as layer-wise `add_chunk` does on this checkout."""
     service = pair.prefill
-    if hasattr(service, "track_last_without_writes"):
+    if hasattr(service, "track_last_without_writes") and getattr(chunk, "writes_nothing", True):
         service.track_last_without_writes(chunk)
     else:  # a checkout before issue 27's change: every chunk through a shard
         service.submitter.enqueue(chunk)
@@ -164,7 +164,8 @@ def run(args) -> int:
                             if time.monotonic() > deadline:
                                 raise TimeoutError(f"room {room}: streamed writes never finished")
                             time.sleep(0.0005)
-                        chunk = selected_chunk(room, src, slice(0, per), True, [], aux_index=aux)
+                        # state_indices as SGLang hands them for a model without state: [], not None
+                        chunk = selected_chunk(room, src, slice(0, per), True, [], aux_index=aux, state_indices=[])
                         t_last = time.perf_counter()
                         _submit_last(pair, chunk)
                     else:

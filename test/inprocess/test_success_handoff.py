@@ -8,6 +8,7 @@ earlier chunk of it still waits for its shard, and the bytes that landed.
 """
 
 import threading
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -33,6 +34,12 @@ def rig():
 
 def successes(rig, room):
     return [m for m in rig.messenger.of_type(protocol.RoomStatus, room) if m.status == S.SUCCESS]
+
+
+def success_senders(rig, room):
+    """The threads that sent the room's Success, in order."""
+    return [name for message, name in rig.messenger.threads
+            if isinstance(message, protocol.RoomStatus) and message.room == room and message.status == S.SUCCESS]
 
 
 def streamed_and_done(rig, room):
@@ -111,4 +118,48 @@ def test_the_last_send_before_the_workers_batch_end_succeeds_once_the_worker_is_
     end_may_go.set()
     rig.wait_status(3, S.SUCCESS)
     assert len(successes(rig, 3)) == 1
+    assert_bytes(rig, src, dst)
+
+
+def sglang_send(session, room, kv_indices, total_pages, state_indices, aux_index):
+    """SGLang 0.5.23's own `CommonKVSender.send` for one sender (its code, unbound, over a stand-in
+    holding what it reads), reaching our manager's `add_transfer_request` with the arguments SGLang
+    passes. For a last chunk `_send_kv_chunk` builds `state_indices = [payload() for each of
+    kv_args.state_types]`: an empty list, not None, for a model without state (a plain Llama)."""
+    import types
+
+    from sglang.srt.disaggregation.common.conn import CommonKVSender
+
+    from sglang_mori.backend.manager import MoriKVManager
+
+    manager = SimpleNamespace(layerwise=session, cp=SimpleNamespace(skips_replicated_state=False),
+                              kv_shard_size=1, enable_all_cp_ranks_for_transfer=False, is_dummy_cp_rank=False)
+    manager.prepare_send_state_indices = types.MethodType(MoriKVManager.prepare_send_state_indices, manager)
+    manager.add_transfer_request = types.MethodType(MoriKVManager.add_transfer_request, manager)
+    sender = SimpleNamespace(conclude_state=None, curr_idx=0, num_kv_indices=total_pages, kv_mgr=manager,
+                             bootstrap_room=room, aux_index=aux_index, _transfer_start_time=None,
+                             _early_send_wait_event=None, trace_ctx=SimpleNamespace(copy_for_thread=lambda: None),
+                             _transfer_num_kv_indices=0, _transfer_num_state_indices=0)
+    for name in ("_prepare_send_indices", "_record_transfer_indices"):
+        setattr(sender, name, types.MethodType(getattr(CommonKVSender, name), sender))
+    CommonKVSender.send(sender, np.asarray(kv_indices, dtype=np.int32), state_indices, num_kv_tokens=len(kv_indices))
+
+
+def test_sglangs_last_send_of_a_model_without_state_succeeds_on_the_schedulers_thread(rig):
+    """SGLang's real call order for one 8-token room, layer-wise: the forward's layer hooks and
+    its end marker, the worker done with the batch (its token back, every write terminal), then
+    SGLang's own send() with the state list it builds for a model without state ([]). Every page
+    was streamed: Success must leave from the scheduler's thread inside send(), not from a shard
+    thread after an empty write or from the completion thread."""
+    session = rig.layerwise()
+    src, dst = list(range(40, 48)), list(range(0, 8))
+    open_room(rig, 4, dst)
+    forward(session, rig, session.begin_batch(view(4, src, 0, 8, 8)))
+    streamed_and_done(rig, 4)
+    sglang_send(session, 4, src, total_pages=8, state_indices=[], aux_index=1)
+    inside_send = success_senders(rig, 4)
+    rig.wait_status(4, S.SUCCESS)
+    assert inside_send == [threading.current_thread().name], (
+        f"not decided inside send(): decided later on {success_senders(rig, 4)}")
+    assert not rig.messenger.of_type(protocol.TransferStarted, 4)[1:]  # announced once, by the stream
     assert_bytes(rig, src, dst)

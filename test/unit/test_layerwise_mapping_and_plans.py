@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from sglang_mori.backend.prefill.layerwise.mapping import LayerBufferMap
-from sglang_mori.backend.prefill.layerwise.planner import select_buffers
+from sglang_mori.backend.prefill.layerwise.planner import select_buffers, selected_chunk
 from sglang_mori.planning import KVLayout, TransferPlanner
 
 
@@ -85,3 +85,17 @@ def test_filtering_a_tp_mismatch_plan_keeps_head_slices():
     assert {t.local_index for t in layer1.transfers} == {1, 3}
     assert as_tuples(layer1) == [x for x in as_tuples(full) if x[0] in (1, 3)]
     assert select_buffers(full, None) is full
+
+
+@pytest.mark.parametrize("state, writes_nothing", [
+    (None, True),
+    ([], True),  # SGLang's last send() for a model without state types (a plain Llama)
+    ([None, None], True),  # components SGLang has no payload for
+    ([np.arange(2)], False),
+    ([None, np.arange(0)], False),  # a component with a payload, even empty, goes to the planner
+])
+def test_a_fully_streamed_last_chunk_writes_nothing_unless_it_carries_state(state, writes_nothing):
+    chunk = selected_chunk(3, np.arange(4), slice(0, 4), True, [], aux_index=0, state_indices=state)
+    assert chunk.writes_nothing is writes_nothing
+    assert selected_chunk(3, np.arange(4), slice(0, 4), True, [(0, 1, None)], aux_index=0,
+                          state_indices=state).writes_nothing is False  # a page still to write

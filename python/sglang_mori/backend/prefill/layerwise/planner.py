@@ -49,7 +49,7 @@ class SelectedChunk(Chunk):
     @property
     def writes_nothing(self) -> bool:
         """Every page was streamed and no state goes with it: tracking it writes no byte."""
-        return not self.kv_selection and (not self.is_last or self.state_indices is None)
+        return not self.kv_selection and (not self.is_last or not carries_state(self.state_indices))
 
 
 class LayerwisePlanner(KVPlanner):
@@ -100,6 +100,14 @@ class LayerwisePlanner(KVPlanner):
             pairs += super().write_pairs(peer, Chunk(**{f.name: getattr(state_only, f.name)
                                                         for f in dataclasses.fields(Chunk)}), target)
         return pairs
+
+
+def carries_state(state_indices) -> bool:
+    """A last chunk's state indices name something to write. SGLang builds them as one entry per
+    state type of the model (`_send_kv_chunk`): a model without state (a plain Llama) hands an
+    empty list, not None, and a component it has no payload for is None; neither writes a byte
+    (`KVPlanner._state_pairs` skips both)."""
+    return state_indices is not None and any(component is not None for component in state_indices)
 
 
 def selected_chunk(room: int, kv_indices, index_slice: slice, is_last: bool, parts: List[tuple],
