@@ -9,7 +9,11 @@ prefill  p_sender        our sender was made (the request entered SGLang's boots
          p_last_chunk    SGLang handed us the request's last chunk (its forward's result was processed)
          p_submit        softio posted a batch of device copies (t, t_end of the call, bytes)
          p_copy_done     the copy event of a batch fired (the completion thread woke)
-         p_success       our completion thread decided Success (the status message follows)
+         p_last_inline   layer-wise streamed every page of the last chunk: it is tracked on the
+                         scheduler's thread (service.track_last_without_writes), not by a shard
+         p_success       Success decided (the status message follows); `thread` is the deciding
+                         thread's name, `decider` its part: scheduler (inside SGLang's send()),
+                         shard, layerwise_worker, completion (backend/prefill/success.py)
 decode   d_receiver      our receiver was made (the request entered SGLang's prealloc queue)
          d_meta_sent     decode's destinations were handed to us to send
          d_status        our status thread received prefill's Success
@@ -69,8 +73,25 @@ def _around_synchronize(original, self, event):
     return out
 
 
-def _before_succeed(self, r, *args, **kwargs):
-    emit("p_success", r.room)
+def decider_of(thread_name: str) -> str:
+    """The part of ours a thread is, by the names service.py and layerwise/worker.py give them;
+    any other thread calling into us is SGLang's scheduler (its send())."""
+    for prefix, part in (("mori-shard-", "shard"), ("mori-layerwise", "layerwise_worker"),
+                         ("mori-completion", "completion"), ("mori-control", "control")):
+        if thread_name.startswith(prefix):
+            return part
+    return "scheduler"
+
+
+def _after_succeed(result, self, r, *args, **kwargs):
+    if not result:  # another thread concluded the room, or it was not ready after all
+        return
+    name = threading.current_thread().name
+    emit("p_success", r.room, thread=name, decider=decider_of(name))
+
+
+def _before_track_last_inline(self, chunk, *args, **kwargs):
+    emit("p_last_inline", chunk.room)
 
 
 def _after_receiver_init(result, self, *args, **kwargs):
@@ -106,7 +127,9 @@ HOOKS = [
     ("sglang_mori.backend.manager.MoriKVManager.add_transfer_request", _before_add_transfer, "BEFORE"),
     ("sglang_mori.softio.device_path.DeviceEngine.submit", _around_submit, "AROUND"),
     ("sglang_mori.softio.cuda_runtime.CudaRuntime.synchronize", _around_synchronize, "AROUND"),
-    ("sglang_mori.backend.prefill.rooms.PrefillRoomRegistry.succeed", _before_succeed, "BEFORE"),
+    ("sglang_mori.backend.prefill.service.PrefillService.track_last_without_writes", _before_track_last_inline,
+     "BEFORE"),
+    ("sglang_mori.backend.prefill.rooms.PrefillRoomRegistry.succeed", _after_succeed, "AFTER"),
     ("sglang_mori.backend.receiver.MoriKVReceiver.__init__", _after_receiver_init, "AFTER"),
     ("sglang_mori.backend.decode.service.DecodeService.record_destination", _before_record_destination, "BEFORE"),
     ("sglang_mori.backend.decode.service.DecodeService.on_status", _before_on_status, "BEFORE"),

@@ -1,6 +1,8 @@
 """Where a PD request's time to first token goes: join the client's timestamps (pd_latency.py
 --trace: per_request room, sent_at, first_at) with the servers' (room_trace.py), per request, and
-print the median of each segment. Runs anywhere (no GPU): on the files a device call brought back.
+print the median of each segment; per PD config also which of our threads decided each room's
+Success (`success_deciders`) and how many last chunks layer-wise tracked on the scheduler's thread
+(`last_chunk_inline`). Runs anywhere (no GPU): on the files a device call brought back.
 
 Usage: ttft_breakdown.py LATENCY_JSON [LATENCY_JSON ...] --traces DIR [--shape 8192tok_c1] [--json OUT]
 Each LATENCY_JSON's configs are read; a config's traces are DIR/trace-<config>/trace-*.jsonl.
@@ -11,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from collections import Counter
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -64,6 +67,9 @@ def points_for(req: Dict, events: List[Dict], by_room: Dict, standalone_stats: D
             side = "P" if e["mode"] == "prefill" else "D"
             pts.update({f"{side}.{k}": v for k, v in e["stats"].items()})
         else:
+            if e["ev"] == "p_success" and "p_success" not in pts:
+                # Which of our threads decided (room_trace.py); traces before it have no such field.
+                pts["decider"] = e.get("decider", "unrecorded")
             pts.setdefault(e["ev"], e["t"])
     # The room's copies: the last batch posted before its Success, and the copy event after it.
     if "p_success" in pts and "P.forward_entry_time" in pts:
@@ -108,6 +114,8 @@ def breakdown(latency_json: Path, traces: Path, shape: str) -> Dict:
                   if "p_first_submit" in p and "P.prefill_finished_time" in p]
             out[config]["first_copy_before_forward_end_ms_p50"] = round(statistics.median(lw), 2) if lw else None
             out[config]["submits_per_request_p50"] = statistics.median([p.get("submits", 0) for p in pts]) if pts else None
+            out[config]["success_deciders"] = dict(sorted(Counter(p["decider"] for p in pts if "decider" in p).items()))
+            out[config]["last_chunk_inline"] = sum(1 for p in pts if "p_last_inline" in p)
     return out
 
 
@@ -127,7 +135,8 @@ def main() -> None:
         print(f"== {config} ({r['requests']} requests, {args.shape})")
         for name, v in r["segments_ms_p50"].items():
             print(f"  {name:62s} {v}")
-        for k in ("first_copy_before_forward_end_ms_p50", "submits_per_request_p50"):
+        for k in ("first_copy_before_forward_end_ms_p50", "submits_per_request_p50", "success_deciders",
+                  "last_chunk_inline"):
             if k in r:
                 print(f"  {k:62s} {r[k]}")
     if args.json:

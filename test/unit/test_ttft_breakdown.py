@@ -14,10 +14,13 @@ import ttft_breakdown  # noqa: E402
 T0 = 1_800_000_000.0
 
 
-def write_run(tmp: Path, rooms, forward_ms: float, last_chunk_after_ms: float) -> Path:
-    """One PD config 'pd_x' with the given rooms; every gap is fixed (ms after the client's send)."""
+def write_run(tmp: Path, rooms, forward_ms: float, last_chunk_after_ms: float, deciders=None) -> Path:
+    """One PD config 'pd_x' with the given rooms; every gap is fixed (ms after the client's send).
+    `deciders`: per room, the thread part its p_success names (None: a trace from before the field);
+    a room decided by 'scheduler' also gets p_last_inline."""
     per_request, events = [], []
     for n, room in enumerate(rooms):
+        decider = deciders[n] if deciders else None
         t = T0 + n * 10.0
         ms = lambda x: t + x / 1000  # noqa: E731
         per_request.append({"room": room, "sent_at": t, "first_at": ms(100.0), "ttft_s": 0.1, "e2e_s": 0.2})
@@ -28,7 +31,8 @@ def write_run(tmp: Path, rooms, forward_ms: float, last_chunk_after_ms: float) -
             {"ev": "p_submit", "room": None, "t": ms(fwd_end - 20.0), "t_start": ms(fwd_end - 20.0), "t_end": ms(fwd_end - 19.0), "bytes": 1},
             {"ev": "p_submit", "room": None, "t": ms(fwd_end + 2.0), "t_start": ms(fwd_end + 2.0), "t_end": ms(fwd_end + 2.5), "bytes": 1},
             {"ev": "p_copy_done", "room": None, "t": ms(fwd_end + 3.0)},
-            {"ev": "p_success", "room": room, "t": ms(fwd_end + 4.0)},
+            {"ev": "p_success", "room": room, "t": ms(fwd_end + 4.0),
+             **({"decider": decider, "thread": decider} if decider else {})},
             {"ev": "d_meta_sent", "room": room, "t": ms(2.0)},
             {"ev": "d_status", "room": room, "t": ms(fwd_end + 5.0)},
             {"ev": "d_poll_success", "room": room, "t": ms(fwd_end + 6.0)},
@@ -38,6 +42,8 @@ def write_run(tmp: Path, rooms, forward_ms: float, last_chunk_after_ms: float) -
             {"ev": "req_stats", "room": room, "mode": "decode", "stats": {
                 "scheduler_recv_time": ms(1.5), "forward_entry_time": ms(fwd_end + 7.0)}},
         ]
+        if decider == "scheduler":
+            events.append({"ev": "p_last_inline", "room": room, "t": ms(fwd_end + last_chunk_after_ms)})
     report = {"configs": {"pd_x": {"8192tok_c1": {"per_request": per_request}}}}
     (tmp / "lat.json").write_text(json.dumps(report))
     trace_dir = tmp / "logs" / "trace-pd_x"
@@ -74,3 +80,41 @@ def test_a_room_missing_from_the_traces_leaves_its_segments_out(tmp_path):
     seg = ttft_breakdown.breakdown(lat, tmp_path / "logs", "8192tok_c1")["pd_x"]["segments_ms_p50"]
     assert seg["TTFT"] == 100.0  # the client's own times
     assert seg["prefill forward (start -> result processed)"] is None
+
+
+def test_the_deciders_of_success_are_counted_per_config(tmp_path):
+    lat = write_run(tmp_path, rooms=[11, 22, 33], forward_ms=80.0, last_chunk_after_ms=1.0,
+                    deciders=["scheduler", "shard", "scheduler"])
+    out = ttft_breakdown.breakdown(lat, tmp_path / "logs", "8192tok_c1")["pd_x"]
+    assert out["success_deciders"] == {"scheduler": 2, "shard": 1}
+    assert out["last_chunk_inline"] == 2
+
+
+def test_traces_without_the_decider_field_count_as_unrecorded(tmp_path):
+    lat = write_run(tmp_path, rooms=[11, 22], forward_ms=80.0, last_chunk_after_ms=1.0)
+    out = ttft_breakdown.breakdown(lat, tmp_path / "logs", "8192tok_c1")["pd_x"]
+    assert out["success_deciders"] == {"unrecorded": 2}
+    assert out["last_chunk_inline"] == 0
+
+
+def test_room_trace_names_the_thread_that_decided_and_only_a_decision(tmp_path, monkeypatch):
+    import threading
+
+    import room_trace
+
+    monkeypatch.setenv(room_trace.ENV, str(tmp_path))
+    monkeypatch.setattr(room_trace, "_file", None)
+    room = type("Room", (), {"room": 7})()
+    room_trace._after_succeed(False, None, room)  # not ready, or another thread concluded it
+    room_trace._after_succeed(True, None, room)
+    worker = threading.Thread(target=room_trace._after_succeed, args=(True, None, room), name="mori-layerwise")
+    worker.start()
+    worker.join()
+    room_trace._file.close()
+    monkeypatch.setattr(room_trace, "_file", None)
+    (trace,) = tmp_path.glob("trace-*.jsonl")
+    events = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert [(e["ev"], e["room"], e["decider"]) for e in events] == [
+        ("p_success", 7, "scheduler"), ("p_success", 7, "layerwise_worker")]
+    assert [room_trace.decider_of(n) for n in ("mori-shard-3", "mori-completion", "MainThread")] == [
+        "shard", "completion", "scheduler"]
