@@ -451,7 +451,9 @@ class LayerwiseRig:
         pages = req.row[state.start_send:end:P] // P
         if len(pages) or last:
             index_slice = slice(state.curr_idx, state.curr_idx + len(pages))
-            p.session.add_chunk(req.room, pages, index_slice, last, aux_index=aux_index if last else None)
+            # SGLang's last send() of a model without state types passes state_indices=[], not None.
+            p.session.add_chunk(req.room, pages, index_slice, last, aux_index=aux_index if last else None,
+                                state_indices=[] if last else None)
             state.curr_idx += len(pages)
             req.sent_pages.update(range(req.first_page + index_slice.start, req.first_page + index_slice.stop))
         state.start_send = end
