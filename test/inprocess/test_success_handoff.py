@@ -163,3 +163,31 @@ def test_sglangs_last_send_of_a_model_without_state_succeeds_on_the_schedulers_t
         f"not decided inside send(): decided later on {success_senders(rig, 4)}")
     assert not rig.messenger.of_type(protocol.TransferStarted, 4)[1:]  # announced once, by the stream
     assert_bytes(rig, src, dst)
+
+
+@pytest.mark.parametrize("tokens, deciders", [
+    (32, {"MainThread"}),  # whole pages: every page streamed, the last send() writes nothing
+    # a trailing partial page is never streamed: the last send() writes it through a shard, and
+    # the shard (write done while it posted) or the completion thread concludes
+    (30, {"mori-shard-0", "mori-completion"}),
+])
+def test_through_sglangs_hooks_who_decides_a_chunked_prefills_success(tokens, deciders):
+    """SGLang's order through hooks.py (run_batch around the forward, the attention hook per layer,
+    the end marker), two passes, each pass's send() after its writes ended: the room is concluded
+    inside the last send() exactly when that send has nothing left to write."""
+    import sglang_mori.backend.sender  # noqa: F401 - the real class hooks.py recognises senders by
+
+    from layerwise_rig import Geometry, LayerwiseRig
+
+    geometry = Geometry(is_mla=False, layers=LAYERS, page_size=4, pages=24)
+    with LayerwiseRig(geometry, config=MoriConfig(transfer_shards=1, transfer_timeout_ms=5000),
+                      via_hooks=True) as lw:
+        req = lw.request(5, tokens)
+        lw.open(req, aux_index=0)
+        lw.prefill_chunked(req, chunk_tokens=16)
+        lw.wait_success(5)
+        (prefill,) = lw.prefills
+        senders = [name for message, name in prefill.messenger.threads
+                   if isinstance(message, protocol.RoomStatus) and message.status == S.SUCCESS]
+        assert len(senders) == 1 and senders[0] in deciders, senders
+        assert lw.mismatches(req) == []
