@@ -31,9 +31,12 @@ logger = logging.getLogger(__name__)
 
 def fence_after_s(release_timeout_s: float, margin_s: float, give_up_after_s: float) -> float:
     """Seconds after a room's failure at which its writes still in flight are fenced: before
-    decode's release timeout by the margin (at once when the margin covers it all), and never
-    later than the give-up."""
-    return min(give_up_after_s, max(0.0, release_timeout_s - margin_s))
+    decode's release timeout by the margin, never later than the give-up, and never sooner than
+    half the release timeout. The fence fails every write to that decode, other rooms' too, so
+    it is for writes that are stuck, not for the last writes of an abort that are still landing:
+    with a short release timeout (5 s) and the 10 s margin, fencing at once failed healthy
+    requests to the same decode (the quick soak)."""
+    return min(give_up_after_s, max(release_timeout_s / 2, release_timeout_s - margin_s))
 
 
 class WriteFence:
