@@ -174,7 +174,9 @@ KNOBS: Tuple[Knob, ...] = (
          "Prefill: a failed room whose writes are still in flight is fenced this long before "
          "decode's SGLang frees its pages (SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT, "
          "30 s by default, read from prefill's environment: launch both servers with the same "
-         "value) counted from the room's failure: the engine resets its connections to that decode, "
+         "value) counted from the room's failure, but never sooner than half that timeout after "
+         "the failure (the fence fails every write to that decode, so it waits for writes that are "
+         "stuck, not ones still landing): the engine resets its connections to that decode, "
          "every write posted to it before fails and cannot land, then the abort is acked. The "
          "margin covers decode's abort reaching prefill late. softio only: MORI-IO has no fence, "
          "and there the room stays poisoned as before (docs/reliability.md).",
