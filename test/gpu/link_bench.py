@@ -134,9 +134,9 @@ def captured_batch(dev, post):
     seen = []
     original = dev.submit
 
-    def capture(dsts, srcs, sizes, statuses, to_peer=False):
+    def capture(dsts, srcs, sizes, statuses, to_peer=False, holds=()):
         seen.append((dsts, srcs, sizes, to_peer))
-        return original(dsts, srcs, sizes, statuses, to_peer)
+        return original(dsts, srcs, sizes, statuses, to_peer, holds)
 
     dev.submit = capture
     try:
