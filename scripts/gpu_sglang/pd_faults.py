@@ -181,7 +181,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--reference", required=True, help="pd_identity.json with the standalone phase (may appear later)")
     ap.add_argument("--gpu-base", type=int, default=0)
-    ap.add_argument("--port-base", type=int, default=33000)
+    ap.add_argument("--port-base", type=int, default=13000)
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--mem", type=float, default=0.3)
     ap.add_argument("--start-timeout", type=float, default=420)

@@ -185,7 +185,7 @@ def main() -> None:
     ap.add_argument("--prefill-tp", type=int, default=1, help="prefill TP size (GPUs base..base+tp-1; decode after)")
     ap.add_argument("--standalone-tp", type=int, default=1, help="TP size of the standalone server")
     ap.add_argument("--kv-hash", help="folder: hash each room's KV on both PD sides (kv_hash.py) and compare")
-    ap.add_argument("--port-base", type=int, default=31000)
+    ap.add_argument("--port-base", type=int, default=11000)
     ap.add_argument("--reference", help="a pd_identity.json whose standalone phase is the reference")
     ap.add_argument("--dtype", help="--dtype for every server (float32 with TRITON_F32_DEFAULT=ieee: TP 2 matched TP 1, plans.sh tp_proof)")
     ap.add_argument("--tag", default="pd_identity", help="name of the JSON written under --out")

@@ -137,7 +137,7 @@ def main() -> None:
     ap.add_argument("--mem", type=float, default=0.5)
     ap.add_argument("--start-timeout", type=float, default=300)
     ap.add_argument("--gpu-base", type=int, default=0, help="standalone and prefill on it, decode on the next")
-    ap.add_argument("--port-base", type=int, default=32000)
+    ap.add_argument("--port-base", type=int, default=12000)
     ap.add_argument("--repeats", type=int, default=1, help="measure each shape this many times in a row")
     ap.add_argument("--trace", action="store_true", help="per-room timestamps (room_trace.py)")
     ap.add_argument("--tag", default="pd_latency", help="name of the JSON written under --out")

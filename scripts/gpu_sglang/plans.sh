@@ -2,6 +2,10 @@
 # machine, one plan per device call. Each run writes under $W; the JSONs are copied to $OUT and
 # every log travels back in $OUT/<plan>.tgz (a call returns at most 8 files).
 # Usage: device_run.sh plan plan1|plan2|plan3|tp_proof|tp_fp32_ieee
+# Port bases stay in 10000-21999: below the kernel's ephemeral range (32768+ there), where any
+# outgoing connection of a server beside it (HTTP, NCCL, softio) may hold a port as its source, and
+# below SGLang's own nccl_port range (22000-29999). With bases at 37000/38000 a PD prefill server of
+# the second pair once exited during start-up with its port unreachable (session 12).
 S="$ROOT/scripts/gpu_sglang"
 W=/tmp/w
 
@@ -14,9 +18,9 @@ models() {
 # standalone latency run with per-request timestamps and each shape measured twice.
 reference_then_standalone_latency() {
   python3 "$S/pd_identity.py" --model /tmp/gpu-llama --out $W/ref --phases standalone --gpu-base "$1" \
-    --deterministic --tag standalone --port-base 34000 > $W/ref.out 2>&1
+    --deterministic --tag standalone --port-base 14000 > $W/ref.out 2>&1
   python3 "$S/pd_latency.py" --out $W/lat --configs standalone --gpu-base "$1" --trace --repeats 2 \
-    --tag latency_standalone --port-base 35000 > $W/lat_standalone.out 2>&1
+    --tag latency_standalone --port-base 15000 > $W/lat_standalone.out 2>&1
 }
 
 # Prefill TP 2 (GPUs 0,1) into decode TP 1 (GPU 2), chunk-wise and layer-wise; then the fault runs
@@ -38,9 +42,9 @@ plan1() {
 # (prefill GPU 2, decode GPU 3).
 plan2() {
   python3 "$S/pd_identity.py" --model /tmp/gpu-mla --out $W/mla --phases standalone,pd,pd_lw --gpus 2 \
-    --deterministic --tag identity_mla_2gpu --port-base 36000 > $W/mla.out 2>&1 & local a=$!
+    --deterministic --tag identity_mla_2gpu --port-base 16000 > $W/mla.out 2>&1 & local a=$!
   python3 "$S/pd_latency.py" --out $W/lat --configs pd_off,pd_auto --gpu-base 2 --trace \
-    --tag latency_pd --port-base 37000 > $W/lat_pd.out 2>&1 & local b=$!
+    --tag latency_pd --port-base 17000 > $W/lat_pd.out 2>&1 & local b=$!
   wait $a $b
 }
 
@@ -54,13 +58,13 @@ plan3() {
   SGLANG_MORI_GPU_TESTS=1 CUDA_VISIBLE_DEVICES=3 python3 -m pytest "$ROOT/test/gpu/test_layerwise_graph_replay.py" \
     -q -rs -p no:cacheprovider > $W/gpu_test.out 2>&1 &
   python3 "$S/pd_identity.py" --model /tmp/gpu-llama --out $W/ref32 --phases standalone --gpu-base 3 \
-    --deterministic --dtype float32 --tag standalone_fp32 --port-base 34000 --start-timeout 200 > $W/ref32.out 2>&1 & local a=$!
+    --deterministic --dtype float32 --tag standalone_fp32 --port-base 14000 --start-timeout 200 > $W/ref32.out 2>&1 & local a=$!
   python3 "$S/pd_identity.py" --model /tmp/gpu-llama --out $W/tp2f --phases pd --gpus 2 --prefill-tp 2 \
     --deterministic --dtype float32 --reference $W/ref32/standalone_fp32.json --tag identity_tp2_fp32 --start-timeout 200 \
     > $W/tp2f.out 2>&1
   wait $a
   python3 "$S/pd_latency.py" --out $W/lat --configs pd_auto --gpu-base 0 --trace --lengths 8192 \
-    --concurrency 1 --tag latency_pd_auto --port-base 37000 > $W/lat_auto.out 2>&1
+    --concurrency 1 --tag latency_pd_auto --port-base 17000 > $W/lat_auto.out 2>&1
 }
 
 # Is prefill TP 2 -> decode TP 1's difference from the TP 1 standalone (7/64 identical in bf16)
@@ -74,16 +78,16 @@ tp_proof() {
   local IEEE="env TRITON_F32_DEFAULT=ieee TRITON_CACHE_DIR=/tmp/triton-ieee"
   PLAN_JSONS="$W/pd/*.json $W/analysis/*.json"  # the rest travels in the archive (8 files a call)
   $P --out $W/tp2s --phases standalone --standalone-tp 2 --gpu-base 0 --tag standalone_tp2 \
-    --kv-hash $W/kv_tp2s --port-base 34000 > $W/tp2s.out 2>&1 & local a=$!
+    --kv-hash $W/kv_tp2s --port-base 14000 > $W/tp2s.out 2>&1 & local a=$!
   $IEEE $P --out $W/tp2s32 --phases standalone --standalone-tp 2 --gpu-base 2 --dtype float32 \
-    --tag standalone_tp2_fp32_ieee --kv-hash $W/kv_tp2s32 --port-base 35000 > $W/tp2s32.out 2>&1 & local b=$!
+    --tag standalone_tp2_fp32_ieee --kv-hash $W/kv_tp2s32 --port-base 15000 > $W/tp2s32.out 2>&1 & local b=$!
   wait $a $b
   ( $P --out $W/ref --phases standalone --gpu-base 3 --tag standalone --kv-hash $W/kv_ref \
-      --port-base 36000 > $W/ref.out 2>&1
+      --port-base 16000 > $W/ref.out 2>&1
     $IEEE $P --out $W/ref32 --phases standalone --gpu-base 3 --dtype float32 --tag standalone_fp32_ieee \
-      --kv-hash $W/kv_ref32 --port-base 36500 > $W/ref32.out 2>&1 ) & local c=$!
+      --kv-hash $W/kv_ref32 --port-base 16500 > $W/ref32.out 2>&1 ) & local c=$!
   $P --out $W/pd --phases pd,pd_lw --gpus 2 --prefill-tp 2 --reference $W/ref/standalone.json \
-    --kv-hash $W/kv_pd --tag identity_tp2_kvhash --port-base 37000 > $W/pd.out 2>&1
+    --kv-hash $W/kv_pd --tag identity_tp2_kvhash --port-base 17000 > $W/pd.out 2>&1
   wait $c
   mkdir -p $W/analysis
   python3 "$S/tp_invariance.py" --tp1 $W/ref/standalone.json --tp2 $W/tp2s/standalone_tp2.json \
@@ -101,7 +105,7 @@ tp_fp32_ieee() {
   env TRITON_F32_DEFAULT=ieee TRITON_CACHE_DIR=/tmp/triton-ieee python3 "$S/pd_identity.py" \
     --model /tmp/gpu-llama --deterministic --dtype float32 --out $W/pd32 --phases pd,pd_lw --gpus 2 \
     --prefill-tp 2 --reference "${TP_REF:-docs/data/gpu_sglang_tp1_fp32_ieee_h200x4.json}" --kv-hash $W/kv_pd32 \
-    --tag identity_tp2_fp32_ieee_kvhash --port-base 37000 > $W/pd32.out 2>&1
+    --tag identity_tp2_fp32_ieee_kvhash --port-base 17000 > $W/pd32.out 2>&1
   for k in $W/kv_*; do echo "$k: $(cat $k/*/kv-*.jsonl 2>/dev/null | grep '"process"' | sort -u)"; done
 }
 
@@ -128,9 +132,9 @@ run_plan() {
 # candidate copied to .gpu/cand (ROOT is .gpu there) (absent: skipped), in both orders.
 ttft8k_hotpath() {
   python3 "$S/pd_latency.py" --out $W/latA --configs standalone,pd_off,pd_auto --gpu-base 0 --trace \
-    --lengths 8192 --concurrency 1 --requests-c1 12 --repeats 2 --tag latency_8k_a --port-base 37000 > $W/latA.out 2>&1 & local a=$!
+    --lengths 8192 --concurrency 1 --requests-c1 12 --repeats 2 --tag latency_8k_a --port-base 17000 > $W/latA.out 2>&1 & local a=$!
   python3 "$S/pd_latency.py" --out $W/latB --configs pd_auto,pd_off,standalone --gpu-base 2 --trace \
-    --lengths 8192 --concurrency 1 --requests-c1 12 --repeats 2 --tag latency_8k_b --port-base 38000 > $W/latB.out 2>&1 & local b=$!
+    --lengths 8192 --concurrency 1 --requests-c1 12 --repeats 2 --tag latency_8k_b --port-base 18000 > $W/latB.out 2>&1 & local b=$!
   if [ -d "$ROOT/cand/python" ]; then
     mkdir -p $W/hot
     for r in 1 2; do
