@@ -34,16 +34,21 @@ logger = logging.getLogger("sglang_mori.softio")
 COPY_ENV = "SGLANG_MORI_SOFTIO_DEVICE_COPY"
 BLOCKS_ENV = "SGLANG_MORI_SOFTIO_GATHER_BLOCKS"
 GRID_BLOCKS = 16
+PEER_BLOCKS_PER_SM = 2  # to another GPU: enough warps in flight to keep the link busy
 THREADS = 512
 
 _SOURCE = r"""
+#define UNROLL 8
 extern "C" __global__ void gather_copy(const unsigned long long* table, long long n) {
-    // table: n destinations, then n sources, then n sizes (bytes)
+    // table: n destinations, then n sources, then n sizes (bytes). One warp per range: a block
+    // per range left most threads idle on small ranges (a 4 KB GQA page is 256 16-byte words for
+    // 512 threads) and paid the table's latency once per range per block.
     const unsigned long long* dsts = table;
     const unsigned long long* srcs = table + n;
     const unsigned long long* sizes = table + 2 * n;
-    const unsigned long long step = blockDim.x;
-    for (long long r = blockIdx.x; r < n; r += gridDim.x) {
+    const long long warps = ((long long)gridDim.x * blockDim.x) >> 5;
+    const unsigned long long lane = threadIdx.x & 31;
+    for (long long r = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < n; r += warps) {
         char* dst = (char*)dsts[r];
         const char* src = (const char*)srcs[r];
         unsigned long long size = sizes[r];
@@ -51,16 +56,19 @@ extern "C" __global__ void gather_copy(const unsigned long long* table, long lon
             uint4* d = (uint4*)dst;
             const uint4* s = (const uint4*)src;
             unsigned long long m = size / 16;
-            unsigned long long i = threadIdx.x;
-            // four loads in flight per thread before their stores: a store to another GPU's
+            unsigned long long i = lane;
+            // UNROLL loads in flight per thread before their stores: a store to another GPU's
             // memory is slow to retire, and one load/store pair per thread leaves the link idle
-            for (; i + 3 * step < m; i += 4 * step) {
-                uint4 a = s[i], b = s[i + step], c = s[i + 2 * step], e = s[i + 3 * step];
-                d[i] = a; d[i + step] = b; d[i + 2 * step] = c; d[i + 3 * step] = e;
+            for (; i + (UNROLL - 1) * 32 < m; i += UNROLL * 32) {
+                uint4 v[UNROLL];
+#pragma unroll
+                for (int k = 0; k < UNROLL; k++) v[k] = s[i + k * 32];
+#pragma unroll
+                for (int k = 0; k < UNROLL; k++) d[i + k * 32] = v[k];
             }
-            for (; i < m; i += step) d[i] = s[i];
+            for (; i < m; i += 32) d[i] = s[i];
         } else {
-            for (unsigned long long i = threadIdx.x; i < size; i += step) dst[i] = src[i];
+            for (unsigned long long i = lane; i < size; i += 32) dst[i] = src[i];
         }
     }
 }
@@ -82,7 +90,8 @@ class GatherCopier:
             sms = int(dev.attributes["MultiProcessorCount"])
         chosen = grid_blocks()
         self.blocks = chosen or GRID_BLOCKS  # within one GPU
-        self.peer_blocks = chosen or sms  # to another GPU
+        self.peer_blocks = chosen or PEER_BLOCKS_PER_SM * sms  # to another GPU
+        self._streams: dict = {}  # stream handle -> its cupy ExternalStream (made once)
 
     def copy(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int, to_peer: bool = False):
         """Enqueue the copies on `stream`; returns what must outlive them (the table on the
@@ -93,12 +102,15 @@ class GatherCopier:
         host = np.frombuffer(pinned, np.uint64, 3 * n)
         host[:n], host[n:2 * n], host[2 * n:] = dsts, srcs, sizes
         blocks = self.peer_blocks if to_peer else self.blocks
+        blocks = min(blocks, -(-n // (self.threads // 32)))  # one warp per range: no idle block
         with cupy.cuda.Device(self.device):
-            s = cupy.cuda.ExternalStream(stream)
+            s = self._streams.get(stream)
+            if s is None:
+                s = self._streams[stream] = cupy.cuda.ExternalStream(stream)
             with s:
                 table = cupy.empty(3 * n, dtype=cupy.uint64)
                 table.set(host, stream=s)  # from pinned memory: asynchronous, ordered before the kernel
-                self.kernel((min(n, blocks),), (self.threads,), (table, np.int64(n)))
+                self.kernel((blocks,), (self.threads,), (table, np.int64(n)))
         return table, pinned
 
 

@@ -43,6 +43,7 @@ import numpy as np
 from .device_gather import make_copier
 from .enums import StatusCode
 from .memory import Region
+from .status import succeed_all
 
 logger = logging.getLogger("sglang_mori.softio")
 
@@ -164,8 +165,7 @@ class DeviceEngine:
                 delay = paced - time.monotonic()
                 if delay > 0:
                     time.sleep(delay)
-                for status in statuses:
-                    status.Update(_SUCCESS, "")
+                succeed_all(statuses)
             with self._events_lock:
                 self._free_events.append(event)
 
@@ -270,8 +270,47 @@ def _submit_pairs(engine: DeviceEngine, pairs: list) -> None:
                 hold.end()  # nothing was enqueued through it
 
 
+def _shared_ranges(pairs: list):
+    """(lo, ro, sz) as int64 arrays when every pair is a write with the same three offset arrays
+    (what the backend's plans pass: one array per chunk shared by all layers' buffers); else None."""
+    lo, ro, sz = pairs[0][1], pairs[0][2], pairs[0][3]
+    if not (isinstance(lo, np.ndarray) and isinstance(ro, np.ndarray) and isinstance(sz, np.ndarray)):
+        return None
+    for p in pairs:
+        if p[1] is not lo or p[2] is not ro or p[3] is not sz or p[5]:
+            return None
+    return (lo.astype(np.int64, copy=False).reshape(-1), ro.astype(np.int64, copy=False).reshape(-1),
+            sz.astype(np.int64, copy=False).reshape(-1))
+
+
+def _post_shared(engine: DeviceEngine, pairs: list, holds: tuple, lo, ro, sz) -> bool | None:
+    """The common case in O(pairs + ranges) numpy with no per-range index arrays: every pair
+    writes the same ranges of its own regions, so the bounds are checked once against the
+    smallest region and the table is two broadcast sums. None: a range is out of bounds or
+    empty, which the general path handles pair by pair."""
+    if len(sz) == 0 or sz.min() <= 0 or lo.min() < 0 or ro.min() < 0:
+        return None
+    local_ptr = np.fromiter((p[0].local.ptr for p in pairs), dtype=np.int64, count=len(pairs))
+    local_size = np.fromiter((p[0].local.size for p in pairs), dtype=np.int64, count=len(pairs))
+    remote_base = np.fromiter((p[0].remote_base for p in pairs), dtype=np.int64, count=len(pairs))
+    remote_size = np.fromiter((p[0].remote_size for p in pairs), dtype=np.int64, count=len(pairs))
+    if (lo + sz).max() > local_size.min() or (ro + sz).max() > remote_size.min():
+        return None
+    dsts = (remote_base[:, None] + ro).reshape(-1).view(np.uint64)
+    srcs = (local_ptr[:, None] + lo).reshape(-1).view(np.uint64)
+    sizes = np.tile(sz, len(pairs)).view(np.uint64)
+    to_peer = any(p[0].to_peer for p in pairs)
+    engine.submit(dsts, srcs, sizes, [p[4] for p in pairs], to_peer, holds)
+    return True
+
+
 def _post_pairs(engine: DeviceEngine, pairs: list, holds: tuple) -> bool:
     """Check the pairs' ranges and submit their copies; True when `holds` went to the engine."""
+    shared = _shared_ranges(pairs)
+    if shared is not None:
+        posted = _post_shared(engine, pairs, holds, *shared)
+        if posted is not None:
+            return posted
     counts = np.fromiter((len(p[3]) for p in pairs), dtype=np.int64, count=len(pairs))
     total = int(counts.sum())
     lo = _flat([p[1] for p in pairs], total)

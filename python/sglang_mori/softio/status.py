@@ -107,8 +107,29 @@ class TransferStatus:
 
     # ---- engine side ---------------------------------------------------------------------------
     def _start(self) -> None:
-        """Mark a freshly submitted transfer IN_PROGRESS (the backend does this synchronously)."""
-        self.SetCode(_IN_PROGRESS)
+        """Mark a freshly submitted transfer IN_PROGRESS (the backend does this synchronously).
+        A status nobody waits on yet (no wake-up event) needs neither the lock nor SetCode's
+        checks: one attribute write, since a batch starts one status per pair."""
+        if self._event is None and self._code is _INIT:
+            self._code = _IN_PROGRESS
+        else:
+            self.SetCode(_IN_PROGRESS)
+
+
+def succeed_all(statuses) -> None:
+    """Update(SUCCESS, "") for every status of a finished batch, under one lock acquisition
+    (a failure already recorded stays: failures are sticky)."""
+    events = []
+    with _TRANSITION_LOCK:
+        for status in statuses:
+            if status._code > ERR_BEGIN:
+                continue
+            status._msg = ""
+            status._code = _SUCCESS
+            if status._event is not None:
+                events.append(status._event)
+    for event in events:
+        event.set()
 
 
 def wait_all(statuses, timeout_ms: int = -1) -> StatusCode:
