@@ -78,3 +78,22 @@ def test_plans_arrays_and_lists_give_the_same_copies():
         batch.submit()
     assert lists.calls[0][:3] == arrays.calls[0][:3] == ([50_008, 50_024, 50_048, 50_064],
                                                          [1000, 1016, 1040, 1056], [4, 4, 4, 4])
+
+
+def test_shared_arrays_give_the_copies_of_lists_and_a_short_region_still_fails_alone():
+    lists, arrays = RecordingEngine(), RecordingEngine()
+    lo, ro, sz = np.array([0, 16]), np.array([8, 24]), np.array([4, 4])
+    for engine, columns in ((lists, ([0, 16], [8, 24], [4, 4])), (arrays, (lo, ro, sz))):
+        batch = DeviceBatch()
+        for base in (0, 40):  # the same three array objects for both pairs: one broadcast table
+            session(engine, 1000 + base, 100, 50_000 + base, 100).add_to(batch, *columns, TransferStatus(), False)
+        batch.submit()
+    assert lists.calls[0][:3] == arrays.calls[0][:3] == ([50_008, 50_024, 50_048, 50_064],
+                                                         [1000, 1016, 1040, 1056], [4, 4, 4, 4])
+    engine, batch = RecordingEngine(), DeviceBatch()
+    good, short = TransferStatus(), TransferStatus()
+    session(engine, 1000, 100, 50_000, 100).add_to(batch, lo, ro, sz, good, False)
+    session(engine, 2000, 18, 60_000, 100).add_to(batch, lo, ro, sz, short, False)  # 16 + 4 > 18
+    batch.submit()
+    assert short.Code() == StatusCode.ERR_INVALID_ARGS
+    assert engine.calls == [([50_008, 50_024], [1000, 1016], [4, 4], [good])]

@@ -49,6 +49,9 @@ class SoftRdmaBackend:
         self.device_watch = DevicePeerWatch(self)
         self._sessions: dict = {}
         self._sessions_lock = threading.Lock()
+        # Bumped whenever a cached session is dropped or released: routes resolved from the
+        # sessions (device_routes.py) are stale from then on.
+        self.sessions_generation = 0
         self.server = TargetServer(core, host, port, self.socket_buffer, self.rto_max_ms,
                                    self.settings.cp_timeout_s,
                                    accept_intra_host=not self.settings.force_tcp)
@@ -142,11 +145,13 @@ class SoftRdmaBackend:
         transfer on the pair fails with a status (as on a broken lane) instead of raising."""
         with self._sessions_lock:
             chosen = [s for k, s in self._sessions.items() if which(k, s)]
+            self.sessions_generation += 1
         _release(chosen)
 
     def _drop_sessions(self, which) -> None:
         with self._sessions_lock:
             dropped = [self._sessions.pop(k) for k, s in list(self._sessions.items()) if which(k, s)]
+            self.sessions_generation += 1
         _release(dropped)
 
     def fence_peer(self, remote_key: str, reason: str) -> bool:

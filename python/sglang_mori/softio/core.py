@@ -19,6 +19,7 @@ from .backend import SoftRdmaBackend
 from .config import IOEngineConfig, RdmaBackendConfig
 from .descriptors import EngineDesc, MemoryDesc
 from .device_path import DeviceBatch, DeviceSession
+from .device_routes import DeviceRoutes
 from .enums import BackendType, StatusCode
 from .faults import FaultPlan, apply_env_faults
 from .memory import LocalMemory
@@ -76,6 +77,7 @@ class EngineCore:
         self.backends: dict = {}
         self._device_engines: dict = {}
         self._device_lock = threading.Lock()
+        self._device_routes = DeviceRoutes(self)
         apply_env_faults(self)
         logger.info("softio: created engine %s (host %s)", key, host)
 
@@ -176,6 +178,9 @@ class EngineCore:
                 status.Update(StatusCode.ERR_INVALID_ARGS,
                               "batch lists (descs, offsets, sizes, uids) differ in length")
             return statuses
+        if count and self._device_engines and self._device_routes.post(
+                locals_, local_offsets, remotes, remote_offsets, sizes, statuses, is_read):
+            return statuses  # every pair an open device session with shared arrays (device_routes.py)
         device = DeviceBatch()  # device pairs of this call: one copy call and one event for all
         try:
             for i in range(count):

@@ -116,6 +116,12 @@ class TransferStatus:
             self.SetCode(_IN_PROGRESS)
 
 
+def start_all(statuses) -> None:
+    """_start() of statuses this call just created (nobody can wait on them yet)."""
+    for status in statuses:
+        status._start()
+
+
 def succeed_all(statuses) -> None:
     """Update(SUCCESS, "") for every status of a finished batch, under one lock acquisition
     (a failure already recorded stays: failures are sticky)."""

@@ -1,0 +1,122 @@
+"""The device path's fast route through `batch_write` (issue 28): a call whose pairs are all open
+device sessions of one engine stream, all writing the same offset arrays (what the backend's
+plans pass: one array per chunk shared by every layer's buffer), is posted with no Python per
+pair beyond creating its status.
+
+The route of each distinct list of (local, remote) descriptors is resolved once, by the general
+path's rules (EngineCore.batch_transfer: the RDMA backend's cached session of each pair), and kept
+while the backend's sessions are unchanged (`SoftRdmaBackend.sessions_generation`: a dropped or
+released session bumps it). A cache entry holds the descriptor objects it was built from, so the
+ids it is keyed by cannot be reused by other objects while it lives.
+
+Anything else (a read, per-pair arrays, a pair not yet opened, a host session, a range out of
+bounds, an empty range, a mapping already released) returns False before any status changed,
+and the general path handles the call as before: this route only ever skips work, never a check.
+On MORI-IO the same call is C++ that releases the GIL; softio's Python stands in for it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .descriptors import MemoryDesc
+from .device_path import DeviceSession
+from .enums import BackendType
+from .status import start_all
+
+_MAX_ROUTES = 256  # distinct descriptor lists kept (chunk plans per peer); cleared when full
+
+
+class _Route:
+    __slots__ = ("generation", "backend", "descs", "engine", "local_ptr", "remote_base", "local_limit",
+                 "remote_limit", "to_peer", "mappings")
+
+    def __init__(self, generation, backend, descs, sessions):
+        self.generation = generation
+        self.backend = backend
+        self.descs = descs  # kept alive: the key's ids stay theirs
+        self.engine = sessions[0].engine
+        self.local_ptr = np.array([s.local.ptr for s in sessions], dtype=np.int64)
+        self.remote_base = np.array([s.remote_base for s in sessions], dtype=np.int64)
+        self.local_limit = min(s.local.size for s in sessions)
+        self.remote_limit = min(s.remote_size for s in sessions)
+        self.to_peer = any(s.to_peer for s in sessions)
+        self.mappings = tuple(dict.fromkeys(s.mapping for s in sessions if s.mapping is not None))
+
+
+class DeviceRoutes:
+    def __init__(self, core):
+        self.core = core
+        self._routes: dict = {}
+
+    def post(self, locals_, local_offsets, remotes, remote_offsets, sizes, statuses, is_read: bool) -> bool:
+        """Post the whole call by the fast route; False (nothing done) where it does not apply."""
+        if is_read:
+            return False
+        lo, ro, sz = local_offsets[0], remote_offsets[0], sizes[0]
+        if not (type(lo) is np.ndarray and type(ro) is np.ndarray and type(sz) is np.ndarray):
+            return False
+        if (len(set(map(id, local_offsets))) != 1 or len(set(map(id, remote_offsets))) != 1
+                or len(set(map(id, sizes))) != 1):
+            return False
+        if lo.ndim != 1 or lo.shape != ro.shape or lo.shape != sz.shape or len(sz) == 0:
+            return False
+        backend = self.core.backends.get(BackendType.RDMA)
+        if backend is None:
+            return False
+        key = (tuple(map(id, locals_)), tuple(map(id, remotes)))
+        route = self._routes.get(key)
+        if route is None or route.generation != backend.sessions_generation or route.backend is not backend:
+            route = self._resolve(backend, locals_, remotes)
+            if route is None:
+                return False
+            if len(self._routes) >= _MAX_ROUTES:
+                self._routes.clear()
+            self._routes[key] = route
+        return _post(route, lo, ro, sz, statuses)
+
+    @staticmethod
+    def _resolve(backend, locals_, remotes):
+        """The route of these pairs if every one is an open device session of one engine, else None."""
+        generation = backend.sessions_generation  # read first: a later change makes the route stale
+        sessions = []
+        for local, remote in zip(locals_, remotes):
+            if not isinstance(local, MemoryDesc) or not isinstance(remote, MemoryDesc):
+                return None
+            if not backend.can_handle(remote):
+                return None
+            session = backend._sessions.get((remote._engine_key, local._id, remote._id))
+            if type(session) is not DeviceSession:
+                return None
+            sessions.append(session)
+        if not sessions or any(s.engine is not sessions[0].engine for s in sessions):
+            return None
+        return _Route(generation, backend, (tuple(locals_), tuple(remotes)), sessions)
+
+
+def _post(route: _Route, lo: np.ndarray, ro: np.ndarray, sz: np.ndarray, statuses: list) -> bool:
+    lo = lo.astype(np.int64, copy=False)
+    ro = ro.astype(np.int64, copy=False)
+    sz = sz.astype(np.int64, copy=False)
+    if sz.min() <= 0 or lo.min() < 0 or ro.min() < 0:
+        return False
+    if (lo + sz).max() > route.local_limit or (ro + sz).max() > route.remote_limit:
+        return False
+    taken = []
+    for mapping in route.mappings:
+        if not mapping.begin():
+            for hold in taken:
+                hold.end()
+            return False  # released: the general path fails those pairs one by one
+        taken.append(mapping)
+    try:
+        dsts = (route.remote_base[:, None] + ro).reshape(-1).view(np.uint64)
+        srcs = (route.local_ptr[:, None] + lo).reshape(-1).view(np.uint64)
+        table_sizes = np.tile(sz, len(route.local_ptr)).view(np.uint64)
+    except BaseException:
+        for hold in taken:
+            hold.end()
+        raise
+    start_all(statuses)
+    route.engine.submit(dsts, srcs, table_sizes, list(statuses), route.to_peer, tuple(taken))
+    return True
