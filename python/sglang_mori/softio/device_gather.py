@@ -12,11 +12,13 @@ than the NIC the path is paced like.
 Used when CuPy and its runtime compiler work (SGLANG_MORI_SOFTIO_DEVICE_COPY=kernel, the default
 where they do); `memcpy` keeps the copy engines (cuda_runtime.copy).
 
-Grid: GRID_BLOCKS blocks for a copy within one GPU (the forward keeps the rest of the SMs); one
-block per SM for a batch that writes to another GPU, whose link (NVLink here, XGMI on AMD) needs
-stores from every SM to come near a plain copy's speed (docs/benchmarks.md, "Two GPUs"). Such a
-batch holds every SM of the source GPU while it runs. SGLANG_MORI_SOFTIO_GATHER_BLOCKS sets one
-grid for both.
+Grid: one warp per range, GRID_BLOCKS blocks of THREADS threads for a copy within one GPU (the
+forward keeps the rest of the SMs); PEER_BLOCKS_PER_SM blocks per SM for a batch that writes to
+another GPU, whose link (NVLink here, XGMI on AMD) needs stores from every SM to come near a plain
+copy's speed (docs/benchmarks.md, "Two GPUs" and "Issue 28": with the table resident, block- or
+warp-per-range and 1-4 blocks per SM all copied at 0.91-0.96x of a plain copy on 2x H200; warp
+per range keeps a small range from idling most of a block). Such a batch holds every SM of the
+source GPU while it runs. SGLANG_MORI_SOFTIO_GATHER_BLOCKS sets one grid for both.
 
 The range table travels through pinned host memory and an asynchronous copy on the engine's
 stream, so posting never waits for the batches still copying ahead of it on that stream.
