@@ -1,7 +1,7 @@
 # Sourced by device_run.sh (wheels installed, environment set): runs side by side on a 4-GPU
 # machine, one plan per device call. Each run writes under $W; the JSONs are copied to $OUT and
 # every log travels back in $OUT/<plan>.tgz (a call returns at most 8 files).
-# Usage: device_run.sh plan plan1|plan2|plan3|tp_proof|tp_fp32_ieee
+# Usage: device_run.sh plan plan1|plan2|plan3|tp_proof|tp_fp32_ieee|ttft8k_hotpath|ttft8k_pair (ORDER=...)
 # Port bases stay in 10000-21999: below the kernel's ephemeral range (32768+ there), where any
 # outgoing connection of a server beside it (HTTP, NCCL, softio) may hold a port as its source, and
 # below SGLang's own nccl_port range (22000-29999). With bases at 37000/38000 a PD prefill server of
@@ -135,14 +135,29 @@ ttft8k_hotpath() {
     --lengths 8192 --concurrency 1 --requests-c1 12 --repeats 2 --tag latency_8k_a --port-base 17000 > $W/latA.out 2>&1 & local a=$!
   python3 "$S/pd_latency.py" --out $W/latB --configs pd_auto,pd_off,standalone --gpu-base 2 --trace \
     --lengths 8192 --concurrency 1 --requests-c1 12 --repeats 2 --tag latency_8k_b --port-base 18000 > $W/latB.out 2>&1 & local b=$!
-  if [ -d "$ROOT/cand/python" ]; then
-    mkdir -p $W/hot
-    for r in 1 2; do
-      python3 "$ROOT/scripts/bench_backend.py" hotpath --engine instant --json > $W/hot/main_$r.jsonl 2> $W/hot/main_$r.err
-      python3 "$ROOT/scripts/bench_backend.py" hotpath --engine instant --json --backend-root "$ROOT/cand" \
-        > $W/hot/cand_$r.jsonl 2> $W/hot/cand_$r.err
-    done
-    cat $W/hot/*.jsonl > $W/hot/hotpath_all.json
-  fi
+  hotpath_ab
   wait $a $b
+}
+
+# `bench hotpath --engine instant` of this tree against the candidate in .gpu/cand (absent: skipped),
+# alternating, on the machine's CPU.
+hotpath_ab() {
+  [ -d "$ROOT/cand/python" ] || return 0
+  mkdir -p $W/hot
+  for r in 1 2; do
+    python3 "$ROOT/scripts/bench_backend.py" hotpath --engine instant --json > $W/hot/main_$r.jsonl 2> $W/hot/main_$r.err
+    python3 "$ROOT/scripts/bench_backend.py" hotpath --engine instant --json --backend-root "$ROOT/cand" \
+      > $W/hot/cand_$r.jsonl 2> $W/hot/cand_$r.err
+  done
+  cat $W/hot/*.jsonl > $W/hot/hotpath_all.json
+}
+
+# Session 13 (two GPUs lent): one pair, prefill GPU 0 -> decode GPU 1 (standalone on GPU 0), the
+# configurations one after another in $ORDER (a second call runs the other order), 8K concurrency 1,
+# traced; the hot path A/B beside it on the CPU.
+ttft8k_pair() {
+  hotpath_ab & local h=$!
+  python3 "$S/pd_latency.py" --out $W/lat --configs "${ORDER:-standalone,pd_off,pd_auto}" --gpu-base 0 --trace \
+    --lengths 8192 --concurrency 1 --requests-c1 12 --repeats 2 --tag latency_8k_pair --port-base 17000 > $W/lat.out 2>&1
+  wait $h
 }
