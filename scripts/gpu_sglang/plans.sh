@@ -154,10 +154,10 @@ hotpath_ab() {
 
 # Session 13 (two GPUs lent): one pair, prefill GPU 0 -> decode GPU 1 (standalone on GPU 0), the
 # configurations one after another in $ORDER (a second call runs the other order), 8K concurrency 1,
-# traced; the hot path A/B beside it on the CPU.
+# traced; then the hot path A/B on the CPU (after, not beside: on this smaller host it would load the
+# CPU under one configuration and not the others).
 ttft8k_pair() {
-  hotpath_ab & local h=$!
   python3 "$S/pd_latency.py" --out $W/lat --configs "${ORDER:-standalone,pd_off,pd_auto}" --gpu-base 0 --trace \
     --lengths 8192 --concurrency 1 --requests-c1 12 --repeats 2 --tag latency_8k_pair --port-base 17000 > $W/lat.out 2>&1
-  wait $h
+  hotpath_ab
 }
