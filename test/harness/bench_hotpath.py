@@ -26,6 +26,9 @@ def add_arguments(p) -> None:
     p.add_argument("--engine", choices=("softio", "instant"), default="softio",
                    help="instant: softio's batch_write returns finished statuses and moves no bytes "
                         "(our Python alone; the polling threads' idle cost no longer follows softio's speed)")
+    p.add_argument("--steps", action="store_true",
+                   help="also count named steps inside the threads (harness/hotpath/steps.py; about 1 us "
+                        "per wrapped call added, so compare totals from runs without it)")
     p.add_argument("--json", action="store_true", help="print one JSON object per case")
     p.add_argument("--backend-root", default="",
                    help="count another checkout's backend (its python/ folder) with this harness: a "
@@ -61,7 +64,7 @@ def run(args) -> int:
     for case in args.cases.split(","):
         shape, tokens = case.split(":")
         result = run_case(shape, int(tokens), args.requests, args.window, args.token_bytes,
-                          engine_mode=args.engine)
+                          engine_mode=args.engine, steps=args.steps)
         if args.json:
             print(json.dumps(result), flush=True)
             continue
@@ -70,4 +73,6 @@ def run(args) -> int:
         print(_row(result, "prefill"))
         print(_row(result, "decode"))
         print(f"  softio's own threads: {result['softio_threads_us']} us/request", flush=True)
+        for row in result.get("steps", ()):
+            print(f"    {row['thread']:<20} {row['step']:<40} {row['us']:>8} us/request  ({row['calls']} calls)")
     return 0
