@@ -29,6 +29,9 @@ def add_arguments(p) -> None:
     p.add_argument("--steps", action="store_true",
                    help="also count named steps inside the threads (harness/hotpath/steps.py; about 1 us "
                         "per wrapped call added, so compare totals from runs without it)")
+    p.add_argument("--ipc", action="store_true",
+                   help="instead: the scheduler's cost of handing one chunk message to another process "
+                        "(harness/hotpath/ipc.py: ZMQ ipc://, AF_UNIX SOCK_SEQPACKET, a shared-memory ring)")
     p.add_argument("--json", action="store_true", help="print one JSON object per case")
     p.add_argument("--backend-root", default="",
                    help="count another checkout's backend (its python/ folder) with this harness: a "
@@ -56,6 +59,15 @@ def run(args) -> int:
         if "sglang_mori" in sys.modules:
             raise SystemExit("--backend-root: sglang_mori was imported before the path could change")
         sys.path.insert(0, str(Path(args.backend_root).resolve() / "python"))
+    if args.ipc:
+        from harness.hotpath.ipc import run_all
+
+        for row in run_all(count=max(200, args.requests * 20)):
+            print(json.dumps(row) if args.json else
+                  f"[ipc] {row['ipc']:<15} {row['pages']:>4} pages: sender CPU {row['sender_cpu_us_median']} us "
+                  f"median, {row['sender_cpu_us_mean']} mean; wall {row['sender_wall_us_median']} us median; "
+                  f"receiver ok {row['receiver_ok']}", flush=True)
+        return 0
     from harness.hotpath.run import run_case
     import sglang_mori
 
