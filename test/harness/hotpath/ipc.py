@@ -142,6 +142,9 @@ def measure(kind: str, pages: int, count: int) -> dict:
         if i % 8 == 7:
             time.sleep(0.0002)  # requests arrive spaced, not back to back: each send may wake the reader
     proc.join(30)
+    if proc.is_alive():  # a message never arrived: end the reader we started, report it
+        proc.kill()
+        proc.join(5)
     if kind == "zmq-ipc":
         sock.close(0)
         zctx.term()
