@@ -222,6 +222,7 @@ class TransferHandle:
         done = self._live_done
         live = self.live
         for i in range(done, len(live)):
+            # int(): MORI's StatusCode is a pybind11 enum whose comparisons with ints are strict.
             code = int(live[i].Code())
             if code == SUCCESS:
                 if done == i:

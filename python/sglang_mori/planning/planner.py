@@ -59,7 +59,8 @@ def _read_only(ranges: Ranges) -> Ranges:
     checks: this runs on every chunk, issue 28)."""
     local, remote, sizes = (frozen_int64(a) for a in ranges)
     if not (local.shape == remote.shape == sizes.shape) or local.ndim != 1:
-        raise ValueError(f"ranges must be 1-D and of equal length, got shapes {[local.shape, remote.shape, sizes.shape]}")
+        raise ValueError("ranges must be 1-D and of equal length, got shapes "
+                         f"{[local.shape, remote.shape, sizes.shape]}")
     return local, remote, sizes
 
 
