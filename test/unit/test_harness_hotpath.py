@@ -8,11 +8,13 @@ from harness.hotpath.run import run_case
 
 
 def test_steps_are_counted_on_the_threads_that_run_them():
-    result = run_case("mla61p64", 128, requests=8, window=4, token_bytes=16, engine_mode="instant", steps=True)
+    result = run_case("mla61p64", 128, requests=16, window=4, token_bytes=16, engine_mode="instant", steps=True)
     steps = {(row["thread"], row["step"]): row for row in result["steps"]}
     # One chunk per request, planned and posted on the shard thread, never on the scheduler's.
+    # The window closes once every room succeeded, which the shard decides inside `submit`: the
+    # last submit may still be finishing then (counted after the report), hence "about one".
     submit = steps[("mori-shard-N", "shard: submit (all of it)")]
-    assert submit["calls"] == pytest.approx(1.0) and submit["us"] > 0
+    assert 14 / 16 <= submit["calls"] <= 1.0 and submit["us"] > 0
     assert steps[("mori-shard-N", "plan: write_batch")]["calls"] == pytest.approx(1.0)
     assert not any(thread == "MainThread" and "plan" in step for thread, step in steps)
     # Decode's metadata is handled by prefill's control thread, once per request.
