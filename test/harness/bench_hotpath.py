@@ -26,6 +26,12 @@ def add_arguments(p) -> None:
     p.add_argument("--engine", choices=("softio", "instant"), default="softio",
                    help="instant: softio's batch_write returns finished statuses and moves no bytes "
                         "(our Python alone; the polling threads' idle cost no longer follows softio's speed)")
+    p.add_argument("--steps", action="store_true",
+                   help="also count named steps inside the threads (harness/hotpath/steps.py; about 1 us "
+                        "per wrapped call added, so compare totals from runs without it)")
+    p.add_argument("--ipc", action="store_true",
+                   help="instead: the scheduler's cost of handing one chunk message to another process "
+                        "(harness/hotpath/ipc.py: ZMQ ipc://, AF_UNIX SOCK_SEQPACKET, a shared-memory ring)")
     p.add_argument("--json", action="store_true", help="print one JSON object per case")
     p.add_argument("--backend-root", default="",
                    help="count another checkout's backend (its python/ folder) with this harness: a "
@@ -53,6 +59,15 @@ def run(args) -> int:
         if "sglang_mori" in sys.modules:
             raise SystemExit("--backend-root: sglang_mori was imported before the path could change")
         sys.path.insert(0, str(Path(args.backend_root).resolve() / "python"))
+    if args.ipc:
+        from harness.hotpath.ipc import run_all
+
+        for row in run_all(count=max(200, args.requests * 20)):
+            print(json.dumps(row) if args.json else
+                  f"[ipc] {row['ipc']:<15} {row['pages']:>4} pages: sender CPU {row['sender_cpu_us_median']} us "
+                  f"median, {row['sender_cpu_us_mean']} mean; wall {row['sender_wall_us_median']} us median; "
+                  f"receiver ok {row['receiver_ok']}", flush=True)
+        return 0
     from harness.hotpath.run import run_case
     import sglang_mori
 
@@ -61,7 +76,7 @@ def run(args) -> int:
     for case in args.cases.split(","):
         shape, tokens = case.split(":")
         result = run_case(shape, int(tokens), args.requests, args.window, args.token_bytes,
-                          engine_mode=args.engine)
+                          engine_mode=args.engine, steps=args.steps)
         if args.json:
             print(json.dumps(result), flush=True)
             continue
@@ -70,4 +85,6 @@ def run(args) -> int:
         print(_row(result, "prefill"))
         print(_row(result, "decode"))
         print(f"  softio's own threads: {result['softio_threads_us']} us/request", flush=True)
+        for row in result.get("steps", ()):
+            print(f"    {row['thread']:<20} {row['step']:<40} {row['us']:>8} us/request  ({row['calls']} calls)")
     return 0

@@ -144,3 +144,56 @@ def test_drained_needs_every_issued_status_to_prove_nothing_lands():
     assert handle(INIT).drained()  # never posted
     assert not handle(ERR_RDMA_OP).drained()  # failed after posting: its other QPs may still write
     assert not handle(SUCCESS, IN_PROGRESS).drained()
+
+
+# --- TransferHandle.first_look: one read per status right after a submission --------------------
+
+class CountingStatus(Status):
+    reads = 0
+
+    def Code(self):
+        CountingStatus.reads += 1
+        return self.code
+
+
+def counted(*codes, message=""):
+    CountingStatus.reads = 0
+    return handle(*[CountingStatus(c, message) for c in codes])
+
+
+def test_first_look_of_finished_writes_reads_each_status_once():
+    h = counted(*[SUCCESS] * 61)
+    assert h.first_look() == []
+    assert CountingStatus.reads == 61
+    # Then quiescence, the verdict and the typed state read none of them again.
+    assert h.quiescent() and h.result() == SUCCESS and h.state() is WriteState.SUCCEEDED
+    assert CountingStatus.reads == 61
+
+
+def test_first_look_returns_only_sq_full_failures_to_resubmit():
+    live = [Status(SUCCESS), Status(ERR_RDMA_OP, "post send failed: SQ full (batch)"), Status(IN_PROGRESS),
+            Status(ERR_RDMA_OP, "remote access error")]
+    h = handle(*live)
+    assert h.first_look() == [1]
+    # Nothing is remembered while a resubmission is due: the resubmitted status replaces index 1.
+    assert h.result() == ERR_RDMA_OP
+
+
+def test_first_look_remembers_only_the_succeeded_prefix():
+    running = Status(IN_PROGRESS)
+    h = handle(Status(SUCCESS), running, Status(SUCCESS))
+    assert h.first_look() == []
+    assert h.result() == IN_PROGRESS and not h.quiescent()
+    running.code = SUCCESS
+    assert h.result() == SUCCESS and h.quiescent()
+
+
+def test_first_look_of_a_non_retryable_failure_leaves_the_verdict_to_result():
+    h = handle(Status(SUCCESS), Status(ERR_NOT_FOUND, "no route"))
+    assert h.first_look() == []
+    assert h.result() == ERR_NOT_FOUND and h.state() is WriteState.FAILED
+
+
+def test_first_look_of_nothing():
+    h = handle()
+    assert h.first_look() == [] and h.result() == SUCCESS

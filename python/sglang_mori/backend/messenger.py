@@ -36,12 +36,17 @@ class Messenger:
         """Push one protocol message to (ip, port); False (logged) when it cannot be sent.
         `block=False`: fail at once instead of waiting up to SEND_TIMEOUT_MS for room in the
         peer's queue (SGLang's scheduler thread sends this way)."""
-        ip, port = endpoint
         try:
-            self._socket(f"tcp://{ip}:{port}").send_multipart(protocol.encode(message), 0 if block else zmq.NOBLOCK)
+            frames = protocol.encode(message)
+            sock = self._socket(endpoint)
+            flags = 0 if block else zmq.NOBLOCK
+            if len(frames) == 1:  # every message but Register: one send call, not send_multipart's loop
+                sock.send(frames[0], flags)
+            else:
+                sock.send_multipart(frames, flags)
             return True
         except Exception as exc:
-            logger.warning("sglang-mori: cannot send %s to %s:%s: %s", type(message).__name__, ip, port, exc)
+            logger.warning("sglang-mori: cannot send %s to %s:%s: %s", type(message).__name__, *endpoint, exc)
             return False
 
     def send_all(self, endpoints: Iterable[Tuple[str, int]], message) -> None:
@@ -55,16 +60,20 @@ class Messenger:
         with lock:
             sock.send_multipart(protocol.encode(message))
 
-    def _socket(self, endpoint: str):
+    def _socket(self, endpoint: Tuple[str, int]):
+        """This thread's PUSH socket to (ip, port), cached by the tuple (no address string per send)."""
         cache = getattr(self._local, "cache", None)
         if cache is None:
             cache = self._local.cache = {}
-        sock = cache.get(endpoint)
+        sock = cache.get(endpoint) if type(endpoint) is tuple else None
+        if sock is None:
+            ip, port = endpoint = tuple(endpoint)
+            sock = cache.get(endpoint)
         if sock is None:
             sock = self._ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
-            sock.connect(endpoint)
+            sock.connect(f"tcp://{ip}:{port}")
             cache[endpoint] = sock
             with self._lock:
                 self._all_sockets.append(sock)

@@ -211,6 +211,30 @@ class TransferHandle:
         self._final = SUCCESS
         return SUCCESS
 
+    def first_look(self) -> list:
+        """One pass over `live` right after a submission: the indices of failed statuses a
+        resubmission may cure ("SQ full"), and, when there are none, the statuses that already
+        succeeded are remembered (result() and quiescent() skip them for good, a terminal code
+        never going back to running). Each status is read once here: before, the retry check,
+        quiescent() and result() each read all 61 statuses of a chunk whose writes finished
+        while they were posted (issue 28)."""
+        retry = []
+        done = self._live_done
+        live = self.live
+        for i in range(done, len(live)):
+            # int(): MORI's StatusCode is a pybind11 enum whose comparisons with ints are strict.
+            code = int(live[i].Code())
+            if code == SUCCESS:
+                if done == i:
+                    done += 1
+            elif is_failure(code) and is_retryable(live[i]):
+                retry.append(i)
+        if not retry:
+            self._live_done = done
+            if done == len(live):
+                self._final = SUCCESS
+        return retry
+
     def state(self) -> WriteState:
         code = self.result()
         if code == SUCCESS and not self.unaccounted:
@@ -430,9 +454,7 @@ class TransferEngine:
             return handle
         handle.live = self._submit(batch, handle)
         for attempt in range(1, retry_max + 1):
-            # Failed() first: a call per status, and most have not failed (is_retryable reads the
-            # message of those that have).
-            retry = [i for i, status in enumerate(handle.live) if status.Failed() and is_retryable(status)]
+            retry = handle.first_look()
             if not retry:
                 break
             backoff = min(0.001 * (2**attempt), 0.2)

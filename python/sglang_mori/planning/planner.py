@@ -49,14 +49,19 @@ from sglang_mori.planning.state_rules import (
 )
 from sglang_mori.planning.state_slice import SliceBlocks
 from sglang_mori.planning.state_tail import TailRows, tail_pieces, tail_ranges
-from sglang_mori.planning.transfer_plan import BufferTransfer, TransferPlan
+from sglang_mori.planning.transfer_plan import BufferTransfer, TransferPlan, frozen_int64
 
 
 def _read_only(ranges: Ranges) -> Ranges:
     """The ranges checked (1-D, equal lengths) and frozen as int64, once per geometry; every
-    pair of that geometry then shares them (BufferTransfer.of_frozen)."""
-    checked = BufferTransfer(0, 0, *ranges)
-    return checked.local_offsets, checked.remote_offsets, checked.sizes
+    pair of that geometry then shares them (BufferTransfer.of_frozen). The same checks as
+    BufferTransfer's, without building one (a frozen dataclass's setattrs cost more than the
+    checks: this runs on every chunk, issue 28)."""
+    local, remote, sizes = (frozen_int64(a) for a in ranges)
+    if not (local.shape == remote.shape == sizes.shape) or local.ndim != 1:
+        raise ValueError("ranges must be 1-D and of equal length, got shapes "
+                         f"{[local.shape, remote.shape, sizes.shape]}")
+    return local, remote, sizes
 
 
 class TransferPlanner:

@@ -25,6 +25,8 @@ _EMPTY = np.zeros(0, dtype=np.int64)
 def as_index_array(indices, what: str) -> np.ndarray:
     """Validate one index list (page, aux or state indices) and return it as 1-D int64."""
     array = np.asarray(indices)
+    if array.dtype == np.int64 and array.ndim == 1:
+        return array if array.size else _EMPTY  # the common case: no dtype-kind checks per chunk
     if array.ndim != 1:
         raise PlanError(f"{what} must be a 1-D array, got shape {array.shape}")
     if array.size == 0:

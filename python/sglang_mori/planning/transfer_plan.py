@@ -14,7 +14,9 @@ from typing import List, Tuple
 import numpy as np
 
 
-def _frozen(array: np.ndarray) -> np.ndarray:
+def frozen_int64(array: np.ndarray) -> np.ndarray:
+    """`array` as a read-only, C-contiguous int64 array (a read-only view of it when it already
+    is one, so the caller's own array stays writeable)."""
     out = np.ascontiguousarray(array, dtype=np.int64)
     if out.flags.writeable:
         out = out.view()  # a read-only view, so the caller's own array stays writeable
@@ -37,7 +39,7 @@ class BufferTransfer:
     sizes: np.ndarray
 
     def __post_init__(self) -> None:
-        arrays = [_frozen(a) for a in (self.local_offsets, self.remote_offsets, self.sizes)]
+        arrays = [frozen_int64(a) for a in (self.local_offsets, self.remote_offsets, self.sizes)]
         if not (arrays[0].shape == arrays[1].shape == arrays[2].shape) or arrays[0].ndim != 1:
             raise ValueError(
                 "BufferTransfer arrays must be 1-D and of equal length, got shapes "

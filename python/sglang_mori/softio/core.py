@@ -8,6 +8,7 @@ first pair without a route, leaving the remaining statuses INIT.
 from __future__ import annotations
 
 import collections
+import functools
 import ipaddress
 import itertools
 import logging
@@ -73,7 +74,10 @@ class EngineCore:
         self.notifications = InboundNotifications()
         self.peer_failures: collections.deque = collections.deque()
         self.faults = FaultPlan()
-        self._uids = itertools.count()
+        # MORI's AllocateTransferUniqueId is one atomic increment in C++; a C iterator here (no
+        # Python frame per uid) keeps softio's cost per call near that, since callers take one
+        # uid per (local, remote) pair, 61 per chunk of a 61-layer model.
+        self.allocate_transfer_uid = functools.partial(next, map(_UID_MASK.__and__, itertools.count()))
         self.backends: dict = {}
         self._device_engines: dict = {}
         self._device_lock = threading.Lock()
@@ -151,9 +155,6 @@ class EngineCore:
         self.memory.deregister(desc)
         for backend in self.backends.values():
             backend.forget_memory(desc.id)
-
-    def allocate_transfer_uid(self) -> int:
-        return next(self._uids) & _UID_MASK
 
     # ---- transfers -----------------------------------------------------------------------------
     def transfer(self, local, local_offset, remote, remote_offset, size, uid, is_read):

@@ -57,6 +57,8 @@ FENCE_ENV = "SGLANG_MORI_SOFTIO_FENCE"
 class IOEngine:
     def __init__(self, key, config):
         self._core = EngineCore(key, config)
+        # The core's C-level counter itself, not a method that calls it: one uid per pair.
+        self.allocate_transfer_uid = self._core.allocate_transfer_uid
         if os.environ.get(FENCE_ENV, "1").strip() == "0":
             self.fence_peer = None  # what callers feature-detect (TransferEngine.can_fence)
 

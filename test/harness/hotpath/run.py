@@ -15,6 +15,7 @@ from harness.hotpath.meter import CallMeter, EngineMeter, ThreadClocks, metered_
 import contextlib
 
 from harness.hotpath.rig import AUX_SLOTS, SHAPES, PDPair, instant_writes
+from harness.hotpath.steps import metered_steps
 
 WAIT_S = 120.0
 # Thread roles of each side (after role(): digits -> N). Everything else in the process is the
@@ -98,12 +99,13 @@ def report(calls: dict, threads: dict, engine: EngineMeter, requests: int, wall_
 
 
 def run_case(shape_key: str, tokens: int, requests: int, window: int, token_bytes: int,
-             config: MoriConfig | None = None, engine_mode: str = "softio") -> dict:
+             config: MoriConfig | None = None, engine_mode: str = "softio", steps: bool = False) -> dict:
     shape = SHAPES[shape_key]
     per = math.ceil(tokens / shape.page_size)
     config = config or MoriConfig(transfer_shards=1)
     writes = instant_writes() if engine_mode == "instant" else contextlib.nullcontext()
-    with writes, metered_engine() as engine:
+    step_meter = metered_steps() if steps else contextlib.nullcontext()
+    with writes, metered_engine() as engine, step_meter as stepped:
         pair = PDPair(shape, per * window, token_bytes, config)
         pair.start()
         try:
@@ -115,6 +117,8 @@ def run_case(shape_key: str, tokens: int, requests: int, window: int, token_byte
             clocks = ThreadClocks()
             batches = max(1, requests // window)
             engine.reset()
+            if stepped is not None:
+                stepped.enabled = True
             driver.calls.enabled = True
             clocks.start()
             start = time.perf_counter()
@@ -123,6 +127,9 @@ def run_case(shape_key: str, tokens: int, requests: int, window: int, token_byte
             wall = time.perf_counter() - start
             threads = clocks.since()
             result = report(driver.calls.ns, threads, engine, batches * window, wall)
+            if stepped is not None:
+                stepped.enabled = False
+                result["steps"] = stepped.report(batches * window)
         finally:
             pair.stop()
             gc.unfreeze()

@@ -1,0 +1,33 @@
+"""bench hotpath's parts: the run counts named steps by thread role, and the IPC hand-off part
+delivers every message to a reader in another process."""
+
+import pytest
+
+from harness.hotpath.ipc import measure
+from harness.hotpath.run import run_case
+
+
+def test_steps_are_counted_on_the_threads_that_run_them():
+    result = run_case("mla61p64", 128, requests=16, window=4, token_bytes=16, engine_mode="instant", steps=True)
+    steps = {(row["thread"], row["step"]): row for row in result["steps"]}
+    # One chunk per request, planned and posted on the shard thread, never on the scheduler's.
+    # The window closes once every room succeeded, which the shard decides inside `submit`: the
+    # last submit may still be finishing then (counted after the report), hence "about one".
+    submit = steps[("mori-shard-N", "shard: submit (all of it)")]
+    assert 14 / 16 <= submit["calls"] <= 1.0 and submit["us"] > 0
+    assert steps[("mori-shard-N", "plan: write_batch")]["calls"] == pytest.approx(1.0)
+    assert not any(thread == "MainThread" and "plan" in step for thread, step in steps)
+    # Decode's metadata is handled by prefill's control thread, once per request.
+    assert steps[("mori-control", "control: handle message")]["calls"] == pytest.approx(1.0)
+    assert result["rejections"] == []
+
+
+def test_run_without_steps_reports_none():
+    assert "steps" not in run_case("gqa32p16", 64, requests=4, window=4, token_bytes=16, engine_mode="instant")
+
+
+@pytest.mark.parametrize("kind", ["zmq-ipc", "unix-seqpacket", "shm-ring"])
+def test_ipc_handoff_reaches_a_reader_in_another_process(kind):
+    row = measure(kind, pages=16, count=50)
+    assert row["receiver_ok"] is True  # the reader decoded all 50 messages and exited cleanly
+    assert row["messages"] == 50 and row["sender_cpu_us_median"] > 0
