@@ -1,0 +1,110 @@
+"""One PULL socket read by two threads, never at once: our thread, and SGLang's scheduler when it polls.
+
+A message that changes what SGLang's scheduler polls for (decode's destinations on prefill, the
+Success or Failed status on decode) used to wait for our reading thread to wake and take the GIL
+back from the scheduler, which runs Python between short releases; on the H200 that was 0.4-1.4 ms
+per message (docs/benchmarks.md, "Where PD's 8K TTFT goes"). Now the scheduler, which holds the GIL
+anyway, also reads the socket when it polls a room still waiting for such a message
+(`drain_nowait`), and the reading thread stays as the reader of last resort (no room polled, a
+message for a room nobody polls yet, Register, Abort, housekeeping).
+
+ZMQ sockets are not thread-safe, but may be used from several threads one at a time, with a full
+memory barrier between them; `lock` is that barrier. It covers each receive *and* the handling of
+what was received, so messages are handled in the order they arrived (a Register before the
+metadata that needs it). The reading thread never blocks inside the socket while holding the lock:
+it waits on the socket's file descriptor (`zmq.FD`, readable when the socket has commands, e.g. a
+message arriving on an empty pipe), then takes the lock and empties the socket. Every holder
+empties the socket before it lets the lock go (until `zmq.EVENTS` shows no POLLIN), so a message
+that arrives afterwards makes the descriptor readable again and the wait never misses one.
+"""
+
+from __future__ import annotations
+
+import logging
+import select
+import threading
+import time
+from typing import Callable
+
+import zmq
+
+logger = logging.getLogger(__name__)
+
+# A scheduler pass polls every queued room in a row; one look at the socket serves the whole pass.
+POLLER_MIN_GAP_S = 20e-6
+
+
+class Inbox:
+    def __init__(self, sock, handle: Callable[[list], None], name: str):
+        self.sock = sock
+        self.handle = handle  # one message's frames; must not raise (logged if it does)
+        self.name = name
+        self.lock = threading.Lock()
+        self.closed = False
+        self._last_poll = 0.0
+        # Messages handled by a poller (the scheduler's thread) and by the reading thread: the
+        # tests and the benchmark read them to see which path a message took.
+        self.by_poller = 0
+        self.by_thread = 0
+
+    # --- the scheduler's side ------------------------------------------------------------------
+    def drain_nowait(self) -> int:
+        """Handle what has arrived, on the calling thread, without waiting for anything: not for
+        the lock (the reading thread holding it is handling messages right now) and not for the
+        socket. At most one look per POLLER_MIN_GAP_S. Returns the number of messages handled."""
+        now = time.perf_counter()
+        if now - self._last_poll < POLLER_MIN_GAP_S:
+            return 0
+        self._last_poll = now
+        if not self.lock.acquire(blocking=False):
+            return 0
+        try:
+            if self.closed:
+                return 0
+            n = self._drain_locked()
+            self.by_poller += n
+            return n
+        finally:
+            self.lock.release()
+
+    # --- the reading thread's side ----------------------------------------------------------------
+    def wait_and_drain(self, timeout_ms: int) -> int:
+        """Wait up to `timeout_ms` for the socket to signal, then handle what has arrived. Returns
+        the number of messages handled here (0 also when a poller took them first)."""
+        with self.lock:
+            if self.closed:
+                return 0
+            # Empty first: the descriptor signals new arrivals only, not messages already queued.
+            n = self._drain_locked()
+            fd = self.sock.getsockopt(zmq.FD)
+        if n:
+            self.by_thread += n
+            return n
+        try:
+            select.select([fd], [], [], timeout_ms / 1000.0)
+        except (OSError, ValueError):  # the socket was closed under us (teardown)
+            return 0
+        with self.lock:
+            if self.closed:
+                return 0
+            n = self._drain_locked()
+        self.by_thread += n
+        return n
+
+    def close(self) -> None:
+        """No more reads from either side (the manager closes the socket after this)."""
+        with self.lock:
+            self.closed = True
+
+    # --- both ------------------------------------------------------------------------------------
+    def _drain_locked(self) -> int:
+        sock = self.sock
+        n = 0
+        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            frames = sock.recv_multipart(zmq.NOBLOCK)  # a multipart message arrives whole
+            n += 1
+            try:
+                self.handle(frames)
+            except Exception:  # a bug in one handler must not stop the reader
+                logger.exception("sglang-mori: handling a message on the %s failed", self.name)
+        return n

@@ -1,0 +1,171 @@
+"""The messages SGLang's scheduler polls for are read by the scheduler's own poll (inbox.py, issue 27):
+decode's destinations on prefill and prefill's Success on decode take effect inside `poll_inbox`,
+with no thread of ours running; the reading thread and the poller share the socket without losing,
+repeating or reordering a message; stale and bad messages read by the poller are handled as the
+thread handles them."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+from sglang_mori import protocol
+from sglang_mori.backend import room_status as S
+
+from rig import AUX_BYTES, PrefillRig
+from waiting import wait_until
+
+WAIT_S = 10.0
+
+
+@pytest.fixture
+def sockets():
+    """Two PULL sockets (prefill's control socket, decode's status socket) and a PUSH to each."""
+    ctx = zmq.Context()
+    made = []
+
+    def pull():
+        sock = ctx.socket(zmq.PULL)
+        sock.setsockopt(zmq.LINGER, 0)
+        port = sock.bind_to_random_port("tcp://127.0.0.1")
+        push = ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 0)
+        push.connect(f"tcp://127.0.0.1:{port}")
+        made.extend([sock, push])
+        return sock, push
+
+    yield pull
+    for sock in made:
+        sock.close(0)
+    ctx.term()
+
+
+def poll_until(service, predicate, what):
+    """SGLang's scheduler loop, reduced to its polls: poll_inbox, then read the table."""
+    def polled():
+        service.poll_inbox()
+        return predicate()
+    return wait_until(polled, what, WAIT_S, interval_s=0.001)
+
+
+def metadata_frames(rig, room, pages, aux_index=0):
+    return protocol.encode(rig.decode_service.record_destination(
+        bootstrap_room=room, required_dst_info_num=1, kv_indices=np.asarray(pages), aux_index=aux_index,
+        state_indices=None, decode_prefix_len=None, is_dummy=False))
+
+
+def test_destinations_reach_sglang_through_the_poll_with_no_control_thread(sockets):
+    control, push = sockets()
+    with PrefillRig(control_socket=control, start_threads=False) as rig:
+        assert not rig.service.threads  # nothing of ours reads the socket but the poll
+        rig.new_attempt(1)
+        assert rig.claim(1) is None
+        # Register and metadata back to back: handled in order, or the metadata names an unknown peer.
+        push.send_multipart(protocol.encode(rig.decode_service.registration()))
+        push.send_multipart(metadata_frames(rig, 1, [3, 4]))
+        poll_until(rig.service, lambda: rig.sglang.status(1) == S.WAITING_FOR_INPUT, "room 1 published")
+        assert list(rig.sglang.transfer_infos[1].values())[0].kv_indices.tolist() == [3, 4]
+        assert (rig.service.inbox.by_poller, rig.service.inbox.by_thread) == (2, 0)
+        assert rig.rejections == []
+
+
+def test_bad_metadata_read_by_the_poll_fails_that_room_with_a_reason(sockets):
+    control, push = sockets()
+    with PrefillRig(control_socket=control, start_threads=False) as rig:
+        push.send_multipart(protocol.encode(rig.decode_service.registration()))
+        rig.new_attempt(2)
+        assert rig.claim(2) is None
+        message = rig.decode_service.record_destination(
+            bootstrap_room=2, required_dst_info_num=1, kv_indices=np.asarray([1, 2]), aux_index=0,
+            state_indices=None, decode_prefix_len=None, is_dummy=False)
+        message.kv_indices = b"\x01\x02\x03"  # not a whole number of int32 page indices
+        push.send_multipart([b"garbage"])  # undecodable: rejected, nothing else happens
+        push.send_multipart(protocol.encode(message))
+        poll_until(rig.service, lambda: rig.sglang.status(2) == S.FAILED, "room 2 failed")
+        assert rig.sglang.failure_reason(2)
+        assert len(rig.rejections) == 2
+        assert rig.service.inbox.by_poller == 3
+
+
+def test_poll_and_control_thread_share_the_socket_each_message_once_in_order(sockets):
+    control, push = sockets()
+    rooms = list(range(10, 70))
+    with PrefillRig(control_socket=control) as rig:
+        stop = threading.Event()
+
+        def scheduler():  # polls as fast as SGLang's loop, bounded
+            end = time.monotonic() + WAIT_S
+            while not stop.is_set() and time.monotonic() < end:
+                rig.service.poll_inbox()
+
+        poller = threading.Thread(target=scheduler, name="scheduler-stand-in")
+        poller.start()
+        try:
+            for room in rooms:
+                rig.new_attempt(room)
+                assert rig.claim(room) is None
+            push.send_multipart(protocol.encode(rig.decode_service.registration()))
+            for room in rooms:
+                push.send_multipart(metadata_frames(rig, room, [room % 60, room % 60 + 1]))
+            rig.wait(lambda: all(rig.sglang.status(r) == S.WAITING_FOR_INPUT for r in rooms), "every room published")
+        finally:
+            stop.set()
+            poller.join(WAIT_S)
+        inbox = rig.service.inbox
+        assert inbox.by_poller + inbox.by_thread == len(rooms) + 1
+        assert rig.rejections == []  # no replay, no metadata before its Register
+        for room in rooms:
+            assert list(rig.sglang.transfer_infos[room].values())[0].kv_indices.tolist() == [room % 60, room % 60 + 1]
+
+
+def test_the_thread_wakes_for_a_message_after_the_poll_emptied_the_socket(sockets):
+    """The reading thread waits on the socket's descriptor, which signals new arrivals only: a
+    message sent after a poll took the earlier ones must still wake it, not its timeout."""
+    control, push = sockets()
+    with PrefillRig(control_socket=control, start_threads=False) as rig:
+        inbox = rig.service.inbox
+        push.send_multipart([b"first"])
+        wait_until(lambda: inbox.drain_nowait(), "the poll took the first message", WAIT_S, interval_s=0.001)
+        sent = threading.Timer(0.05, push.send_multipart, ([b"second"],))
+        sent.start()
+        start = time.monotonic()
+        assert inbox.wait_and_drain(5000) == 1
+        assert time.monotonic() - start < 2.0
+        sent.join()
+        assert len(rig.rejections) == 2  # both read, both rejected as undecodable
+
+
+def test_success_reaches_decode_through_the_poll_and_stale_attempts_are_dropped(sockets):
+    status_sock, push = sockets()
+    with PrefillRig(decode_socket=status_sock, start_threads=False) as rig:
+        decode = rig.decode_service
+        old = rig.new_attempt(5)
+        decode.record_destination(bootstrap_room=5, required_dst_info_num=1, kv_indices=np.asarray([1]),
+                                  aux_index=3, state_indices=None, decode_prefix_len=None, is_dummy=False)
+        new = rig.new_attempt(5)  # retracted and bootstrapped again: the room's receiver is `new`
+        assert new != old
+        decode.record_destination(bootstrap_room=5, required_dst_info_num=1, kv_indices=np.asarray([1]),
+                                  aux_index=3, state_indices=None, decode_prefix_len=None, is_dummy=False)
+        aux = bytes(range(100, 100 + AUX_BYTES))
+        push.send_multipart(protocol.encode(protocol.RoomStatus(room=5, attempt=old, status=S.SUCCESS,
+                                                                prefill_rank=0, aux=[bytes(AUX_BYTES)])))
+        push.send_multipart(protocol.encode(protocol.RoomStatus(room=5, attempt=new, status=S.SUCCESS,
+                                                                prefill_rank=0, aux=[aux])))
+        poll_until(decode, lambda: rig.decode_sglang.status(5) == S.SUCCESS, "room 5 succeeded")
+        assert decode.stale_statuses == 1
+        assert rig.decode.aux[3 * AUX_BYTES:4 * AUX_BYTES].tobytes() == aux
+        assert (decode.inbox.by_poller, decode.inbox.by_thread) == (2, 0)
+
+
+def test_a_closed_inbox_reads_nothing(sockets):
+    control, push = sockets()
+    rig = PrefillRig(control_socket=control, start_threads=False)
+    with rig:
+        push.send_multipart([b"x"])
+    # stopped: the manager closes the socket next, and a late poll must not touch it
+    assert rig.service.inbox.drain_nowait() == 0
+    assert rig.service.inbox.wait_and_drain(1) == 0
