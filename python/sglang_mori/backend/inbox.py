@@ -6,7 +6,10 @@ back from the scheduler, which runs Python between short releases; on the H200 t
 per message (docs/benchmarks.md, "Where PD's 8K TTFT goes"). Now the scheduler, which holds the GIL
 anyway, also reads the socket when it polls a room still waiting for such a message
 (`drain_nowait`), and the reading thread stays as the reader of last resort (no room polled, a
-message for a room nobody polls yet, Register, Abort, housekeeping).
+message for a room nobody polls yet, Register, Abort, housekeeping). While a poller is active the
+thread leaves every arrival to it and only looks every POLLER_ACTIVE_S, so it never wakes on an
+arrival to compete with the scheduler for the GIL; a poller starting after a quiet spell wakes the
+thread out of its wait on the socket through a pipe (once, before the awaited message arrives).
 
 ZMQ sockets are not thread-safe, but may be used from several threads one at a time, with a full
 memory barrier between them; `lock` is that barrier. It covers each receive *and* the handling of
@@ -21,6 +24,7 @@ that arrives afterwards makes the descriptor readable again and the wait never m
 from __future__ import annotations
 
 import logging
+import os
 import select
 import threading
 import time
@@ -32,6 +36,10 @@ logger = logging.getLogger(__name__)
 
 # A scheduler pass polls every queued room in a row; one look at the socket serves the whole pass.
 POLLER_MIN_GAP_S = 20e-6
+# While a poller looked at the socket this recently, it is polling a room that waits for a message and
+# reads every arrival itself: the reading thread does not wait on the socket then (waking on an
+# arrival would only make it take the GIL from that same scheduler), it looks again this much later.
+POLLER_ACTIVE_S = 0.005
 
 
 class Inbox:
@@ -42,6 +50,10 @@ class Inbox:
         self.lock = threading.Lock()
         self.closed = False
         self._last_poll = 0.0
+        # The reading thread's wake-up pipe (made by that thread, closed by it on the way out): a
+        # poller that starts after a quiet spell writes to it, so the thread leaves its wait on the
+        # socket and the coming arrivals to the poller.
+        self._wake_r = self._wake_w = None
         # Messages handled by a poller (the scheduler's thread) and by the reading thread: the
         # tests and the benchmark read them to see which path a message took.
         self.by_poller = 0
@@ -53,7 +65,8 @@ class Inbox:
         the lock (the reading thread holding it is handling messages right now) and not for the
         socket. At most one look per POLLER_MIN_GAP_S. Returns the number of messages handled."""
         now = time.perf_counter()
-        if now - self._last_poll < POLLER_MIN_GAP_S:
+        since = now - self._last_poll
+        if since < POLLER_MIN_GAP_S:
             return 0
         self._last_poll = now
         if not self.lock.acquire(blocking=False):
@@ -61,6 +74,8 @@ class Inbox:
         try:
             if self.closed:
                 return 0
+            if since >= POLLER_ACTIVE_S:
+                self._wake_thread_locked()
             n = self._drain_locked()
             self.by_poller += n
             return n
@@ -73,19 +88,33 @@ class Inbox:
         the number of messages handled here (0 also when a poller took them first)."""
         with self.lock:
             if self.closed:
+                self._close_wake_pipe_locked()
                 return 0
+            if self._wake_r is None:
+                self._wake_r, self._wake_w = os.pipe()
+                os.set_blocking(self._wake_r, False)
+                os.set_blocking(self._wake_w, False)
             # Empty first: the descriptor signals new arrivals only, not messages already queued.
             n = self._drain_locked()
             fd = self.sock.getsockopt(zmq.FD)
+            wake = self._wake_r
         if n:
             self.by_thread += n
             return n
+        since_poll = time.perf_counter() - self._last_poll
+        if since_poll < POLLER_ACTIVE_S:
+            # A poller is reading: stay off the GIL until it may have stopped, then look again.
+            time.sleep(min(POLLER_ACTIVE_S - since_poll, timeout_ms / 1000.0))
+            return 0
         try:
-            select.select([fd], [], [], timeout_ms / 1000.0)
+            readable, _, _ = select.select([fd, wake], [], [], timeout_ms / 1000.0)
         except (OSError, ValueError):  # the socket was closed under us (teardown)
             return 0
         with self.lock:
+            if wake in readable:
+                self._empty_wake_pipe_locked()
             if self.closed:
+                self._close_wake_pipe_locked()
                 return 0
             n = self._drain_locked()
         self.by_thread += n
@@ -95,6 +124,27 @@ class Inbox:
         """No more reads from either side (the manager closes the socket after this)."""
         with self.lock:
             self.closed = True
+            self._wake_thread_locked()  # out of its wait now, not at its timeout
+
+    def _wake_thread_locked(self) -> None:
+        if self._wake_w is not None:
+            try:
+                os.write(self._wake_w, b"w")
+            except BlockingIOError:  # full: the thread has wake-ups pending already
+                pass
+
+    def _empty_wake_pipe_locked(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _close_wake_pipe_locked(self) -> None:
+        if self._wake_r is not None:
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            self._wake_r = self._wake_w = None
 
     # --- both ------------------------------------------------------------------------------------
     def _drain_locked(self) -> int:
