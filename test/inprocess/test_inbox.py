@@ -211,3 +211,21 @@ def test_while_the_poll_is_active_the_thread_leaves_arrivals_to_it(sockets):
         # The thread looks every POLLER_ACTIVE_S while the poll runs: on a machine that stalls the
         # poller that long it may take one; it never takes most.
         assert inbox.by_poller >= len(rooms) - 1
+
+
+def test_replies_to_a_message_the_poll_read_never_block_the_scheduler(sockets):
+    """An Abort read by SGLang's poll is answered (AbortAck) without waiting on a full queue: a
+    decode that stopped reading must not stall the scheduler for the send timeout."""
+    control, push = sockets()
+    with PrefillRig(control_socket=control, start_threads=False) as rig:
+        push.send_multipart(protocol.encode(rig.decode_service.registration()))
+        rig.new_attempt(8)
+        assert rig.claim(8) is None
+        push.send_multipart(metadata_frames(rig, 8, [1, 2]))
+        poll_until(rig.service, lambda: rig.sglang.status(8) == S.WAITING_FOR_INPUT, "room 8 published")
+        push.send_multipart(protocol.encode(rig.decode_service.abort_message(8, generation=4)))
+        poll_until(rig.service, lambda: rig.messenger.of_type(protocol.AbortAck, 8), "the AbortAck")
+        assert [m.generation for m in rig.messenger.nonblocking if isinstance(m, protocol.AbortAck)] == [4]
+        assert rig.sglang.status(8) == S.FAILED
+        # the control thread's own transitions still block (the flag is per thread and message)
+        assert rig.service.control._local.never_block is False

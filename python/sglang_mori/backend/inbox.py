@@ -43,9 +43,11 @@ POLLER_ACTIVE_S = 0.005
 
 
 class Inbox:
-    def __init__(self, sock, handle: Callable[[list], None], name: str):
+    def __init__(self, sock, handle: Callable[[list, bool], None], name: str):
         self.sock = sock
-        self.handle = handle  # one message's frames; must not raise (logged if it does)
+        # handle(frames, polled): one message; `polled` when on a poller's (SGLang's) thread, which
+        # must not block on a send. Must not raise (logged if it does).
+        self.handle = handle
         self.name = name
         self.lock = threading.Lock()
         self.closed = False
@@ -76,7 +78,7 @@ class Inbox:
                 return 0
             if since >= POLLER_ACTIVE_S:
                 self._wake_thread_locked()
-            n = self._drain_locked()
+            n = self._drain_locked(polled=True)
             self.by_poller += n
             return n
         finally:
@@ -147,14 +149,14 @@ class Inbox:
             self._wake_r = self._wake_w = None
 
     # --- both ------------------------------------------------------------------------------------
-    def _drain_locked(self) -> int:
+    def _drain_locked(self, polled: bool = False) -> int:
         sock = self.sock
         n = 0
         while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             frames = sock.recv_multipart(zmq.NOBLOCK)  # a multipart message arrives whole
             n += 1
             try:
-                self.handle(frames)
+                self.handle(frames, polled)
             except Exception:  # a bug in one handler must not stop the reader
                 logger.exception("sglang-mori: handling a message on the %s failed", self.name)
         return n

@@ -193,7 +193,8 @@ class DecodeService:
         if self.inbox is not None:
             self.inbox.drain_nowait()
 
-    def _handle_safely(self, frames) -> None:
+    def _handle_safely(self, frames, polled: bool) -> None:
+        # (decode's handlers send nothing: `polled` changes nothing here)
         try:
             self.handle(frames)
         except Exception:  # a bug must not stop whichever thread read the message

@@ -91,9 +91,9 @@ class PrefillService:
             except Exception:  # a bug must not stop the control thread
                 logger.exception("sglang-mori: control thread failed")
 
-    def _handle_control(self, frames) -> None:
+    def _handle_control(self, frames, polled: bool) -> None:
         try:
-            self.control.handle(frames)
+            self.control.handle(frames, never_block=polled)
         except Exception:  # a bug must not stop whichever thread read the message
             logger.exception("sglang-mori: control message handling failed")
 
