@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -229,3 +230,58 @@ def test_replies_to_a_message_the_poll_read_never_block_the_scheduler(sockets):
         assert rig.sglang.status(8) == S.FAILED
         # the control thread's own transitions still block (the flag is per thread and message)
         assert rig.service.control._local.never_block is False
+
+
+def manager_over(service, sglang, waits):
+    """Our MoriKVManager's check_status over a service and fake SGLang tables (no __init__: no
+    engine, no SGLang server), as SGLang's sender and receiver poll() call it."""
+    from sglang_mori.backend.manager import MoriKVManager
+
+    mgr = MoriKVManager.__new__(MoriKVManager)
+    mgr.service, mgr.request_status = service, sglang.request_status
+    mgr._staging_outstanding, mgr.defer_decode_allocation = {}, False
+    mgr._inbox_waits = waits  # what __init__ sets for the role
+    return mgr
+
+
+def test_sglangs_own_polls_see_destinations_and_success_through_our_check_status(sockets):
+    """SGLang 0.5.23's CommonKVSender / CommonKVReceiver poll code, unbound, over our manager's
+    check_status: the sender's poll returns WaitingForInput and the receiver's Success in the
+    poll after the message arrived, with no thread of ours running."""
+    import types
+
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.common.conn import CommonKVReceiver, CommonKVSender
+
+    from sglang_mori.backend.manager import DECODE_INBOX_WAITS, PREFILL_INBOX_WAITS
+
+    control, to_prefill = sockets()
+    status_sock, to_decode = sockets()
+    with PrefillRig(control_socket=control, decode_socket=status_sock, start_threads=False) as rig:
+        prefill_mgr = manager_over(rig.service, rig.sglang, PREFILL_INBOX_WAITS)
+        decode_mgr = manager_over(rig.decode_service, rig.decode_sglang, DECODE_INBOX_WAITS)
+        sender = SimpleNamespace(conclude_state=None, bootstrap_room=9, kv_mgr=prefill_mgr, init_time=None)
+        sender._check_bootstrap_timeout = types.MethodType(CommonKVSender._check_bootstrap_timeout, sender)
+        receiver = SimpleNamespace(conclude_state=None, bootstrap_room=9, kv_mgr=decode_mgr, _prefill_wait_start=None)
+
+        def sender_poll():
+            return CommonKVSender._poll_with_status(sender, prefill_mgr.check_status)
+
+        def receiver_poll():
+            return CommonKVReceiver._poll(receiver)
+
+        to_prefill.send_multipart(protocol.encode(rig.decode_service.registration()))
+        attempt = rig.new_attempt(9)
+        assert rig.claim(9) is None
+        to_prefill.send_multipart(metadata_frames(rig, 9, [2, 3], aux_index=1))
+        wait_until(lambda: sender_poll() == KVPoll.WaitingForInput, "SGLang's sender poll: WaitingForInput",
+                   WAIT_S, interval_s=0.001)
+        assert rig.service.inbox.by_poller == 2 and rig.service.inbox.by_thread == 0
+        assert receiver_poll() == KVPoll.Bootstrapping
+        aux = bytes(range(7, 7 + AUX_BYTES))
+        to_decode.send_multipart(protocol.encode(protocol.RoomStatus(room=9, attempt=attempt, status=S.SUCCESS,
+                                                                     prefill_rank=0, aux=[aux])))
+        wait_until(lambda: receiver_poll() == KVPoll.Success, "SGLang's receiver poll: Success", WAIT_S,
+                   interval_s=0.001)
+        assert rig.decode.aux[AUX_BYTES:2 * AUX_BYTES].tobytes() == aux
+        assert rig.decode_service.inbox.by_poller == 1 and rig.decode_service.inbox.by_thread == 0

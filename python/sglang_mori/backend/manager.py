@@ -31,6 +31,11 @@ from sglang_mori.metrics import create_transfer_metrics
 
 logger = logging.getLogger(__name__)
 
+# The statuses at which check_status reads our socket before answering (inbox.py): a prefill room
+# waiting for decode's destinations; a decode room waiting for prefill's Success or Failed.
+PREFILL_INBOX_WAITS = (room_status.BOOTSTRAPPING,)
+DECODE_INBOX_WAITS = (room_status.BOOTSTRAPPING, room_status.WAITING_FOR_INPUT, room_status.TRANSFERRING)
+
 
 class MoriKVManager(compat.CompatKVManager):
     # Decode holds aborted pages until our ACK says every write into them is terminal.
@@ -69,8 +74,8 @@ class MoriKVManager(compat.CompatKVManager):
             self.service = self._build_decode()
             compat.start_heartbeat_checker(self)
         self.service.start()
-        self._inbox_waits = ((room_status.BOOTSTRAPPING,) if disaggregation_mode == DisaggregationMode.PREFILL
-                             else (room_status.BOOTSTRAPPING, room_status.WAITING_FOR_INPUT, room_status.TRANSFERRING))
+        self._inbox_waits = (PREFILL_INBOX_WAITS if disaggregation_mode == DisaggregationMode.PREFILL
+                             else DECODE_INBOX_WAITS)
         if self.layerwise is not None:
             self.layerwise.start()
         if self.mori_config.gc_freeze:
