@@ -285,3 +285,22 @@ def test_sglangs_own_polls_see_destinations_and_success_through_our_check_status
                    interval_s=0.001)
         assert rig.decode.aux[AUX_BYTES:2 * AUX_BYTES].tobytes() == aux
         assert rig.decode_service.inbox.by_poller == 1 and rig.decode_service.inbox.by_thread == 0
+
+
+def test_the_reading_threads_leave_no_descriptor_behind(sockets):
+    """Each service's reading thread makes a wake-up pipe; stopping the service closes it."""
+    import os
+
+    control, _ = sockets()
+    status_sock, _ = sockets()
+    with PrefillRig(control_socket=control, decode_socket=status_sock) as rig:
+        inboxes = (rig.service.inbox, rig.decode_service.inbox)
+        rig.wait(lambda: all(i._wake_r is not None for i in inboxes), "both threads waiting")
+        pipes = [(i._wake_r, i._wake_w) for i in inboxes]
+        fd_ids = {fd: os.fstat(fd).st_ino for pair in pipes for fd in pair}
+    assert all(i._wake_r is None and i._wake_w is None for i in inboxes)
+    for fd, ino in fd_ids.items():  # closed (or the number reused by something else)
+        try:
+            assert os.fstat(fd).st_ino != ino
+        except OSError:
+            pass

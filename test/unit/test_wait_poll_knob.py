@@ -28,6 +28,9 @@ class OneTimeoutThenStop:
         self.service.stopped.set()
         return 0
 
+    def thread_done(self):
+        pass
+
 
 @pytest.mark.parametrize("poll_ms", [7, 50, 250])
 def test_decode_status_thread_polls_at_the_knob(monkeypatch, poll_ms):

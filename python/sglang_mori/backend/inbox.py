@@ -87,7 +87,12 @@ class Inbox:
     # --- the reading thread's side ----------------------------------------------------------------
     def wait_and_drain(self, timeout_ms: int) -> int:
         """Wait up to `timeout_ms` for the socket to signal, then handle what has arrived. Returns
-        the number of messages handled here (0 also when a poller took them first)."""
+        the number of messages handled here (0 also when a poller took them first). While a
+        poller is active it only waits: the poller reads every arrival."""
+        if self._poller_active():
+            # Stay off the socket and the GIL until the poller may have stopped, then look again.
+            time.sleep(min(POLLER_ACTIVE_S, timeout_ms / 1000.0))
+            return 0
         with self.lock:
             if self.closed:
                 self._close_wake_pipe_locked()
@@ -103,11 +108,6 @@ class Inbox:
         if n:
             self.by_thread += n
             return n
-        since_poll = time.perf_counter() - self._last_poll
-        if since_poll < POLLER_ACTIVE_S:
-            # A poller is reading: stay off the GIL until it may have stopped, then look again.
-            time.sleep(min(POLLER_ACTIVE_S - since_poll, timeout_ms / 1000.0))
-            return 0
         try:
             readable, _, _ = select.select([fd, wake], [], [], timeout_ms / 1000.0)
         except (OSError, ValueError):  # the socket was closed under us (teardown)
@@ -118,9 +118,19 @@ class Inbox:
             if self.closed:
                 self._close_wake_pipe_locked()
                 return 0
+            if self._poller_active():
+                return 0  # a poller started meanwhile: this arrival, if any, is its to read
             n = self._drain_locked()
         self.by_thread += n
         return n
+
+    def thread_done(self) -> None:
+        """The reading thread is leaving: its wake-up pipe goes with it."""
+        with self.lock:
+            self._close_wake_pipe_locked()
+
+    def _poller_active(self) -> bool:
+        return time.perf_counter() - self._last_poll < POLLER_ACTIVE_S
 
     def close(self) -> None:
         """No more reads from either side (the manager closes the socket after this)."""

@@ -165,6 +165,12 @@ class DecodeService:
 
     # --- the status thread ------------------------------------------------------------------
     def _run_status_thread(self) -> None:
+        try:
+            self._run_status_thread_body()
+        finally:
+            self.inbox.thread_done()
+
+    def _run_status_thread_body(self) -> None:
         # Wakes for a message at once; idle, every SGLANG_MORI_WAIT_POLL_MS for the deadlines.
         wait_ms = self.p.config.wait_poll_ms
         poll_s = wait_ms / 1000.0

@@ -75,6 +75,12 @@ class PrefillService:
             t.join(timeout=3)
 
     def _control_loop(self) -> None:
+        try:
+            self._control_loop_body()
+        finally:
+            self.inbox.thread_done()
+
+    def _control_loop_body(self) -> None:
         inbox = self.inbox
         next_prune = 0.0
         while not self.stopped.is_set():
