@@ -1,7 +1,8 @@
 """PrefillService: accept decode's registrations and room metadata, write KV, report completion.
 
 Built from explicit parts (parts.py). Threads, all daemon and stoppable:
-- control:    decode's messages on the manager's PULL socket (control.py), and housekeeping;
+- control:    decode's messages on the manager's PULL socket (control.py), and housekeeping; while
+              SGLang polls a room waiting for its destinations, its poll reads them (inbox.py);
 - shard-N:    chunk planning and submission (submitter.py);
 - completion: watches writes, concludes and drains rooms (completion.py).
 The scheduler thread calls `claim` / `release` (a sender starts / is cleared) and `add_chunk`
