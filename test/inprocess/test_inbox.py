@@ -304,3 +304,23 @@ def test_the_reading_threads_leave_no_descriptor_behind(sockets):
             assert os.fstat(fd).st_ino != ino
         except OSError:
             pass
+
+
+def test_with_poll_reads_off_the_poll_leaves_the_socket_to_our_thread(sockets):
+    """SGLANG_MORI_POLL_READS=0 (no statuses read the socket): check_status only reads the table."""
+    from sglang_mori.config import MoriConfig
+
+    assert MoriConfig.from_env({"SGLANG_MORI_POLL_READS": "0"}).poll_reads is False
+    control, push = sockets()
+    with PrefillRig(control_socket=control, start_threads=False) as rig:
+        mgr = manager_over(rig.service, rig.sglang, ())
+        push.send_multipart(protocol.encode(rig.decode_service.registration()))
+        rig.new_attempt(11)
+        assert rig.claim(11) is None
+        push.send_multipart(metadata_frames(rig, 11, [1]))
+        for _ in range(200):
+            assert mgr.check_status(11) == S.BOOTSTRAPPING
+            time.sleep(0.001)  # 0.2 s for the messages to arrive; the poll must not read them
+        assert rig.service.inbox.by_poller == 0
+        assert rig.service.inbox.wait_and_drain(1000) == 2  # still queued for the thread, in order
+        assert rig.sglang.status(11) == S.WAITING_FOR_INPUT

@@ -74,8 +74,9 @@ class MoriKVManager(compat.CompatKVManager):
             self.service = self._build_decode()
             compat.start_heartbeat_checker(self)
         self.service.start()
-        self._inbox_waits = (PREFILL_INBOX_WAITS if disaggregation_mode == DisaggregationMode.PREFILL
-                             else DECODE_INBOX_WAITS)
+        if self.mori_config.poll_reads:
+            self._inbox_waits = (PREFILL_INBOX_WAITS if disaggregation_mode == DisaggregationMode.PREFILL
+                                 else DECODE_INBOX_WAITS)
         if self.layerwise is not None:
             self.layerwise.start()
         if self.mori_config.gc_freeze:
