@@ -52,6 +52,10 @@ def add_arguments(p) -> None:
                    help="the spinning thread also polls the room as SGLang's sender / receiver poll() does "
                         "(check_status: poll_inbox first where the build has it, then the status table); "
                         "implies --spin")
+    p.add_argument("--ab", action="store_true",
+                   help="with --poll: every other request the stand-in does not read the socket in its "
+                        "poll (our reading thread does, as before the poll-reads change), so both "
+                        "paths are measured in one run under the same machine load")
     p.add_argument("--spin-us", type=int, default=0,
                    help="with --spin/--poll: us of Python the stand-in runs (GIL held) between its ZMQ "
                         "polls, for a busier scheduler loop than the default ~10-20 us")
@@ -93,6 +97,7 @@ class Spinner:
         self.watched: list = []  # (key, service, sglang, room, awaited statuses, statuses that read the inbox)
         self.seen: dict = {}  # key -> perf_counter of the first poll that saw the awaited status
         self.polled: set = set()  # keys polled at least once
+        self.reads = True  # the poll reads the socket first (poll_inbox), as check_status does
         self.thread = threading.Thread(target=self.run, name="scheduler-stand-in", daemon=True)
 
     def watch(self, key, service, sglang, room, awaited, inbox_waits) -> None:
@@ -104,7 +109,7 @@ class Spinner:
                 continue
             status = sglang.status(room)
             poll_inbox = getattr(service, "poll_inbox", None)  # MoriKVManager.check_status's step
-            if status in inbox_waits and poll_inbox is not None:
+            if self.reads and status in inbox_waits and poll_inbox is not None:
                 poll_inbox()
                 status = sglang.status(room)
             if status in awaited:
@@ -201,6 +206,8 @@ def run(args) -> int:
         spin = spinner if spinner is not None else contextlib.nullcontext()
         segments = SEGMENTS + (POLL_SEGMENTS if polls else ())
         samples = {k: [] for k in segments}
+        if args.ab:
+            samples.update({f"{k} (thread reads)": [] for k in segments})
         decode_waits = (S.BOOTSTRAPPING, S.WAITING_FOR_INPUT, S.TRANSFERRING)
         try:
             with spin:
@@ -214,6 +221,11 @@ def run(args) -> int:
                     pair.prefill_sglang.open(room)
                     if pair.prefill.claim(room):
                         raise RuntimeError(f"room {room} refused")
+                    if args.ab:
+                        # Every other request our thread reads; both start with no poll for 6 ms,
+                        # so the thread is back on the socket (inbox.POLLER_ACTIVE_S) either way.
+                        spinner.reads = n % 2 == 0
+                        time.sleep(0.006)
                     if polls:
                         spinner.watched = []
                         spinner.watch(("dst", room), pair.prefill, pair.prefill_sglang, room,
@@ -254,8 +266,9 @@ def run(args) -> int:
                         t_ok_seen = spinner.wait_seen(("ok", room))
                         values += [t_dst_seen - t_meta, t_ok_seen - t_ps, t_ok_seen - t_last]
                     if n >= 5:
+                        suffix = "" if spinner is None or spinner.reads else " (thread reads)"
                         for key, v in zip(segments, values):
-                            samples[key].append(v * 1e3)
+                            samples[key + suffix].append(v * 1e3)
                     pair.prefill.release(room)
                     pair.prefill_sglang.clear(room)
                     pair.decode.forget(room, attempt)
@@ -265,7 +278,7 @@ def run(args) -> int:
         finally:
             pair.stop()
     out = {"shape": args.shape, "tokens": args.tokens, "mode": args.mode, "spin": args.spin, "engine": args.engine,
-           "requests": args.requests, "after_send_us": args.after_send_us, "poll": polls, "spin_us": args.spin_us,
+           "requests": args.requests, "after_send_us": args.after_send_us, "poll": polls, "ab": args.ab, "spin_us": args.spin_us,
            "build_has_poll_inbox": hasattr(PrefillService, "poll_inbox")}
     for side, inbox in inboxes.items():  # which thread read the messages (warm-up included)
         if inbox is not None:
@@ -283,5 +296,5 @@ def run(args) -> int:
                 print(f"  {side} messages read by the poll / by our thread: {out[f'{side}_read_by_poll']} / "
                       f"{out[f'{side}_read_by_thread']}")
         for key in samples:
-            print(f"  {key:40s} p50 {out[key]['p50_ms']:7.3f} ms  p90 {out[key]['p90_ms']:7.3f} ms")
+            print(f"  {key:55s} p50 {out[key]['p50_ms']:7.3f} ms  p90 {out[key]['p90_ms']:7.3f} ms")
     return 0
