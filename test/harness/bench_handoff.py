@@ -230,7 +230,12 @@ def run(args) -> int:
                         spinner.watched = []
                         spinner.watch(("dst", room), pair.prefill, pair.prefill_sglang, room,
                                       (S.WAITING_FOR_INPUT,), (S.BOOTSTRAPPING,))
+                        # decode's scheduler polls its receiver from the start (prealloc, then
+                        # transfer queue), not only once the transfer is under way
+                        spinner.watch(("ok", room), pair.decode, pair.decode_sglang, room, (S.SUCCESS, S.FAILED),
+                                      decode_waits)
                         spinner.wait_polled(("dst", room))
+                        spinner.wait_polled(("ok", room))
                     t_meta = time.perf_counter()
                     pair.send_to_prefill(pair.encode(pair.decode.record_destination(
                         bootstrap_room=room, required_dst_info_num=1, kv_indices=dst, aux_index=aux,
@@ -238,8 +243,6 @@ def run(args) -> int:
                     _wait(pair.prefill_sglang, room, (S.WAITING_FOR_INPUT,))
                     if polls:
                         t_dst_seen = spinner.wait_seen(("dst", room))
-                        spinner.watch(("ok", room), pair.decode, pair.decode_sglang, room, (S.SUCCESS, S.FAILED),
-                                      decode_waits)
                     if args.mode == "streamed":
                         pair.prefill.add_chunk(room, src, slice(0, per), False)
                         deadline = time.monotonic() + 30
