@@ -142,3 +142,14 @@ ttft8k_hotpath() {
   fi
   wait $a $b
 }
+
+# Issue 27, the messages read by SGLang's poll: 8K concurrency-1 TTFT of standalone, PD `auto` with
+# SGLANG_MORI_POLL_READS on (default) and off, side by side in both orders, traced (ttft_breakdown:
+# destinations_readers, success_readers, and the destinations / Success segments).
+ttft8k_pollreads() {
+  python3 "$S/pd_latency.py" --out $W/latA --configs standalone,pd_auto,pd_auto_threadreads --gpu-base 0 --trace \
+    --lengths 8192 --concurrency 1 --requests-c1 12 --repeats 2 --tag latency_8k_a --port-base 37000 > $W/latA.out 2>&1 & local a=$!
+  python3 "$S/pd_latency.py" --out $W/latB --configs pd_auto_threadreads,pd_auto,standalone --gpu-base 2 --trace \
+    --lengths 8192 --concurrency 1 --requests-c1 12 --repeats 2 --tag latency_8k_b --port-base 38000 > $W/latB.out 2>&1 & local b=$!
+  wait $a $b
+}
