@@ -191,6 +191,12 @@ KNOBS: Tuple[Knob, ...] = (
          "Freeze the objects alive when our manager finishes start-up (`gc.freeze()`, as SGLang's "
          "`/freeze_gc` does) so full garbage collections skip them and do not stall transfer "
          "threads for hundreds of milliseconds.", boolean, _BOOL_SPELLINGS),
+    Knob("SGLANG_MORI_POLL_READS", "poll_reads", "bool", True,
+         "SGLang's poll of a room waiting for the other side's message (prefill: decode's "
+         "destinations; decode: the Success or Failed status) reads our socket itself, on the "
+         "scheduler's thread, so that poll sees the message without waiting for our reading thread "
+         "to take the GIL (docs/design.md). Off: only our reading thread reads it, as before.",
+         boolean, _BOOL_SPELLINGS),
     Knob("SGLANG_MORI_XGMI", "xgmi", "bool", False,
          "Let MORI-IO create its XGMI backend for peers on the same node (sets "
          "MORI_DISABLE_AUTO_XGMI=0).", boolean, _BOOL_SPELLINGS),
@@ -239,6 +245,7 @@ class MoriConfig:
     host: str = ""
     enable_notification: bool = False
     gc_freeze: bool = True
+    poll_reads: bool = True
     xgmi: bool = False
     layerwise: str = "off"
     layerwise_min_tokens: int = 256

@@ -93,7 +93,12 @@ def run_config(name: str, args, logs: Path, ports: List[int]) -> Dict:
             srv.wait_ready(args.start_timeout)
             send = lambda body: generate_stream(srv.url, body)  # noqa: E731
         else:
-            penv = dict(env, SGLANG_MORI_ENGINE="soft", SGLANG_MORI_LAYERWISE=name.split("_", 1)[1])
+            # pd_<layerwise mode>, and pd_<mode>_threadreads: the same with SGLANG_MORI_POLL_READS=0
+            # (only our threads read the destinations and Success; the path before issue 27's change)
+            mode = name.split("_", 1)[1]
+            penv = dict(env, SGLANG_MORI_ENGINE="soft", SGLANG_MORI_LAYERWISE=mode.removesuffix("_threadreads"))
+            if mode.endswith("_threadreads"):
+                penv["SGLANG_MORI_POLL_READS"] = "0"
             boot = ports[2]
             pre = Server(f"{name}-prefill", server_argv(args.model, ports[0], g, args.mem, [
                 "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "mori",

@@ -1,7 +1,7 @@
 # Sourced by device_run.sh (wheels installed, environment set): runs side by side on a 4-GPU
 # machine, one plan per device call. Each run writes under $W; the JSONs are copied to $OUT and
 # every log travels back in $OUT/<plan>.tgz (a call returns at most 8 files).
-# Usage: device_run.sh plan plan1|plan2|plan3|tp_proof|tp_fp32_ieee|ttft8k_hotpath|ttft8k_pair (ORDER=...)
+# Usage: device_run.sh plan plan1|plan2|plan3|tp_proof|tp_fp32_ieee|ttft8k_hotpath|ttft8k_pair (ORDER=...)|ttft8k_pollreads
 # Port bases stay in 10000-21999: below the kernel's ephemeral range (32768+ there), where any
 # outgoing connection of a server beside it (HTTP, NCCL, softio) may hold a port as its source, and
 # below SGLang's own nccl_port range (22000-29999). With bases at 37000/38000 a PD prefill server of
@@ -160,4 +160,15 @@ ttft8k_pair() {
   python3 "$S/pd_latency.py" --out $W/lat --configs "${ORDER:-standalone,pd_off,pd_auto}" --gpu-base 0 --trace \
     --lengths 8192 --concurrency 1 --requests-c1 12 --repeats 2 --tag latency_8k_pair --port-base 17000 > $W/lat.out 2>&1
   hotpath_ab
+}
+
+# Issue 27, the messages read by SGLang's poll: 8K concurrency-1 TTFT of standalone, PD `auto` with
+# SGLANG_MORI_POLL_READS on (default) and off, side by side in both orders, traced (ttft_breakdown:
+# destinations_readers, success_readers, and the destinations / Success segments).
+ttft8k_pollreads() {
+  python3 "$S/pd_latency.py" --out $W/latA --configs standalone,pd_auto,pd_auto_threadreads --gpu-base 0 --trace \
+    --lengths 8192 --concurrency 1 --requests-c1 12 --repeats 2 --tag latency_8k_a --port-base 17000 > $W/latA.out 2>&1 & local a=$!
+  python3 "$S/pd_latency.py" --out $W/latB --configs pd_auto_threadreads,pd_auto,standalone --gpu-base 2 --trace \
+    --lengths 8192 --concurrency 1 --requests-c1 12 --repeats 2 --tag latency_8k_b --port-base 18000 > $W/latB.out 2>&1 & local b=$!
+  wait $a $b
 }

@@ -5,7 +5,8 @@ unless SGLANG_MORI_ROOM_TRACE names a folder. Then every server process appends 
 (`{"ev": ..., "room": ..., "t": wall-clock seconds}`) to FOLDER/trace-PID.jsonl at:
 
 prefill  p_sender        our sender was made (the request entered SGLang's bootstrap queue)
-         p_ready         decode's destinations arrived (SGLang may now schedule the prefill)
+         p_ready         decode's destinations arrived (SGLang may now schedule the prefill);
+                         `reader`: scheduler (SGLang's poll read them: backend/inbox.py) or control
          p_last_chunk    SGLang handed us the request's last chunk (its forward's result was processed)
          p_submit        softio posted a batch of device copies (t, t_end of the call, bytes)
          p_copy_done     the copy event of a batch fired (the completion thread woke)
@@ -16,7 +17,8 @@ prefill  p_sender        our sender was made (the request entered SGLang's boots
                          shard, layerwise_worker, completion (backend/prefill/success.py)
 decode   d_receiver      our receiver was made (the request entered SGLang's prealloc queue)
          d_meta_sent     decode's destinations were handed to us to send
-         d_status        our status thread received prefill's Success
+         d_status        prefill's Success was received and is being applied; `reader`: scheduler
+                         (SGLang's poll read it) or status_thread
          d_poll_success  SGLang's decode scheduler first saw Success from poll()
 both     req_stats       SGLang's own per-request timestamps (ReqTimeStats, made wall-clock) when it
                          logs them (--enable-request-time-stats-logging)
@@ -52,7 +54,7 @@ def _after_sender_init(result, self, *args, **kwargs):
 
 
 def _before_publish(self, room, *args, **kwargs):
-    emit("p_ready", room)
+    emit("p_ready", room, reader=decider_of(threading.current_thread().name))
 
 
 def _before_add_transfer(self, room_id, kv_indices, index_slice, is_last, **kw):
@@ -77,7 +79,8 @@ def decider_of(thread_name: str) -> str:
     """The part of ours a thread is, by the names service.py and layerwise/worker.py give them;
     any other thread calling into us is SGLang's scheduler (its send())."""
     for prefix, part in (("mori-shard-", "shard"), ("mori-layerwise", "layerwise_worker"),
-                         ("mori-completion", "completion"), ("mori-control", "control")):
+                         ("mori-completion", "completion"), ("mori-control", "control"),
+                         ("mori-decode-status", "status_thread")):
         if thread_name.startswith(prefix):
             return part
     return "scheduler"
@@ -103,7 +106,7 @@ def _before_record_destination(self, *args, **kwargs):
 
 
 def _before_on_status(self, msg):
-    emit("d_status", msg.room, status=msg.status)
+    emit("d_status", msg.room, status=msg.status, reader=decider_of(threading.current_thread().name))
 
 
 def _after_poll(result, self, *args, **kwargs):

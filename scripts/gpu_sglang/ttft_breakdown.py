@@ -70,6 +70,9 @@ def points_for(req: Dict, events: List[Dict], by_room: Dict, standalone_stats: D
             if e["ev"] == "p_success" and "p_success" not in pts:
                 # Which of our threads decided (room_trace.py); traces before it have no such field.
                 pts["decider"] = e.get("decider", "unrecorded")
+            if e["ev"] in ("p_ready", "d_status") and e["ev"] not in pts:
+                # Who read the message: SGLang's poll or our thread (room_trace.py, inbox.py).
+                pts[f"{e['ev']}_reader"] = e.get("reader", "unrecorded")
             pts.setdefault(e["ev"], e["t"])
     # The room's copies: the last batch posted before its Success, and the copy event after it.
     if "p_success" in pts and "P.forward_entry_time" in pts:
@@ -116,6 +119,8 @@ def breakdown(latency_json: Path, traces: Path, shape: str) -> Dict:
             out[config]["submits_per_request_p50"] = statistics.median([p.get("submits", 0) for p in pts]) if pts else None
             out[config]["success_deciders"] = dict(sorted(Counter(p["decider"] for p in pts if "decider" in p).items()))
             out[config]["last_chunk_inline"] = sum(1 for p in pts if "p_last_inline" in p)
+            for ev, key in (("p_ready", "destinations_readers"), ("d_status", "success_readers")):
+                out[config][key] = dict(sorted(Counter(p[f"{ev}_reader"] for p in pts if f"{ev}_reader" in p).items()))
     return out
 
 
@@ -136,7 +141,7 @@ def main() -> None:
         for name, v in r["segments_ms_p50"].items():
             print(f"  {name:62s} {v}")
         for k in ("first_copy_before_forward_end_ms_p50", "submits_per_request_p50", "success_deciders",
-                  "last_chunk_inline"):
+                  "last_chunk_inline", "destinations_readers", "success_readers"):
             if k in r:
                 print(f"  {k:62s} {r[k]}")
     if args.json:

@@ -98,7 +98,12 @@ class Side:
 
 class PrefillRig:
     def __init__(self, config: Optional[MoriConfig] = None, clock=time.monotonic, buffers: int = BUFFERS,
-                 planner_class=KVPlanner, sglang: Optional[FakeSGLang] = None):
+                 planner_class=KVPlanner, sglang: Optional[FakeSGLang] = None, control_socket=None,
+                 decode_socket=None, start_threads: bool = True):
+        """`control_socket` / `decode_socket`: PULL sockets the services read (inbox.py; None: messages
+        are handed to the handlers directly); `start_threads=False`: the services' threads do not
+        run, so only SGLang's poll (`poll_inbox`) reads the sockets."""
+        self.start_threads = start_threads
         self.config = config or MoriConfig(transfer_shards=2, transfer_timeout_ms=5000)
         self.prefill = Side("prefill", fill=True, buffers=buffers)
         self.decode = Side("decode", fill=False, buffers=buffers)
@@ -113,7 +118,7 @@ class PrefillRig:
             peers=PeerRegistry(cfg.peer_fail_fast_s, InflightBudget(cfg.max_inflight_per_peer)),
             messenger=self.messenger, metrics=NullTransferMetrics(), sglang=self.sglang,
             read_aux=lambda i: None if i is None else [self.prefill.aux[i * AUX_BYTES:(i + 1) * AUX_BYTES].tobytes()],
-            clock=clock,
+            clock=clock, control_socket=control_socket,
         )
         self.service = PrefillService(self.parts, lambda err, origin: self.rejections.append(err))
         self.decode_sglang = FakeSGLang()
@@ -122,16 +127,20 @@ class PrefillRig:
             identity=DecodeIdentity("127.0.0.1", 17001, 1, 0),
             aux=AuxSlots(list(self.decode.args.aux_data_ptrs), [AUX_BYTES], [self.decode.aux.nbytes]),
             messenger=CapturingMessenger(), metrics=NullTransferMetrics(), sglang=self.decode_sglang,
+            control_socket=decode_socket,
         ), lambda err, origin: self.rejections.append(err))
 
     def __enter__(self):
-        self.service.start()
+        if self.start_threads:
+            self.service.start()
+            self.decode_service.start()
         return self
 
     def __exit__(self, *exc):
         if self.layerwise_session is not None:
             self.layerwise_session.stop()
         self.service.stop()
+        self.decode_service.stop()
         for side in (self.prefill, self.decode):
             side.engine.deregister_all()
 

@@ -14,10 +14,11 @@ import ttft_breakdown  # noqa: E402
 T0 = 1_800_000_000.0
 
 
-def write_run(tmp: Path, rooms, forward_ms: float, last_chunk_after_ms: float, deciders=None) -> Path:
+def write_run(tmp: Path, rooms, forward_ms: float, last_chunk_after_ms: float, deciders=None, readers=None) -> Path:
     """One PD config 'pd_x' with the given rooms; every gap is fixed (ms after the client's send).
     `deciders`: per room, the thread part its p_success names (None: a trace from before the field);
-    a room decided by 'scheduler' also gets p_last_inline."""
+    a room decided by 'scheduler' also gets p_last_inline. `readers`: per room, who read the
+    destinations and the Success (p_ready's and d_status's `reader`)."""
     per_request, events = [], []
     for n, room in enumerate(rooms):
         decider = deciders[n] if deciders else None
@@ -26,7 +27,7 @@ def write_run(tmp: Path, rooms, forward_ms: float, last_chunk_after_ms: float, d
         per_request.append({"room": room, "sent_at": t, "first_at": ms(100.0), "ttft_s": 0.1, "e2e_s": 0.2})
         fwd_start, fwd_end = 5.0, 5.0 + forward_ms
         events += [
-            {"ev": "p_ready", "room": room, "t": ms(3.0)},
+            {"ev": "p_ready", "room": room, "t": ms(3.0), **({"reader": readers[n][0]} if readers else {})},
             {"ev": "p_last_chunk", "room": room, "t": ms(fwd_end + last_chunk_after_ms)},
             {"ev": "p_submit", "room": None, "t": ms(fwd_end - 20.0), "t_start": ms(fwd_end - 20.0), "t_end": ms(fwd_end - 19.0), "bytes": 1},
             {"ev": "p_submit", "room": None, "t": ms(fwd_end + 2.0), "t_start": ms(fwd_end + 2.0), "t_end": ms(fwd_end + 2.5), "bytes": 1},
@@ -34,7 +35,7 @@ def write_run(tmp: Path, rooms, forward_ms: float, last_chunk_after_ms: float, d
             {"ev": "p_success", "room": room, "t": ms(fwd_end + 4.0),
              **({"decider": decider, "thread": decider} if decider else {})},
             {"ev": "d_meta_sent", "room": room, "t": ms(2.0)},
-            {"ev": "d_status", "room": room, "t": ms(fwd_end + 5.0)},
+            {"ev": "d_status", "room": room, "t": ms(fwd_end + 5.0), **({"reader": readers[n][1]} if readers else {})},
             {"ev": "d_poll_success", "room": room, "t": ms(fwd_end + 6.0)},
             {"ev": "req_stats", "room": room, "mode": "prefill", "stats": {
                 "scheduler_recv_time": ms(1.0), "wait_queue_entry_time": ms(4.0),
@@ -88,6 +89,14 @@ def test_the_deciders_of_success_are_counted_per_config(tmp_path):
     out = ttft_breakdown.breakdown(lat, tmp_path / "logs", "8192tok_c1")["pd_x"]
     assert out["success_deciders"] == {"scheduler": 2, "shard": 1}
     assert out["last_chunk_inline"] == 2
+
+
+def test_who_read_the_destinations_and_the_success_is_counted_per_config(tmp_path):
+    lat = write_run(tmp_path, rooms=[11, 22, 33], forward_ms=80.0, last_chunk_after_ms=1.0,
+                    readers=[("scheduler", "scheduler"), ("control", "scheduler"), ("scheduler", "status_thread")])
+    out = ttft_breakdown.breakdown(lat, tmp_path / "logs", "8192tok_c1")["pd_x"]
+    assert out["destinations_readers"] == {"control": 1, "scheduler": 2}
+    assert out["success_readers"] == {"scheduler": 2, "status_thread": 1}
 
 
 def test_traces_without_the_decider_field_count_as_unrecorded(tmp_path):

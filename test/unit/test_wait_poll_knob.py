@@ -6,7 +6,6 @@ import threading
 from types import SimpleNamespace
 
 import pytest
-import zmq
 
 from sglang_mori.backend.decode import service as decode_service
 from sglang_mori.backend.decode.rooms import DecodeRoomRegistry
@@ -17,33 +16,32 @@ from sglang_mori.metrics import NullTransferMetrics
 
 
 class OneTimeoutThenStop:
-    """The status thread's socket: records the receive timeout it is given, then times out once
-    (zmq.Again, as a blocking receive with RCVTIMEO does when nothing came) and stops the thread."""
+    """The status thread's inbox: records how long it is asked to wait for a message, then
+    returns having handled none (nothing came within that time) and stops the thread."""
 
     def __init__(self, service=None):
         self.timeouts: list = []
         self.service = service
 
-    def setsockopt(self, option, value):
-        if option == zmq.RCVTIMEO:
-            self.timeouts.append(value)
-
-    def recv_multipart(self):
+    def wait_and_drain(self, timeout_ms):
+        self.timeouts.append(timeout_ms)
         self.service.stopped.set()
-        raise zmq.Again()
+        return 0
+
+    def thread_done(self):
+        pass
 
 
 @pytest.mark.parametrize("poll_ms", [7, 50, 250])
 def test_decode_status_thread_polls_at_the_knob(monkeypatch, poll_ms):
-    sock = OneTimeoutThenStop()
-    parts = SimpleNamespace(config=MoriConfig(wait_poll_ms=poll_ms), control_socket=sock, clock=lambda: 1.0,
+    parts = SimpleNamespace(config=MoriConfig(wait_poll_ms=poll_ms), control_socket=None, clock=lambda: 1.0,
                             metrics=NullTransferMetrics(), rooms=DecodeRoomRegistry(), sglang=None)
     service = decode_service.DecodeService(parts, reject=lambda *a: None)
-    sock.service = service
+    inbox = service.inbox = OneTimeoutThenStop(service)
     checked = []
     monkeypatch.setattr(service, "enforce_deadlines", checked.append)
     service._run_status_thread()
-    assert sock.timeouts == [poll_ms]
+    assert inbox.timeouts == [poll_ms]
     assert checked == [1.0]  # the deadlines were checked after the idle wait
 
 

@@ -16,6 +16,7 @@ from collections import Counter
 from typing import List, Optional
 
 from sglang_mori import protocol
+from sglang_mori.backend import room_status
 from sglang_mori.backend import sglang_compat as compat
 from sglang_mori.backend import sglang_fields as fields
 from sglang_mori.backend.sglang_compat import DisaggregationMode, KVArgs
@@ -30,6 +31,11 @@ from sglang_mori.metrics import create_transfer_metrics
 
 logger = logging.getLogger(__name__)
 
+# The statuses at which check_status reads our socket before answering (inbox.py): a prefill room
+# waiting for decode's destinations; a decode room waiting for prefill's Success or Failed.
+PREFILL_INBOX_WAITS = (room_status.BOOTSTRAPPING,)
+DECODE_INBOX_WAITS = (room_status.BOOTSTRAPPING, room_status.WAITING_FOR_INPUT, room_status.TRANSFERRING)
+
 
 class MoriKVManager(compat.CompatKVManager):
     # Decode holds aborted pages until our ACK says every write into them is terminal.
@@ -38,6 +44,8 @@ class MoriKVManager(compat.CompatKVManager):
     supports_role_switch = True
     reports_transfer_latency = True
     kv_status_msg_carries_reason = True
+    # The statuses at which check_status reads our socket first (set once the service runs).
+    _inbox_waits: tuple = ()
 
     def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode, server_args,
                  is_mla_backend: Optional[bool] = False):
@@ -66,6 +74,9 @@ class MoriKVManager(compat.CompatKVManager):
             self.service = self._build_decode()
             compat.start_heartbeat_checker(self)
         self.service.start()
+        if self.mori_config.poll_reads:
+            self._inbox_waits = (PREFILL_INBOX_WAITS if disaggregation_mode == DisaggregationMode.PREFILL
+                                 else DECODE_INBOX_WAITS)
         if self.layerwise is not None:
             self.layerwise.start()
         if self.mori_config.gc_freeze:
@@ -188,6 +199,25 @@ class MoriKVManager(compat.CompatKVManager):
         """No room waits on `bootstrap_addr` any more: drop its failure count."""
         if not self.addr_to_rooms_tracker.get(bootstrap_addr):
             self.reachability.forget(bootstrap_addr)
+
+    # --- SGLang's polls ---------------------------------------------------------------------------
+    def check_status(self, bootstrap_room: int):
+        """SGLang's sender and receiver poll() read a room's status here. A room still waiting for
+        the other side's message (prefill: decode's destinations; decode: prefill's Success or
+        Failed) first has the socket read on this thread (inbox.py), so the message's effect is
+        seen in this poll rather than after our reading thread wins the GIL."""
+        status = super().check_status(bootstrap_room)
+        if status in self._inbox_waits:
+            self.service.poll_inbox()
+            status = super().check_status(bootstrap_room)
+        return status
+
+    def check_status_pp_consensus(self, bootstrap_room: int):
+        status = super().check_status_pp_consensus(bootstrap_room)
+        if status in self._inbox_waits:
+            self.service.poll_inbox()
+            status = super().check_status_pp_consensus(bootstrap_room)
+        return status
 
     # --- messages ------------------------------------------------------------------------------
     def reject_message(self, error: protocol.ProtocolError, origin: str) -> None:

@@ -1,6 +1,6 @@
 """DecodeService: register our buffers with prefill ranks, publish room destinations, apply statuses.
 
-One thread reads the manager's PULL socket: RoomStatus (Success carries the aux bytes, copied into
+One thread reads the manager's PULL socket (and SGLang's scheduler, when it polls: inbox.py): RoomStatus (Success carries the aux bytes, copied into
 the room's aux slot before Success is recorded), TransferStarted (restarts the room's transfer
 deadline) and AbortAck. The same thread enforces that deadline, so a prefill that dies mid-transfer
 fails its rooms within SGLANG_MORI_TRANSFER_TIMEOUT_MS plus a grace, not after SGLang's 300 s
@@ -23,6 +23,7 @@ from sglang_mori.backend import room_status
 from sglang_mori.backend.decode.effects import AUX_DOES_NOT_FIT, TRANSFER_DEADLINE, DecodeEffects
 from sglang_mori.backend.decode.rooms import DecodeRoomRegistry
 from sglang_mori.backend.failure_reasons import OTHER, TIMEOUT
+from sglang_mori.backend.inbox import Inbox
 from sglang_mori.backend.messenger import Messenger
 from sglang_mori.backend.plans import LocalBuffers, encode_layout
 from sglang_mori.config import MoriConfig
@@ -83,14 +84,20 @@ class DecodeService:
         self.thread: Optional[threading.Thread] = None
         # Statuses naming a receiver attempt that is not the room's current one (counted, dropped).
         self.stale_statuses = 0
+        # prefill's messages: read by the status thread, and by SGLang's scheduler when it polls a
+        # room not concluded yet (poll_inbox; inbox.py says why)
+        self.inbox = (Inbox(parts.control_socket, self._handle_safely, "decode status socket")
+                      if getattr(parts, "control_socket", None) is not None else None)
 
     def start(self) -> None:
-        if self.p.control_socket is not None:
+        if self.inbox is not None:
             self.thread = threading.Thread(target=self._run_status_thread, name="mori-decode-status", daemon=True)
             self.thread.start()
 
     def stop(self) -> None:
         self.stopped.set()
+        if self.inbox is not None:
+            self.inbox.close()
         if self.thread is not None:
             self.thread.join(timeout=3)
 
@@ -158,21 +165,19 @@ class DecodeService:
 
     # --- the status thread ------------------------------------------------------------------
     def _run_status_thread(self) -> None:
-        sock = self.p.control_socket
-        # Wakes for a message at once; idle, every SGLANG_MORI_WAIT_POLL_MS for the deadlines. A
-        # blocking receive with that timeout, not a poll then a receive: one call per message
-        # (a zmq.Poller pass cost this thread ~5 us more per message; issue 28).
-        sock.setsockopt(zmq.RCVTIMEO, self.p.config.wait_poll_ms)
-        poll_s = self.p.config.wait_poll_ms / 1000.0
+        try:
+            self._run_status_thread_body()
+        finally:
+            self.inbox.thread_done()
+
+    def _run_status_thread_body(self) -> None:
+        # Wakes for a message at once; idle, every SGLANG_MORI_WAIT_POLL_MS for the deadlines.
+        wait_ms = self.p.config.wait_poll_ms
+        poll_s = wait_ms / 1000.0
         next_sweep = 0.0
         while not self.stopped.is_set():
             try:
-                try:
-                    frames = sock.recv_multipart()
-                except zmq.Again:
-                    frames = None
-                if frames is not None:
-                    self.handle(frames)
+                self.inbox.wait_and_drain(wait_ms)
                 # The deadline sweep walks every room: once per poll interval, not per message
                 # (two messages per request would make it O(rooms) per message under load).
                 now = self.p.clock()
@@ -186,6 +191,20 @@ class DecodeService:
                 logger.exception("sglang-mori: decode socket error")
             except Exception:
                 logger.exception("sglang-mori: decode status handling failed")
+
+    def poll_inbox(self) -> None:
+        """SGLang polls a room not concluded yet: apply what prefill sent (Success with its aux,
+        Failed), here, instead of waiting for the status thread to wake and take the GIL
+        (inbox.py). What SGLang's poll then reads is the room's newest status."""
+        if self.inbox is not None:
+            self.inbox.drain_nowait()
+
+    def _handle_safely(self, frames, polled: bool) -> None:
+        # (decode's handlers send nothing: `polled` changes nothing here)
+        try:
+            self.handle(frames)
+        except Exception:  # a bug must not stop whichever thread read the message
+            logger.exception("sglang-mori: decode status handling failed")
 
     def handle(self, frames) -> None:
         p = self.p

@@ -8,6 +8,7 @@ exception out of the thread.
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Callable
 
 from sglang_mori import protocol
@@ -39,9 +40,23 @@ class PrefillControl:
         self.effects = effects
         self.failures = failures
         self.reject = reject  # counts and logs a rejected message
+        self._local = threading.local()  # never_block of the message being handled on this thread
 
     # --- dispatch ---------------------------------------------------------------------------
-    def handle(self, frames) -> None:
+    def handle(self, frames, never_block: bool = False) -> None:
+        """One message from decode. `never_block`: the caller is SGLang's scheduler (its poll read
+        the message, inbox.py): a reply or failure status that cannot be queued at once is dropped
+        (logged) rather than stall the scheduler up to the send timeout."""
+        self._local.never_block = never_block
+        try:
+            self._dispatch(frames)
+        finally:
+            self._local.never_block = False
+
+    def _transition(self):
+        return self.effects.transition(never_block=getattr(self._local, "never_block", False))
+
+    def _dispatch(self, frames) -> None:
         try:
             message = protocol.decode(frames)
         except protocol.ProtocolError as err:
@@ -63,7 +78,7 @@ class PrefillControl:
         """Fail a room decode's message names, opening it if no request holds it yet (its sender
         then fails on arrival instead of waiting out the bootstrap timeout)."""
         p = self.p
-        with self.effects.transition() as fx:
+        with self._transition() as fx:
             self.failures.conclude_locked(p.rooms.open(room, p.clock()), reason, label, fx)
 
     # --- Register -----------------------------------------------------------------------------
@@ -113,7 +128,7 @@ class PrefillControl:
         Found and failed in one transition: failing by room id after the lock was let go could
         hit a next life that took the id meanwhile, with destinations elsewhere."""
         p = self.p
-        with self.effects.transition() as fx:
+        with self._transition() as fx:
             for r in list(p.rooms.rooms.values()):
                 if not r.concluded and any(t.engine_key == key for t in r.live_targets()):
                     self.failures.conclude_locked(r, reason, PEER_DEAD, fx)
@@ -138,7 +153,7 @@ class PrefillControl:
             p.peers.touch(msg.engine_key)
             target.reject_reason = p.peers.unusable_reason(msg.engine_key) or p.planner.check_destination(
                 p.peers.get(msg.engine_key), target)
-        with self.effects.transition() as fx:
+        with self._transition() as fx:
             outcome = p.rooms.add_target(target, room, p.clock(), fx)
         if outcome.verdict in (MetadataVerdict.REPLAY, MetadataVerdict.REJECTED):
             self.reject(protocol.ProtocolError("replayed", f"metadata for room {room}: {outcome.detail}", room),
@@ -152,7 +167,7 @@ class PrefillControl:
         p = self.p
         room = msg.room
         now = p.clock()
-        with self.effects.transition() as fx:
+        with self._transition() as fx:
             life, known = p.rooms.abort_attempt(room, msg.attempt, now)
             if not known:
                 # The request has not reached this rank: open the room failed, so its sender
@@ -163,7 +178,7 @@ class PrefillControl:
                 self.failures.conclude_locked(life, reason, ABORTED, fx, tell_decode=False)
         if not p.sglang.deferred_release or msg.generation is None:
             return
-        with self.effects.transition() as fx:
+        with self._transition() as fx:
             lives = [r for r in [p.rooms.get(room), *p.rooms.draining_lives(room)] if r is not None]
             if any(r.phase is Phase.POISONED for r in lives) or p.sglang.ack_poisoned(room):
                 return  # a write may still land: decode falls back to its release timeout

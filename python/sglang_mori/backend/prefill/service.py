@@ -1,7 +1,8 @@
 """PrefillService: accept decode's registrations and room metadata, write KV, report completion.
 
 Built from explicit parts (parts.py). Threads, all daemon and stoppable:
-- control:    decode's messages on the manager's PULL socket (control.py), and housekeeping;
+- control:    decode's messages on the manager's PULL socket (control.py), and housekeeping; while
+              SGLang polls a room waiting for its destinations, its poll reads them (inbox.py);
 - shard-N:    chunk planning and submission (submitter.py);
 - completion: watches writes, concludes and drains rooms (completion.py).
 The scheduler thread calls `claim` / `release` (a sender starts / is cleared) and `add_chunk`
@@ -19,6 +20,7 @@ import numpy as np
 import zmq
 
 from sglang_mori import protocol
+from sglang_mori.backend.inbox import Inbox
 from sglang_mori.backend.prefill.completion import Completion
 from sglang_mori.backend.prefill.control import PrefillControl
 from sglang_mori.backend.prefill.effects import RoomEffects
@@ -30,7 +32,7 @@ from sglang_mori.backend.prefill.success import SuccessDecider
 logger = logging.getLogger(__name__)
 
 PRUNE_INTERVAL_S = 1.0
-# How long the control thread blocks in one receive before it looks at the stop flag and prunes.
+# How long the control thread waits for a message before it looks at the stop flag and prunes.
 CONTROL_WAKE_MS = 200
 
 
@@ -46,10 +48,14 @@ class PrefillService:
                                      self.success)
         self.stopped = threading.Event()
         self.threads: list = []
+        # decode's messages: read by the control thread, and by SGLang's scheduler when it polls a
+        # room still waiting for its destinations (poll_inbox; inbox.py says why)
+        self.inbox = (Inbox(parts.control_socket, self._handle_control, "prefill control socket")
+                      if getattr(parts, "control_socket", None) is not None else None)
 
     # --- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
-        if self.p.control_socket is not None:
+        if self.inbox is not None:
             self._spawn("mori-control", self._control_loop)
         for i, q in enumerate(self.submitter.queues):
             self._spawn(f"mori-shard-{i}", self.submitter.run_shard, q)
@@ -62,16 +68,21 @@ class PrefillService:
 
     def stop(self) -> None:
         self.stopped.set()
+        if self.inbox is not None:
+            self.inbox.close()
         self.submitter.stop()
         self.p.rooms.notify()
         for t in self.threads:
             t.join(timeout=3)
 
     def _control_loop(self) -> None:
-        sock = self.p.control_socket
-        # A blocking receive with a timeout, not a poll then a receive: one call per message
-        # (a zmq.Poller pass cost this thread ~5 us more per message; issue 28).
-        sock.setsockopt(zmq.RCVTIMEO, CONTROL_WAKE_MS)
+        try:
+            self._control_loop_body()
+        finally:
+            self.inbox.thread_done()
+
+    def _control_loop_body(self) -> None:
+        inbox = self.inbox
         next_prune = 0.0
         while not self.stopped.is_set():
             try:
@@ -79,18 +90,19 @@ class PrefillService:
                 if now >= next_prune:
                     next_prune = now + PRUNE_INTERVAL_S
                     self.control.prune()
-                frames = sock.recv_multipart()
-            except zmq.Again:
-                continue  # nothing within CONTROL_WAKE_MS: look at the stop flag and prune
+                inbox.wait_and_drain(CONTROL_WAKE_MS)
             except zmq.ZMQError:
                 if self.stopped.is_set():
                     return
                 logger.exception("sglang-mori: control socket error")
-                continue
-            try:
-                self.control.handle(frames)
             except Exception:  # a bug must not stop the control thread
-                logger.exception("sglang-mori: control message handling failed")
+                logger.exception("sglang-mori: control thread failed")
+
+    def _handle_control(self, frames, polled: bool) -> None:
+        try:
+            self.control.handle(frames, never_block=polled)
+        except Exception:  # a bug must not stop whichever thread read the message
+            logger.exception("sglang-mori: control message handling failed")
 
     def _completion_loop(self) -> None:
         while not self.stopped.is_set():
@@ -100,6 +112,12 @@ class PrefillService:
                 logger.exception("sglang-mori: completion loop error")
 
     # --- the scheduler's side ---------------------------------------------------------------
+    def poll_inbox(self) -> None:
+        """SGLang polls a room still waiting for decode's destinations: handle what decode sent,
+        here, instead of waiting for the control thread to wake and take the GIL (inbox.py)."""
+        if self.inbox is not None:
+            self.inbox.drain_nowait()
+
     def claim(self, room_id: int) -> Optional[str]:
         """A sender for `room_id` starts here. Returns the reason it must fail at once (decode
         aborted it, or its metadata was bad, before the request reached this rank), else None.
