@@ -144,7 +144,7 @@ ttft8k_hotpath() {
 hotpath_ab() {
   [ -d "$ROOT/cand/python" ] || return 0
   mkdir -p $W/hot
-  for r in 1 2; do
+  for r in $(seq ${HOT_ROUNDS:-2}); do
     python3 "$ROOT/scripts/bench_backend.py" hotpath --engine instant --json > $W/hot/main_$r.jsonl 2> $W/hot/main_$r.err
     python3 "$ROOT/scripts/bench_backend.py" hotpath --engine instant --json --backend-root "$ROOT/cand" \
       > $W/hot/cand_$r.jsonl 2> $W/hot/cand_$r.err
@@ -159,7 +159,8 @@ hotpath_ab() {
 ttft8k_pair() {
   python3 "$S/pd_latency.py" --out $W/lat --configs "${ORDER:-standalone,pd_off,pd_auto}" --gpu-base 0 --trace \
     --lengths 8192 --concurrency 1 --requests-c1 12 --repeats 2 --tag latency_8k_pair --port-base 17000 > $W/lat.out 2>&1
-  hotpath_ab
+  # only while the call has time left for it (a call ends at 600 s)
+  if [ $SECONDS -lt ${HOT_BEFORE_S:-440} ]; then hotpath_ab; else echo "hot path A/B skipped at ${SECONDS}s"; fi
 }
 
 # Issue 27, the messages read by SGLang's poll: 8K concurrency-1 TTFT of standalone, PD `auto` with
