@@ -36,7 +36,11 @@ logger = logging.getLogger("sglang_mori.softio")
 COPY_ENV = "SGLANG_MORI_SOFTIO_DEVICE_COPY"
 BLOCKS_ENV = "SGLANG_MORI_SOFTIO_GATHER_BLOCKS"
 GRID_BLOCKS = 16
-PEER_BLOCKS_PER_SM = 2  # to another GPU: enough warps in flight to keep the link busy
+# To another GPU: one block per SM. Two per SM copied no faster with the table resident (0.91-0.96x
+# of a plain copy for 1-4 blocks per SM, link28's sweep) but, under layer-wise streaming, took twice
+# the SM threads from the forward it runs beside (8K TTFT on 2x H200: the PD prefill's forward 78.7 ms
+# against the standalone's 75.7, copy posted -> done 4.4 ms against 1.1 in session 12).
+PEER_BLOCKS_PER_SM = 1
 THREADS = 512
 
 _SOURCE = r"""
