@@ -219,7 +219,7 @@ router_cmd() {
   # the fault. 5 s brings it back within seconds. The health checks (every 2 s, 3 misses) take a dead
   # server out in about 6 s: a request sent to a dead prefill fails only after decode gives up on its
   # bootstrap, too slowly for the breaker. --router-args comes after these and overrides them.
-  args+=(--cb-failure-threshold 10 --cb-success-threshold 2 --cb-timeout-duration-secs 5)
+  args+=(--cb-failure-threshold 20 --cb-success-threshold 2 --cb-timeout-duration-secs 1)
   args+=(--health-check-interval-secs 2 --health-check-timeout-secs 5 --health-failure-threshold 3 --health-success-threshold 1)
   [ -n "$ROUTER_ARGS" ] && args+=($ROUTER_ARGS)
   echo "$(q "$PYTHON") ${args[*]}"

@@ -20,9 +20,9 @@ from typing import Dict, List
 
 # The flags scripts/launch_pd.sh passes (test/unit/test_router_settings.py keeps the two equal).
 LAUNCH_PD: Dict[str, int] = {
-    "cb-failure-threshold": 10,
+    "cb-failure-threshold": 20,
     "cb-success-threshold": 2,
-    "cb-timeout-duration-secs": 5,
+    "cb-timeout-duration-secs": 1,
     "health-check-interval-secs": 2,
     "health-check-timeout-secs": 5,
     "health-failure-threshold": 3,
