@@ -216,11 +216,15 @@ router_cmd() {
   # Failure handling (docs/deployment.md "Router failure handling", issue 29). sglang_router counts a
   # PD request's final status against the prefill too, so a decode restart or a slow link opens the
   # prefill's breaker; its default 60 s before half-open then refuses all traffic for a minute after
-  # the fault. 5 s brings it back within seconds. The health checks (every 2 s, 3 misses) take a dead
-  # server out in about 6 s: a request sent to a dead prefill fails only after decode gives up on its
-  # bootstrap, too slowly for the breaker. --router-args comes after these and overrides them.
-  args+=(--cb-failure-threshold 10 --cb-success-threshold 2 --cb-timeout-duration-secs 5)
+  # the fault. 1 s brings it back at once; 20 consecutive failed attempts (not 10) keep the retries
+  # of the requests one slow link caught from opening it at all at moderate load; 3 attempts per
+  # request (not 5) keep a request's worst case at 3 transfer deadlines. The health checks
+  # (every 2 s, 3 misses) take a dead server out in about 6 s: a request sent to a dead prefill fails
+  # only after decode gives up on its bootstrap, too slowly for the breaker. --router-args comes
+  # after these and overrides them.
+  args+=(--cb-failure-threshold 20 --cb-success-threshold 2 --cb-timeout-duration-secs 1)
   args+=(--health-check-interval-secs 2 --health-check-timeout-secs 5 --health-failure-threshold 3 --health-success-threshold 1)
+  args+=(--retry-max-retries 3)
   [ -n "$ROUTER_ARGS" ] && args+=($ROUTER_ARGS)
   echo "$(q "$PYTHON") ${args[*]}"
 }

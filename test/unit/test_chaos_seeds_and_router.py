@@ -43,7 +43,7 @@ def test_router_settings_default_to_launch_pd_and_reach_the_router_command_line(
     flags = router_settings.router_flags("launch_pd")
     argv = launch.router_argv(8000, 30000, 8998, 31000, 8001, extra=flags)
     assert argv[-len(flags):] == flags
-    assert flags[flags.index("--cb-timeout-duration-secs") + 1] == "5"
+    assert flags[flags.index("--cb-timeout-duration-secs") + 1] == "1"
     assert router_settings.router_flags("defaults") == []
     assert "--cb-timeout-duration-secs" not in launch.router_argv(8000, 30000, 8998, 31000, 8001)
 
@@ -51,7 +51,7 @@ def test_router_settings_default_to_launch_pd_and_reach_the_router_command_line(
 def test_the_report_states_every_router_value_the_run_used():
     launch_pd = router_settings.describe("launch_pd")
     defaults = router_settings.describe("defaults")
-    assert "cb-timeout-duration-secs 5," in launch_pd and "health-check-interval-secs 2," in launch_pd
+    assert "cb-timeout-duration-secs 1," in launch_pd and "health-check-interval-secs 2," in launch_pd
     # The router's own values, read from the installed router, not assumed.
     from sglang_router.router_args import RouterArgs
     assert f"cb-timeout-duration-secs {RouterArgs.cb_timeout_duration_secs}," in defaults
