@@ -36,12 +36,18 @@ logger = logging.getLogger("sglang_mori.softio")
 COPY_ENV = "SGLANG_MORI_SOFTIO_DEVICE_COPY"
 BLOCKS_ENV = "SGLANG_MORI_SOFTIO_GATHER_BLOCKS"
 GRID_BLOCKS = 16
-# To another GPU: one block per SM. Two per SM copied no faster with the table resident (0.91-0.96x
-# of a plain copy for 1-4 blocks per SM, link28's sweep) but, under layer-wise streaming, took twice
-# the SM threads from the forward it runs beside (8K TTFT on 2x H200: the PD prefill's forward 78.7 ms
-# against the standalone's 75.7, copy posted -> done 4.4 ms against 1.1 in session 12).
+# To another GPU: one block per SM, as before session 13. Two per SM copied no faster with the table
+# resident (0.91-0.96x of a plain copy for 1-4 blocks per SM, link28's sweep) and hold twice the SM
+# threads beside a forward; going back to one did not change the 8K TTFT run (docs/benchmarks.md).
 PEER_BLOCKS_PER_SM = 1
 THREADS = 512
+# One warp copies one table entry, so a range longer than this is split into pieces of this size
+# first: SGLang's page size 1 makes the backend's plans few long runs (an 8K-token prompt's K of one
+# layer is one 16 MiB range on a fresh pool), which one warp each copied at a fraction of the link
+# (last layer group: 4.3 ms from post to event on 2x H200 against 0.7 ms with a block per range).
+# 128 KiB keeps the paged shapes' pages (MLA page 64: 72 KiB) whole and is a multiple of 16 bytes,
+# so aligned ranges stay aligned piece by piece.
+PIECE_BYTES = 128 << 10
 
 _SOURCE = r"""
 #define UNROLL 8
@@ -103,6 +109,7 @@ class GatherCopier:
         """Enqueue the copies on `stream`; returns what must outlive them (the table on the
         device and its pinned host copy), which the caller keeps until the batch's event fired."""
         cupy = self.cupy
+        dsts, srcs, sizes = split_ranges(dsts, srcs, sizes)
         n = len(sizes)
         pinned = cupy.cuda.alloc_pinned_memory(3 * n * 8)
         host = np.frombuffer(pinned, np.uint64, 3 * n)
@@ -118,6 +125,23 @@ class GatherCopier:
                 table.set(host, stream=s)  # from pinned memory: asynchronous, ordered before the kernel
                 self.kernel((blocks,), (self.threads,), (table, np.int64(n)))
         return table, pinned
+
+
+def split_ranges(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, piece: int = PIECE_BYTES):
+    """The same copies as (dsts, srcs, sizes), with every range longer than `piece` bytes cut into
+    consecutive pieces of `piece` bytes (the last one shorter), in the original order. Unchanged
+    (the same arrays) when no range is longer."""
+    sizes = np.asarray(sizes, dtype=np.uint64)
+    if len(sizes) == 0 or int(sizes.max()) <= piece:
+        return dsts, srcs, sizes
+    step = np.uint64(piece)
+    counts = np.maximum((sizes + step - np.uint64(1)) // step, np.uint64(1)).astype(np.int64)
+    owner = np.repeat(np.arange(len(sizes)), counts)
+    first = np.cumsum(counts) - counts
+    offset = (np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(first, counts)).astype(np.uint64) * step
+    dsts = np.asarray(dsts, dtype=np.uint64)[owner] + offset
+    srcs = np.asarray(srcs, dtype=np.uint64)[owner] + offset
+    return dsts, srcs, np.minimum(sizes[owner] - offset, step)
 
 
 def grid_blocks() -> int:

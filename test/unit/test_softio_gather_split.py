@@ -1,0 +1,75 @@
+"""softio's gather kernel copies one table entry per warp; split_ranges cuts long ranges so that a
+plan of few long runs (SGLang's page size 1) is shared by many warps. These tests replay both tables
+on host memory: the split one must move exactly the bytes the original does."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from sglang_mori.softio.device_gather import PIECE_BYTES, split_ranges
+
+
+def replay(dsts, srcs, sizes, src_buf: bytes, dst_len: int) -> bytes:
+    out = bytearray(dst_len)
+    for d, s, n in zip(dsts.tolist(), srcs.tolist(), sizes.tolist()):
+        out[d:d + n] = src_buf[s:s + n]
+    return bytes(out)
+
+
+def table(ranges):
+    cols = np.array(ranges, dtype=np.uint64).reshape(-1, 3)
+    return cols[:, 0].copy(), cols[:, 1].copy(), cols[:, 2].copy()
+
+
+def test_a_long_run_is_cut_into_pieces_in_order():
+    mib16 = 16 << 20
+    dsts, srcs, sizes = split_ranges(*table([(4096, 0, mib16)]))
+    assert len(sizes) == mib16 // PIECE_BYTES
+    assert sizes.tolist() == [PIECE_BYTES] * len(sizes)
+    assert dsts.tolist() == [4096 + i * PIECE_BYTES for i in range(len(sizes))]
+    assert srcs.tolist() == [i * PIECE_BYTES for i in range(len(sizes))]
+
+
+def test_short_ranges_pass_through_unchanged():
+    original = table([(0, 64, 73728), (100000, 0, 4096), (200000, 9, 0)])
+    assert all(a is b for a, b in zip(split_ranges(*original)[:2], original[:2]))
+    assert split_ranges(*original)[2].tolist() == original[2].tolist()
+
+
+def test_pieces_of_an_aligned_range_stay_aligned_and_the_tail_is_shorter():
+    dsts, srcs, sizes = split_ranges(*table([(16, 32, 2 * PIECE_BYTES + 48)]))
+    assert sizes.tolist() == [PIECE_BYTES, PIECE_BYTES, 48]
+    assert all(int(x) % 16 == 0 for x in np.concatenate([dsts, srcs, sizes]))
+
+
+def test_empty_table():
+    d, s, n = split_ranges(*table([]))
+    assert len(n) == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3 * PIECE_BYTES + 17), st.integers(0, 64)), min_size=1, max_size=6),
+       st.sampled_from([16, 4096, PIECE_BYTES]))
+def test_the_split_table_moves_exactly_the_same_bytes(spans, piece):
+    # disjoint destination and source ranges laid out one after another, some long, some empty
+    ranges, d, s = [], 0, 0
+    for size, gap in spans:
+        ranges.append((d + gap, s + gap, size))
+        d, s = d + gap + size, s + 2 * gap + size
+    src = np.random.default_rng(len(ranges)).integers(0, 256, s + 1, dtype=np.uint8).tobytes()
+    original = table(ranges)
+    split = split_ranges(*original, piece=piece)
+    assert int(split[2].sum()) == int(original[2].sum())
+    assert int(split[2].max()) <= max(piece, 0) or int(original[2].max()) == 0
+    assert replay(*split, src, d + 1) == replay(*original, src, d + 1)
+
+
+def test_mismatched_dtypes_do_not_turn_into_floats():
+    dsts, srcs, sizes = split_ranges(np.array([2**40], dtype=np.int64), np.array([2**41], dtype=np.int64),
+                                     np.array([3 * PIECE_BYTES], dtype=np.int64))
+    assert dsts.dtype == srcs.dtype == sizes.dtype == np.uint64
+    assert dsts.tolist() == [2**40 + i * PIECE_BYTES for i in range(3)]
+
+
+if __name__ == "__main__":
+    pytest.main([__file__])
