@@ -25,7 +25,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import sglang_mori.softio as io  # noqa: E402
-from link_bench import captured_batch, contiguous_runs, device_engine  # noqa: E402
+from link_bench import EngineCalls, captured_batch, contiguous_runs, device_engine  # noqa: E402
 from pd_rig import GpuPD, Requests, child_env  # noqa: E402
 
 
@@ -48,12 +48,7 @@ class ArrayCalls:
                              [e.allocate_transfer_uid() for _ in range(k)])
 
 
-def wait(statuses) -> None:
-    for s in statuses:
-        s.Wait()
-    bad = [s.Message() for s in statuses if not s.Succeeded()]
-    if bad:
-        raise RuntimeError(f"{len(bad)} writes failed: {bad[:2]}")
+wait = EngineCalls.wait  # every status waited for; a failed write raises
 
 
 def profile_calls(rig: GpuPD, label: str) -> None:
