@@ -31,6 +31,15 @@ SHAPE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_s
          "vocab_size": 32768, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16"}
 
 
+
+# Configuration variants: pd_<mode>_threadreads reads destinations and Success on our threads only
+# (the path before issue 27's poll reads); pd_<mode>_kernelonly copies every range with softio's
+# gather kernel (no copy-engine copies for long ranges: the path before session 14).
+VARIANT_ENV = {
+    "_threadreads": {"SGLANG_MORI_POLL_READS": "0"},
+    "_kernelonly": {"SGLANG_MORI_SOFTIO_CE_MIN_BYTES": "0"},
+}
+
 def write_model(path: Path, layers: int) -> str:
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(dict(SHAPE, num_hidden_layers=layers)))
@@ -93,12 +102,14 @@ def run_config(name: str, args, logs: Path, ports: List[int]) -> Dict:
             srv.wait_ready(args.start_timeout)
             send = lambda body: generate_stream(srv.url, body)  # noqa: E731
         else:
-            # pd_<layerwise mode>, and pd_<mode>_threadreads: the same with SGLANG_MORI_POLL_READS=0
-            # (only our threads read the destinations and Success; the path before issue 27's change)
+            # pd_<layerwise mode>[_<variant>]: a variant sets VARIANT_ENV's variables on both servers
             mode = name.split("_", 1)[1]
-            penv = dict(env, SGLANG_MORI_ENGINE="soft", SGLANG_MORI_LAYERWISE=mode.removesuffix("_threadreads"))
-            if mode.endswith("_threadreads"):
-                penv["SGLANG_MORI_POLL_READS"] = "0"
+            penv = dict(env, SGLANG_MORI_ENGINE="soft")
+            for suffix, extra in VARIANT_ENV.items():
+                if mode.endswith(suffix):
+                    mode = mode.removesuffix(suffix)
+                    penv.update(extra)
+            penv["SGLANG_MORI_LAYERWISE"] = mode
             boot = ports[2]
             pre = Server(f"{name}-prefill", server_argv(args.model, ports[0], g, args.mem, [
                 "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "mori",

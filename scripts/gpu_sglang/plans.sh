@@ -1,7 +1,7 @@
 # Sourced by device_run.sh (wheels installed, environment set): runs side by side on a 4-GPU
 # machine, one plan per device call. Each run writes under $W; the JSONs are copied to $OUT and
 # every log travels back in $OUT/<plan>.tgz (a call returns at most 8 files).
-# Usage: device_run.sh plan plan1|plan2|plan3|tp_proof|tp_fp32_ieee|ttft8k_hotpath|ttft8k_pair (ORDER=...)|ttft8k_pollreads
+# Usage: device_run.sh plan plan1|plan2|plan3|tp_proof|tp_fp32_ieee|ttft8k_hotpath|ttft8k_pair (ORDER=...)|ttft8k_pollreads|ttft8k_ce
 # Port bases stay in 10000-21999: below the kernel's ephemeral range (32768+ there), where any
 # outgoing connection of a server beside it (HTTP, NCCL, softio) may hold a port as its source, and
 # below SGLang's own nccl_port range (22000-29999). With bases at 37000/38000 a PD prefill server of
@@ -172,4 +172,28 @@ ttft8k_pollreads() {
   python3 "$S/pd_latency.py" --out $W/latB --configs pd_auto_threadreads,pd_auto,standalone --gpu-base 2 --trace \
     --lengths 8192 --concurrency 1 --requests-c1 12 --repeats 2 --tag latency_8k_b --port-base 18000 > $W/latB.out 2>&1 & local b=$!
   wait $a $b
+}
+
+# Session 14 (long ranges to the copy engines): the rig's link and layer-wise cost at page size 1 with
+# whole-request runs (a fresh SGLang pool), default vs SGLANG_MORI_SOFTIO_CE_MIN_BYTES=0, then the 8K
+# TTFT of standalone, PD `auto` with the kernel only and PD `auto` (ORDER=...), traced.
+ttft8k_ce() {
+  PLAN_JSONS="$W/lat/*.json"  # the rig JSONs travel in the archive
+  mkdir -p $W/rig
+  for r in 1 2; do
+    for v in ce kernelonly; do
+      local ce=""; [ $v = kernelonly ] && ce=0
+      env SGLANG_MORI_RIG_PAGE1_RUN=8192 SGLANG_MORI_SOFTIO_CE_MIN_BYTES=$ce timeout 60 python3 "$ROOT/scripts/gpu_bench.py" \
+        --parts link --decode-device 1 --shapes gqa:1,mla:1 --link-tokens 8192,32768 --iters 5 \
+        --json $W/rig/link_${v}_$r.json 2>&1 | grep "^link\|rror" | sed "s/^/$v $r: /" >> $W/rig.out
+    done
+  done
+  for v in ce kernelonly; do
+    local ce=""; [ $v = kernelonly ] && ce=0
+    env SGLANG_MORI_RIG_PAGE1_RUN=8192 SGLANG_MORI_SOFTIO_CE_MIN_BYTES=$ce timeout 45 python3 "$ROOT/scripts/gpu_bench.py" \
+      --parts cost --decode-device 1 --shapes gqa:1 --tokens 8192 --requests 1 --iters 5 \
+      --json $W/rig/cost_${v}.json 2>&1 | grep "^cost\|rror" | sed "s/^/$v: /" >> $W/rig.out
+  done
+  python3 "$S/pd_latency.py" --out $W/lat --configs "${ORDER:-standalone,pd_auto_kernelonly,pd_auto}" --gpu-base 0 --trace \
+    --lengths 8192 --concurrency 1 --requests-c1 12 --repeats 2 --tag latency_8k_ce --port-base 17000 > $W/lat.out 2>&1
 }

@@ -20,6 +20,13 @@ warp-per-range and 1-4 blocks per SM all copied at 0.91-0.96x of a plain copy on
 per range keeps a small range from idling most of a block). Such a batch holds every SM of the
 source GPU while it runs. SGLANG_MORI_SOFTIO_GATHER_BLOCKS sets one grid for both.
 
+Ranges of at least SGLANG_MORI_SOFTIO_CE_MIN_BYTES (default 1 MiB) are not the kernel's: they go to
+the copy engines (cudaMemcpyAsync), which copy them at the link's full speed without holding any SM.
+SGLang's page size 1 makes plans of few such long runs (an 8K-token prompt's K of one layer is one
+16 MiB range on a fresh pool): with the kernel, a peer batch of them held every SM of the prefill's
+GPU beside its forward. A long range costs the copy engines a few microseconds of driver time to
+enqueue, small beside the bytes it moves, and MORI-IO's XGMI route uses the DMA engines too.
+
 The range table travels through pinned host memory and an asynchronous copy on the engine's
 stream, so posting never waits for the batches still copying ahead of it on that stream.
 """
@@ -48,6 +55,8 @@ THREADS = 512
 # 128 KiB keeps the paged shapes' pages (MLA page 64: 72 KiB) whole and is a multiple of 16 bytes,
 # so aligned ranges stay aligned piece by piece.
 PIECE_BYTES = 128 << 10
+CE_MIN_ENV = "SGLANG_MORI_SOFTIO_CE_MIN_BYTES"
+CE_MIN_BYTES = 1 << 20
 
 _SOURCE = r"""
 #define UNROLL 8
@@ -142,6 +151,33 @@ def split_ranges(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, piece: i
     dsts = np.asarray(dsts, dtype=np.uint64)[owner] + offset
     srcs = np.asarray(srcs, dtype=np.uint64)[owner] + offset
     return dsts, srcs, np.minimum(sizes[owner] - offset, step)
+
+
+def split_long(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, threshold: int):
+    """(long, short): the ranges of at least `threshold` bytes and the others, each as
+    (dsts, srcs, sizes) uint64 arrays in their original order. threshold 0: none is long."""
+    sizes = np.asarray(sizes, dtype=np.uint64)
+    dsts = np.asarray(dsts, dtype=np.uint64)
+    srcs = np.asarray(srcs, dtype=np.uint64)
+    empty = np.empty(0, dtype=np.uint64)
+    if threshold <= 0 or len(sizes) == 0 or int(sizes.max()) < threshold:
+        return (empty, empty, empty), (dsts, srcs, sizes)
+    is_long = sizes >= np.uint64(threshold)
+    if is_long.all():
+        return (dsts, srcs, sizes), (empty, empty, empty)
+    short = ~is_long
+    return (dsts[is_long], srcs[is_long], sizes[is_long]), (dsts[short], srcs[short], sizes[short])
+
+
+def ce_min_bytes() -> int:
+    """The smallest range the copy engines take instead of the kernel (SGLANG_MORI_SOFTIO_CE_MIN_BYTES;
+    0: the kernel takes every range)."""
+    raw = os.environ.get(CE_MIN_ENV, "").strip()
+    if not raw:
+        return CE_MIN_BYTES
+    if not raw.isdigit():
+        raise ValueError(f"{CE_MIN_ENV} must be a number of bytes (0: never), got {raw!r}")
+    return int(raw)
 
 
 def grid_blocks() -> int:

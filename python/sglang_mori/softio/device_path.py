@@ -40,7 +40,7 @@ import time
 
 import numpy as np
 
-from .device_gather import make_copier
+from .device_gather import ce_min_bytes, make_copier, split_long
 from .enums import StatusCode
 from .memory import Region
 from .status import succeed_all
@@ -71,6 +71,8 @@ class DeviceEngine:
         self.device = device
         self.stream = runtime.stream(device)
         self.copier = make_copier(device)  # one kernel per batch where CuPy works (device_gather.py)
+        self.ce_min = ce_min_bytes()  # ranges this long go to the copy engines even with a kernel
+        self.ce_ranges = 0
         self.rate = link_bytes_per_s()
         self._link_free = 0.0
         self._free_events = [runtime.event(device) for _ in range(_EVENT_POOL)]
@@ -104,7 +106,13 @@ class DeviceEngine:
             with self._submit_lock:
                 enqueued = True  # from here on some copies may be queued on the stream
                 if self.copier is not None:
-                    keep = self.copier.copy(dsts, srcs, sizes, self.stream, to_peer)
+                    # same stream: the long ranges' copies and the kernel run in order, before the event
+                    (ld, ls, ln), (sd, ss, sn) = split_long(dsts, srcs, sizes, self.ce_min)
+                    if len(ln):
+                        self.rt.copy(ld, ls, ln, self.stream, self.device)
+                        self.ce_ranges += len(ln)
+                    if len(sn):
+                        keep = self.copier.copy(sd, ss, sn, self.stream, to_peer)
                 else:
                     self.rt.copy(dsts, srcs, sizes, self.stream, self.device)
                 self.rt.record(event, self.stream)
