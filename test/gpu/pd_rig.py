@@ -51,14 +51,17 @@ class StepResult:
 class Requests:
     """Token slots for `count` requests of `tokens` tokens each: distinct pages on both sides,
     scattered (page size > 1: every page shuffled; page size 1: shuffled runs of 64 slots, as a
-    paged allocator hands out a fresh request's slots; SGLANG_MORI_RIG_PAGE1_RUN sets that run, and
+    paged allocator hands out a fresh request's slots; SGLANG_MORI_RIG_PAGE1_RUN or `run` sets that run, and
     a run as long as the request is what a fresh SGLang pool gives at page size 1)."""
 
-    def __init__(self, page_size: int, tokens: int, count: int, first_page: int, rng):
+    def __init__(self, page_size: int, tokens: int, count: int, first_page: int, rng, run: int | None = None):
         self.page_size, self.tokens, self.count = page_size, tokens, count
         per = pages_for(tokens, page_size)
         total = per * count
-        run = int(os.environ.get("SGLANG_MORI_RIG_PAGE1_RUN", "64")) if page_size == 1 else 1
+        if page_size != 1:
+            run = 1
+        elif run is None:
+            run = int(os.environ.get("SGLANG_MORI_RIG_PAGE1_RUN", "64"))
         blocks = np.arange(0, total, run)
         src = (rng.permutation(blocks)[:, None] + np.arange(run)).reshape(-1)[:total] + first_page
         dst = (rng.permutation(blocks)[:, None] + np.arange(run)).reshape(-1)[:total] + first_page
