@@ -100,7 +100,7 @@ class MoriKVManager(compat.CompatKVManager):
             planner = layerwise_planner(cfg.layerwise, self.layout, self.buffers, kv_shard)
         parts = PrefillParts(
             config=cfg, engine=self.engine, local=self.buffers, planner=planner,
-            peers=PeerRegistry(cfg.peer_fail_fast_s, InflightBudget(cfg.max_inflight_per_peer)),
+            peers=PeerRegistry(cfg.peer_fail_fast_s, InflightBudget.from_config(cfg)),
             messenger=self.messenger, metrics=self.metrics, sglang=self.sglang, read_aux=self._read_aux,
             control_socket=self.server_socket,
             dcp=(self.dcp_size, self.dcp_rank),
