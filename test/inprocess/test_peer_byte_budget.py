@@ -192,3 +192,44 @@ def test_a_chunk_larger_than_the_budget_is_posted_alone():
         assert posted == [8 * CHUNK_BYTES]
         rig.clear(7)
         rig.wait_idle()
+
+
+def test_a_held_layer_group_of_an_aborted_room_is_dropped():
+    """Layer-wise streaming posts through the same step (ChunkSubmitter.post_tracked): a layer
+    group past the budget is held on the layer-wise worker, and dropped when decode aborts."""
+    from sglang_mori.backend.prefill.layerwise.planner import LayerwisePlanner
+    from sglang_mori.backend.prefill.layerwise.session import BatchView, ReqView
+
+    layers = 4
+    group_bytes = 3 * 2 * PAGE_BYTES  # 3 pages of one layer's K and V
+    config = MoriConfig(transfer_shards=2, transfer_timeout_ms=30000, max_inflight_bytes_per_peer=group_bytes)
+    with PrefillRig(config, buffers=2 * layers, planner_class=LayerwisePlanner) as rig:
+        rig.register()
+        posted = _count_posts(rig)
+        budget = _budget(rig)
+        session = rig.layerwise(group_size=1)
+        _open(rig, 9, pages=[50, 51, 52])
+        _stall(rig)
+        try:
+            batch = session.begin_batch(BatchView([ReqView(
+                room=9, prefix_len=0, extend_len=3, input_len=3, decode_prefix_len=0, start_send_idx=0,
+                row=np.asarray([1, 2, 3]))], page_size=1))
+            pool = rig.prefill.pool()
+            session.on_layer(batch, pool, 0)
+            rig.wait(lambda: posted == [group_bytes], "layer 0 posted")
+            session.on_layer(batch, pool, 1)
+            rig.wait(lambda: budget.holding == 1, "layer 1 held")
+            rig.abort(9, generation=5)
+            for layer in (2, 3):
+                session.on_layer(batch, pool, layer)
+            session.end_batch(batch)
+            rig.wait(lambda: batch.done.is_set(), "the worker finished the batch")
+            assert posted == [group_bytes] and budget.holding == 0
+            assert rig.sglang.acks_sent == []  # layer 0's write may still land
+        finally:
+            _resume(rig)
+        rig.wait(lambda: rig.sglang.acks_sent, "the held ACK, once layer 0's write drained")
+        for layer in range(1, layers):
+            for buffer in (layer, layers + layer):
+                assert [rig.decode.page(buffer, p) for p in (50, 51, 52)] == [bytes(PAGE_BYTES)] * 3
+        assert rig.decode.page(0, 50) == rig.prefill.page(0, 1)
