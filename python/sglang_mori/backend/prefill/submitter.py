@@ -145,6 +145,7 @@ class ChunkSubmitter:
 
     def stop(self) -> None:
         self.stopped.set()
+        self.p.peers.budget.wake()  # a shard holding a write for its peer's budget gives up now
         for q in self.queues:
             q.put(None)
 
@@ -267,6 +268,9 @@ class ChunkSubmitter:
                 if not admission:
                     # Never posted: no byte of it can land, nothing of it to wait for.
                     p.metrics.writes_dropped(batch.nbytes)
+                    if admission is Admission.ABANDONED:
+                        logger.info("sglang-mori: room %s: %d bytes held for decode engine %s dropped unsent (the "
+                                    "room ended while they waited)", chunk.room, batch.nbytes, peer.engine_key)
                     return self._not_admitted(peer.engine_key, admission)
             try:
                 handle = p.engine.write(peer.engine_key, batch, deadline=deadline, retry_max=p.config.submit_retry_max)
