@@ -143,9 +143,10 @@ class MoriKVManager(compat.CompatKVManager):
             enable_notification=cfg.enable_notification,
         )
         logger.info("sglang-mori %s tp%d: engine=%s (%s) host=%s port=%s zmq_port=%s nic=%s qp=%d workers=%d "
-                    "shards=%d timeout_ms=%d", self.role, self.attn_tp_rank, cfg.engine, io.__name__,
-                    engine.desc.host, engine.desc.port, self.rank_port, settings.describe_nic(),
-                    cfg.qp_per_transfer, cfg.num_workers, transfer_shard_count(cfg), cfg.transfer_timeout_ms)
+                    "shards=%d timeout_ms=%d inflight_bytes_per_peer=%d", self.role, self.attn_tp_rank, cfg.engine,
+                    io.__name__, engine.desc.host, engine.desc.port, self.rank_port, settings.describe_nic(),
+                    cfg.qp_per_transfer, cfg.num_workers, transfer_shard_count(cfg), cfg.transfer_timeout_ms,
+                    cfg.max_inflight_bytes_per_peer)
         return engine
 
     def _register_buffers(self) -> LocalBuffers:
