@@ -161,7 +161,7 @@ KNOBS: Tuple[Knob, ...] = (
     Knob("SGLANG_MORI_MAX_INFLIGHT_PER_PEER", "max_inflight_per_peer", "int", 64,
          "Transfer statuses in flight per decode peer; submitting more waits (within the deadline).",
          int_at_least(1), ">= 1"),
-    Knob("SGLANG_MORI_MAX_INFLIGHT_BYTES_PER_PEER", "max_inflight_bytes_per_peer", "int", 16 << 20,
+    Knob("SGLANG_MORI_MAX_INFLIGHT_BYTES_PER_PEER", "max_inflight_bytes_per_peer", "int", 4 << 20,
          "Prefill: bytes of KV writes posted and not yet finished per decode peer; a write past it is "
          "held, not posted, until earlier ones finish (first come, first served), and dropped unsent "
          "if its room ends meanwhile (decode aborted it, it failed or timed out). A posted write "
@@ -248,7 +248,7 @@ class MoriConfig:
     transfer_timeout_ms: int = 30000
     wait_poll_ms: int = 50
     max_inflight_per_peer: int = 64
-    max_inflight_bytes_per_peer: int = 16 << 20
+    max_inflight_bytes_per_peer: int = 4 << 20
     max_queued_chunks: int = 4096
     submit_retry_max: int = 5
     peer_fail_fast_s: float = 5.0
