@@ -23,10 +23,11 @@ CHUNK_BYTES = PAGE_BYTES * BUFFERS  # one page of every buffer
 BUDGET = 2 * CHUNK_BYTES  # two pages' writes may be in flight per peer
 
 
-def _rig(budget=BUDGET, timeout_ms=30000):
+def _rig(budget=BUDGET, timeout_ms=30000, stall_ms=0):
     # Rooms 7 and 8 map to different shards (2 shards): a held write of one does not hold the other's queue.
+    # stall_ms 0: the budget binds from the first byte (the default binds once the peer stalled).
     rig = PrefillRig(config=MoriConfig(transfer_shards=2, transfer_timeout_ms=timeout_ms,
-                                       max_inflight_bytes_per_peer=budget))
+                                       max_inflight_bytes_per_peer=budget, peer_stall_ms=stall_ms))
     rig.registry = CollectorRegistry()
     rig.parts.metrics = TransferMetrics("prefill", registry=rig.registry)
     return rig
@@ -202,7 +203,8 @@ def test_a_held_layer_group_of_an_aborted_room_is_dropped():
 
     layers = 4
     group_bytes = 3 * 2 * PAGE_BYTES  # 3 pages of one layer's K and V
-    config = MoriConfig(transfer_shards=2, transfer_timeout_ms=30000, max_inflight_bytes_per_peer=group_bytes)
+    config = MoriConfig(transfer_shards=2, transfer_timeout_ms=30000, max_inflight_bytes_per_peer=group_bytes,
+                        peer_stall_ms=0)  # the budget binds from the first byte
     with PrefillRig(config, buffers=2 * layers, planner_class=LayerwisePlanner) as rig:
         rig.register()
         posted = _count_posts(rig)
@@ -233,3 +235,49 @@ def test_a_held_layer_group_of_an_aborted_room_is_dropped():
             for buffer in (layer, layers + layer):
                 assert [rig.decode.page(buffer, p) for p in (50, 51, 52)] == [bytes(PAGE_BYTES)] * 3
         assert rig.decode.page(0, 50) == rig.prefill.page(0, 1)
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_the_budget_binds_only_once_the_peer_stopped_finishing_writes():
+    """Default course (SGLANG_MORI_PEER_STALL_MS): while the peer finishes writes, a chunk past the
+    budget is posted at once (a healthy link keeps its pipelining depth); once nothing finished for
+    the stall window, the next chunk is held, and it goes out when writes finish again."""
+    with _rig(stall_ms=500) as rig:
+        rig.register()
+        posted = _count_posts(rig)
+        budget = _budget(rig)
+        clock = FakeClock()
+        budget.use_clock(clock)
+        _stall(rig)
+        try:
+            _open(rig, 7, pages=[40, 41, 42, 43, 44])
+            rig.send(7, pages=[0, 1], last=False)  # fills the budget
+            rig.wait(lambda: posted == [2 * CHUNK_BYTES], "room 7's first chunk posted")
+            clock.now += 0.1  # within the window: the peer is not known to be stalled
+            rig.send(7, pages=[2, 3, 4], start=2, last=True)
+            rig.wait(lambda: posted == [2 * CHUNK_BYTES, 3 * CHUNK_BYTES], "room 7's second chunk posted past the budget")
+            assert budget.holding == 0 and not budget.stalled(rig.decode.engine.key)
+            clock.now += 0.5  # nothing finished for the window: stalled
+            assert budget.stalled(rig.decode.engine.key)
+            _open(rig, 8, pages=[50])
+            rig.send(8, pages=[5], last=True)
+            rig.wait(lambda: budget.holding == 1, "room 8's chunk held toward the stalled peer")
+            assert posted == [2 * CHUNK_BYTES, 3 * CHUNK_BYTES]
+        finally:
+            _resume(rig)
+        rig.wait_status(8, S.SUCCESS)  # writes finished: progress, and the held chunk went out
+        assert posted == [2 * CHUNK_BYTES, 3 * CHUNK_BYTES, CHUNK_BYTES]
+        rig.wait_status(7, S.SUCCESS)
+        assert rig.decode.page(0, 50) == rig.prefill.page(0, 5)
+        assert _metric(rig, "sglang_mori_held_bytes_total") == CHUNK_BYTES
+        assert _metric(rig, "sglang_mori_dropped_bytes_total") == 0
+        rig.clear(7), rig.clear(8)
+        rig.wait_idle()
+        assert budget.total_bytes() == 0 and budget.holding == 0

@@ -309,3 +309,20 @@ def test_a_held_batch_whose_room_ended_is_dropped_when_woken():
     waiter.join(30)
     assert got == [peers.Admission.ABANDONED] and not got[0]
     assert budget.posted_bytes("a") == 1000 and budget.holding == 0
+
+
+def test_byte_budget_with_a_stall_window_binds_only_for_a_stalled_peer():
+    now = [0.0]
+    budget = peers.InflightBudget(64, clock=lambda: now[0], byte_limit=1000, stall_s=0.5)
+    assert budget.acquire("a", 1.0, 800) is peers.Admission.ADMITTED  # idle peer: its clock starts
+    now[0] = 0.4
+    assert not budget.stalled("a")
+    assert budget.acquire("a", 1.0, 800) is peers.Admission.ADMITTED  # past the bound, still progressing
+    now[0] = 0.9  # nothing finished for 0.9 s
+    assert budget.stalled("a")
+    assert budget.acquire("a", 0.9, 1) is peers.Admission.TIMED_OUT  # held (deadline already passed)
+    budget.release("a", nbytes=800)  # a write finished: progress
+    assert not budget.stalled("a")
+    assert budget.acquire("a", 0.9, 800) is peers.Admission.ADMITTED  # 1600 in flight, but progressing
+    budget.release("a", count=2, nbytes=1600)
+    assert not budget.stalled("a") and budget.total_bytes() == 0  # nothing in flight: never stalled

@@ -162,19 +162,29 @@ class InflightBudget:
     A batch larger than the bound is posted alone when nothing is in flight to the peer, so it
     never waits forever.
 
+    The byte bound binds only for a stalled peer: one with writes in flight none of which has
+    finished for `stall_s` (0: it always binds). A healthy link keeps finishing writes, and holding
+    its batches back would only cost pipelining depth (a batch larger than the bound, as long chunks
+    of large models on GPUs are, would go out one at a time); a slow or dead link stops finishing
+    them, and from then on at most `byte_limit` more bytes are posted toward it.
+
     Held batches are admitted first come, first served per peer (a queue of tickets), so a large
     batch is not overtaken for ever by small ones. The submitter (a shard thread or the layer-wise
     worker) acquires, waiting up to its deadline; the completion thread gives back through the
     effects applier when the write is terminal (or given up on); the fast path, nothing held for
     the peer and room left, is a few dict reads under the condition."""
 
-    def __init__(self, limit: int, clock: Callable[[], float] = time.monotonic, byte_limit: int = 0):
+    def __init__(self, limit: int, clock: Callable[[], float] = time.monotonic, byte_limit: int = 0,
+                 stall_s: float = 0.0):
         self.limit = limit
         self.byte_limit = byte_limit
+        self.stall_s = stall_s
         self.use_clock(clock)
         self._cond = threading.Condition()
         self._counts: dict[str, int] = {}
         self._bytes: dict[str, int] = {}
+        # peer -> when it last made progress: a write of it finished, or one was posted to it idle
+        self._progress: dict[str, float] = {}
         self._held: dict[str, collections.deque] = {}  # peer -> tickets of held batches, oldest first
         # Held batches of every peer. Read without the lock by `wake` (a stale 0 is harmless: a
         # holder counts itself before it checks whether its room ended).
@@ -183,7 +193,8 @@ class InflightBudget:
     @classmethod
     def from_config(cls, cfg) -> "InflightBudget":
         """The budget a MoriConfig asks for (SGLANG_MORI_MAX_INFLIGHT_PER_PEER, _BYTES_PER_PEER)."""
-        return cls(cfg.max_inflight_per_peer, byte_limit=cfg.max_inflight_bytes_per_peer)
+        return cls(cfg.max_inflight_per_peer, byte_limit=cfg.max_inflight_bytes_per_peer,
+                   stall_s=cfg.peer_stall_ms / 1000.0)
 
     def use_clock(self, clock: Callable[[], float]) -> None:
         self._clock = clock
@@ -194,9 +205,20 @@ class InflightBudget:
         if not self.byte_limit:
             return True
         posted = self._bytes.get(key, 0)
-        return posted == 0 or posted + nbytes <= self.byte_limit
+        if posted == 0 or posted + nbytes <= self.byte_limit:
+            return True
+        return self.stall_s > 0 and self._clock() - self._progress.get(key, 0.0) < self.stall_s
+
+    def stalled(self, key: str) -> bool:
+        """Writes in flight to `key` and none finished for `stall_s` (the byte bound binds)."""
+        with self._cond:
+            if not self._counts.get(key):
+                return False
+            return self.stall_s <= 0 or self._clock() - self._progress.get(key, 0.0) >= self.stall_s
 
     def _take_locked(self, key: str, nbytes: int) -> None:
+        if not self._counts.get(key):
+            self._progress[key] = self._clock()  # an idle peer: its clock starts with this write
         self._counts[key] = self._counts.get(key, 0) + 1
         if nbytes:
             self._bytes[key] = self._bytes.get(key, 0) + nbytes
@@ -233,6 +255,7 @@ class InflightBudget:
 
     def release(self, key: str, count: int = 1, nbytes: int = 0) -> None:
         with self._cond:
+            self._progress[key] = self._clock()
             left = self._counts.get(key, 0) - count
             if left > 0:
                 self._counts[key] = left
