@@ -161,6 +161,22 @@ KNOBS: Tuple[Knob, ...] = (
     Knob("SGLANG_MORI_MAX_INFLIGHT_PER_PEER", "max_inflight_per_peer", "int", 64,
          "Transfer statuses in flight per decode peer; submitting more waits (within the deadline).",
          int_at_least(1), ">= 1"),
+    Knob("SGLANG_MORI_MAX_INFLIGHT_BYTES_PER_PEER", "max_inflight_bytes_per_peer", "int", 4 << 20,
+         "Prefill: bytes of KV writes posted and not yet finished per decode peer; a write past it is "
+         "held, not posted, until earlier ones finish (first come, first served), and dropped unsent "
+         "if its room ends meanwhile (decode aborted it, it failed or timed out). A posted write "
+         "cannot be withdrawn and a peer's writes share ordered lanes, so this bounds the bytes of "
+         "aborted rooms a retry can find ahead of it after a slow link (docs/reliability.md, "
+         "issue 29). A write larger than the bound is posted alone. Costs pipelining depth: a "
+         "request's writes wait behind a busy peer's (within the transfer deadline), and the writes "
+         "behind a held one on its transfer shard wait too. 0: no byte bound.",
+         int_at_least(0), ">= 0 (bytes; 0 = unbounded)"),
+    Knob("SGLANG_MORI_PEER_STALL_MS", "peer_stall_ms", "int", 500,
+         "Prefill: the byte budget (SGLANG_MORI_MAX_INFLIGHT_BYTES_PER_PEER) binds only for a decode "
+         "peer with writes in flight none of which finished for this long (a slow or dead link). A "
+         "healthy link keeps finishing writes and is never held back, so chunks larger than the "
+         "budget still overlap there. 0: the budget always binds.",
+         int_at_least(0), ">= 0 (ms; 0 = always)"),
     Knob("SGLANG_MORI_MAX_QUEUED_CHUNKS", "max_queued_chunks", "int", 4096,
          "Bound of each transfer shard's queue; a chunk arriving at a full queue fails its request.",
          int_at_least(1), ">= 1"),
@@ -238,6 +254,8 @@ class MoriConfig:
     transfer_timeout_ms: int = 30000
     wait_poll_ms: int = 50
     max_inflight_per_peer: int = 64
+    max_inflight_bytes_per_peer: int = 4 << 20
+    peer_stall_ms: int = 500
     max_queued_chunks: int = 4096
     submit_retry_max: int = 5
     peer_fail_fast_s: float = 5.0

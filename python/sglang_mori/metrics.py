@@ -7,6 +7,7 @@ The backend makes one ``TransferMetrics`` per KV manager and calls it at a handf
     m.transfer_finished(peer_key, nbytes, time.monotonic() - t0, ok=False, reason="timeout")
     m.request_finished(ok=False, reason="peer_dead")  # a room reached Success or Failed
     m.retry("submit_error"); m.set_queue_depth(n); m.peer_up(key); m.peer_down(key)
+    m.writes_held(nbytes); m.writes_dropped(nbytes)   # the per-peer byte budget held / dropped a write
     m.set_open_rooms(n)                               # each pass of the completion / status thread
 
 Failures are counted at two levels that never overlap: ``sglang_mori_transfer_failures_total``
@@ -134,6 +135,12 @@ class _Collectors:
         self.layerwise_fallbacks = Counter(
             PREFIX + "layerwise_fallbacks", "Requests or batches of a layer-wise deployment sent chunk-wise "
             "instead, by reason.", RANK_LABELS + ("reason",), **kw)
+        self.held_bytes = Counter(
+            PREFIX + "held_bytes", "Bytes of KV writes held back by a decode peer's byte budget "
+            "(SGLANG_MORI_MAX_INFLIGHT_BYTES_PER_PEER) before they were posted or dropped.", RANK_LABELS, **kw)
+        self.dropped_bytes = Counter(
+            PREFIX + "dropped_bytes", "Bytes of held KV writes never posted: their room ended (or their "
+            "deadline passed) while they were held.", RANK_LABELS, **kw)
         self.inflight = Gauge(
             PREFIX + "inflight_transfers", "Transfers submitted and not yet finished.",
             RANK_LABELS, **gauge_kw)
@@ -179,6 +186,8 @@ class TransferMetrics:
         for outcome in ("ok", "failed"):
             self._c.transfers.labels(*self._labels, outcome)
             self._c.requests.labels(*self._labels, outcome)
+        self._c.held_bytes.labels(*self._labels)
+        self._c.dropped_bytes.labels(*self._labels)
 
     @property
     def labels(self) -> Dict[str, str]:
@@ -209,6 +218,14 @@ class TransferMetrics:
         else:
             self._c.transfers.labels(*self._labels, "failed").inc()
             self._c.transfer_failures.labels(*self._labels, normalize_reason(reason)).inc()
+
+    def writes_held(self, nbytes: int) -> None:
+        """A write of ``nbytes`` waited for its peer's budget (posted later, or dropped)."""
+        self._c.held_bytes.labels(*self._labels).inc(max(0, int(nbytes)))
+
+    def writes_dropped(self, nbytes: int) -> None:
+        """A held write of ``nbytes`` was never posted."""
+        self._c.dropped_bytes.labels(*self._labels).inc(max(0, int(nbytes)))
 
     def failure(self, reason: Optional[str]) -> None:
         """Count one failed request by reason (use this or ``request_finished``'s reason, not both)."""
@@ -283,6 +300,12 @@ class NullTransferMetrics:
 
     def transfer_finished(self, peer: str, nbytes: int, seconds: float, ok: bool,
                           reason: Optional[str] = None) -> None:
+        pass
+
+    def writes_held(self, nbytes: int) -> None:
+        pass
+
+    def writes_dropped(self, nbytes: int) -> None:
         pass
 
     def failure(self, reason: Optional[str]) -> None:

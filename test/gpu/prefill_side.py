@@ -105,7 +105,7 @@ class PrefillSide:
         self.parts = PrefillParts(
             config=config, engine=self.pool.engine, local=self.pool.buffers,
             planner=LayerwisePlanner(self.pool.layout, self.pool.buffers),
-            peers=PeerRegistry(config.peer_fail_fast_s, InflightBudget(config.max_inflight_per_peer)),
+            peers=PeerRegistry(config.peer_fail_fast_s, InflightBudget.from_config(config)),
             messenger=Messenger(self.ctx), metrics=self.metrics, sglang=self.sglang,
             read_aux=lambda i: None if i is None else [aux[i * AUX_BYTES:(i + 1) * AUX_BYTES].tobytes()],
         )

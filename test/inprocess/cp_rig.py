@@ -82,7 +82,7 @@ class _Rank:
         self.parts = PrefillParts(
             config=config, engine=self.engine, local=self.buffers,
             planner=KVPlanner(layout, self.buffers, kv_shard=(r, n)),
-            peers=PeerRegistry(config.peer_fail_fast_s, InflightBudget(config.max_inflight_per_peer)),
+            peers=PeerRegistry(config.peer_fail_fast_s, InflightBudget.from_config(config)),
             messenger=self.messenger, metrics=NullTransferMetrics(), sglang=self.sglang,
             read_aux=lambda i: None if i is None else [self.aux[i * AUX_BYTES:(i + 1) * AUX_BYTES].tobytes()],
             owns_aux=cp.owns_aux, cp=cp,

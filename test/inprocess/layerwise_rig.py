@@ -148,7 +148,7 @@ class PrefillRank(Rank):
         self.parts = PrefillParts(
             config=config, engine=self.engine, local=self.buffers,
             planner=LayerwisePlanner(self.layout, self.buffers),
-            peers=PeerRegistry(config.peer_fail_fast_s, InflightBudget(config.max_inflight_per_peer)),
+            peers=PeerRegistry(config.peer_fail_fast_s, InflightBudget.from_config(config)),
             messenger=self.messenger, metrics=self.metrics, sglang=self.sglang,
             read_aux=lambda i: None if i is None else [self.aux[i * AUX_BYTES:(i + 1) * AUX_BYTES].tobytes()],
         )

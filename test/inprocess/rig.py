@@ -115,7 +115,7 @@ class PrefillRig:
         self.parts = PrefillParts(
             config=cfg, engine=self.prefill.engine, local=self.prefill.buffers,
             planner=planner_class(self.prefill.layout, self.prefill.buffers),
-            peers=PeerRegistry(cfg.peer_fail_fast_s, InflightBudget(cfg.max_inflight_per_peer)),
+            peers=PeerRegistry(cfg.peer_fail_fast_s, InflightBudget.from_config(cfg)),
             messenger=self.messenger, metrics=NullTransferMetrics(), sglang=self.sglang,
             read_aux=lambda i: None if i is None else [self.prefill.aux[i * AUX_BYTES:(i + 1) * AUX_BYTES].tobytes()],
             clock=clock, control_socket=control_socket,

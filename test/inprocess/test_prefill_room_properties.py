@@ -81,14 +81,14 @@ class CountingBudget(InflightBudget):
         super().__init__(1 << 20)
         self.taken = self.returned = 0
 
-    def acquire(self, key, deadline):
+    def acquire(self, key, deadline, nbytes=0, abandoned=None):
         self.taken += 1
-        return super().acquire(key, deadline)
+        return super().acquire(key, deadline, nbytes, abandoned)
 
-    def release(self, key, count=1):
+    def release(self, key, count=1, nbytes=0):
         assert self.count(key) >= count, f"budget of {key} returned more often than taken"
         self.returned += count
-        super().release(key, count)
+        super().release(key, count, nbytes)
 
 
 class Recorder:
@@ -123,7 +123,7 @@ class FakeSubmitter(ChunkSubmitter):
         super().__init__(*args)
         self.machine = machine
 
-    def post(self, chunk, targets, writes):
+    def post(self, chunk, targets, writes, life=None):
         for t in targets:
             for _ in range(chunk.num_kv_tokens):
                 assert self.effects.take_slot(t.engine_key, self.p.clock() + TIMEOUT_S)

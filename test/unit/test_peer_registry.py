@@ -227,7 +227,7 @@ def test_inflight_budget_bounds_each_peer_and_waits_until_the_deadline():
     assert budget.acquire("a", deadline=1.0) and budget.acquire("a", deadline=1.0)
     assert budget.acquire("b", deadline=1.0)  # another peer has its own budget
     now[0] = 2.0  # past the deadline: no wait, refused
-    assert budget.acquire("a", deadline=1.0) is False
+    assert budget.acquire("a", deadline=1.0) is peers.Admission.TIMED_OUT
     assert budget.snapshot() == {"a": 2, "b": 1} and budget.total() == 3
     budget.release("a")
     assert budget.acquire("a", deadline=1.0)
@@ -244,4 +244,85 @@ def test_inflight_budget_wakes_a_waiter_on_release():
     waiter.start()
     budget.release("a")
     waiter.join(timeout=30)
-    assert got == [True] and budget.count("a") == 1
+    assert [bool(g) for g in got] == [True] and budget.count("a") == 1
+
+
+def _held(budget, n):
+    end = time.monotonic() + 30
+    while budget.holding != n:  # bounded poll of the budget's own state, not a sleep as a guess
+        assert time.monotonic() < end, f"{n} held batches"
+        time.sleep(0.002)
+
+
+def test_byte_budget_holds_past_its_bound_and_posts_a_larger_batch_alone():
+    now = [0.0]
+    budget = peers.InflightBudget(64, clock=lambda: now[0], byte_limit=1000)
+    assert budget.acquire("a", 1.0, 600) is peers.Admission.ADMITTED
+    assert budget.acquire("a", 1.0, 400) is peers.Admission.ADMITTED  # exactly the bound
+    now[0] = 2.0
+    assert budget.acquire("a", 1.0, 1) is peers.Admission.TIMED_OUT  # held until its deadline
+    assert budget.acquire("b", 1.0, 5000) is peers.Admission.ADMITTED  # nothing in flight to b: alone
+    assert budget.acquire("b", 1.0, 1) is peers.Admission.TIMED_OUT
+    budget.release("a", nbytes=600)
+    assert budget.posted_bytes("a") == 400 and budget.count("a") == 1
+    budget.release("a", nbytes=400), budget.release("b", nbytes=5000)
+    assert budget.total_bytes() == 0 and budget.holding == 0
+
+
+def test_byte_budget_zero_is_unbounded():
+    budget = peers.InflightBudget(64, byte_limit=0)
+    for _ in range(10):
+        assert budget.acquire("a", 0.0, 1 << 40) is peers.Admission.ADMITTED
+
+
+def test_held_batches_are_admitted_in_arrival_order():
+    budget = peers.InflightBudget(64, byte_limit=1000)
+    assert budget.acquire("a", 0.0, 600)
+    order = []
+
+    def hold(name, nbytes):
+        order.append((name, budget.acquire("a", time.monotonic() + 30, nbytes)))
+
+    first = threading.Thread(target=hold, args=("big", 800))
+    first.start()
+    _held(budget, 1)
+    second = threading.Thread(target=hold, args=("small", 100))  # would fit now, but comes second
+    second.start()
+    _held(budget, 2)
+    assert budget.posted_bytes("a") == 600
+    budget.release("a", nbytes=600)
+    first.join(30), second.join(30)
+    assert order == [("big", peers.Admission.ADMITTED_AFTER_HOLD), ("small", peers.Admission.ADMITTED_AFTER_HOLD)]
+    assert budget.posted_bytes("a") == 900
+
+
+def test_a_held_batch_whose_room_ended_is_dropped_when_woken():
+    budget = peers.InflightBudget(64, byte_limit=1000)
+    assert budget.acquire("a", 0.0, 1000)
+    ended = threading.Event()
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(budget.acquire("a", time.monotonic() + 30, 10, ended.is_set)))
+    waiter.start()
+    _held(budget, 1)
+    ended.set()
+    budget.wake()
+    waiter.join(30)
+    assert got == [peers.Admission.ABANDONED] and not got[0]
+    assert budget.posted_bytes("a") == 1000 and budget.holding == 0
+
+
+def test_byte_budget_with_a_stall_window_binds_only_for_a_stalled_peer():
+    now = [0.0]
+    budget = peers.InflightBudget(64, clock=lambda: now[0], byte_limit=1000, stall_s=0.5)
+    assert budget.acquire("a", 1.0, 800) is peers.Admission.ADMITTED  # idle peer: its clock starts
+    now[0] = 0.4
+    assert not budget.stalled("a")
+    assert budget.acquire("a", 1.0, 800) is peers.Admission.ADMITTED  # past the bound, still progressing
+    now[0] = 0.9  # nothing finished for 0.9 s
+    assert budget.stalled("a")
+    assert budget.acquire("a", 0.9, 1) is peers.Admission.TIMED_OUT  # held (deadline already passed)
+    budget.release("a", nbytes=800)  # a write finished: progress
+    assert not budget.stalled("a")
+    assert budget.acquire("a", 0.9, 800) is peers.Admission.ADMITTED  # 1600 in flight, but progressing
+    budget.release("a", count=2, nbytes=1600)
+    assert not budget.stalled("a") and budget.total_bytes() == 0  # nothing in flight: never stalled

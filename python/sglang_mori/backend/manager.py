@@ -100,7 +100,7 @@ class MoriKVManager(compat.CompatKVManager):
             planner = layerwise_planner(cfg.layerwise, self.layout, self.buffers, kv_shard)
         parts = PrefillParts(
             config=cfg, engine=self.engine, local=self.buffers, planner=planner,
-            peers=PeerRegistry(cfg.peer_fail_fast_s, InflightBudget(cfg.max_inflight_per_peer)),
+            peers=PeerRegistry(cfg.peer_fail_fast_s, InflightBudget.from_config(cfg)),
             messenger=self.messenger, metrics=self.metrics, sglang=self.sglang, read_aux=self._read_aux,
             control_socket=self.server_socket,
             dcp=(self.dcp_size, self.dcp_rank),
@@ -143,9 +143,10 @@ class MoriKVManager(compat.CompatKVManager):
             enable_notification=cfg.enable_notification,
         )
         logger.info("sglang-mori %s tp%d: engine=%s (%s) host=%s port=%s zmq_port=%s nic=%s qp=%d workers=%d "
-                    "shards=%d timeout_ms=%d", self.role, self.attn_tp_rank, cfg.engine, io.__name__,
-                    engine.desc.host, engine.desc.port, self.rank_port, settings.describe_nic(),
-                    cfg.qp_per_transfer, cfg.num_workers, transfer_shard_count(cfg), cfg.transfer_timeout_ms)
+                    "shards=%d timeout_ms=%d inflight_bytes_per_peer=%d", self.role, self.attn_tp_rank, cfg.engine,
+                    io.__name__, engine.desc.host, engine.desc.port, self.rank_port, settings.describe_nic(),
+                    cfg.qp_per_transfer, cfg.num_workers, transfer_shard_count(cfg), cfg.transfer_timeout_ms,
+                    cfg.max_inflight_bytes_per_peer)
         return engine
 
     def _register_buffers(self) -> LocalBuffers:

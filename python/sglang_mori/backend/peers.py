@@ -1,8 +1,10 @@
 """Decode peers as seen by one prefill rank: registration, fail-fast after a failure, and the
-in-flight write budget per peer."""
+in-flight write budget per peer (write batches and bytes)."""
 
 from __future__ import annotations
 
+import collections
+import enum
 import threading
 import time
 from dataclasses import dataclass, field
@@ -132,47 +134,162 @@ class PeerRegistry:
             return None
 
 
+class Admission(enum.Enum):
+    """What `InflightBudget.acquire` decided for one write batch; truthy when it may be posted."""
+
+    ADMITTED = "admitted"  # posted at once: nothing held for the peer and it fits
+    ADMITTED_AFTER_HOLD = "admitted_after_hold"  # held, then posted once earlier writes finished
+    TIMED_OUT = "timed_out"  # held until its deadline: never posted
+    ABANDONED = "abandoned"  # held, and its room ended meanwhile: never posted (dropped)
+
+    def __bool__(self) -> bool:
+        return self in (Admission.ADMITTED, Admission.ADMITTED_AFTER_HOLD)
+
+    @property
+    def held(self) -> bool:
+        return self is not Admission.ADMITTED
+
+
 class InflightBudget:
-    """At most `limit` writes in flight per decode peer; one lock for every count.
+    """Per decode peer, at most `limit` write batches and `byte_limit` bytes (0: no byte bound)
+    posted and not yet terminal; one condition guards every count.
 
-    The submitter takes a slot per write (waiting up to its deadline), the completion thread gives
-    it back when the write is terminal (or given up on)."""
+    A posted write cannot be withdrawn (neither MORI-IO nor softio has a cancel), and a peer's
+    writes share ordered lanes: every byte posted toward a peer is sent before anything posted
+    after it, also the bytes of a room decode has aborted meanwhile. The byte bound keeps what a
+    newer room can find ahead of it to about `byte_limit`; a batch past it is held, not posted, and
+    a held batch whose room ended is dropped without a byte sent (docs/reliability.md, issue 29).
+    A batch larger than the bound is posted alone when nothing is in flight to the peer, so it
+    never waits forever.
 
-    def __init__(self, limit: int, clock: Callable[[], float] = time.monotonic):
+    The byte bound binds only for a stalled peer: one with writes in flight none of which has
+    finished for `stall_s` (0: it always binds). A healthy link keeps finishing writes, and holding
+    its batches back would only cost pipelining depth (a batch larger than the bound, as long chunks
+    of large models on GPUs are, would go out one at a time); a slow or dead link stops finishing
+    them, and from then on at most `byte_limit` more bytes are posted toward it.
+
+    Held batches are admitted first come, first served per peer (a queue of tickets), so a large
+    batch is not overtaken for ever by small ones. The submitter (a shard thread or the layer-wise
+    worker) acquires, waiting up to its deadline; the completion thread gives back through the
+    effects applier when the write is terminal (or given up on); the fast path, nothing held for
+    the peer and room left, is a few dict reads under the condition."""
+
+    def __init__(self, limit: int, clock: Callable[[], float] = time.monotonic, byte_limit: int = 0,
+                 stall_s: float = 0.0):
         self.limit = limit
+        self.byte_limit = byte_limit
+        self.stall_s = stall_s
         self.use_clock(clock)
         self._cond = threading.Condition()
         self._counts: dict[str, int] = {}
+        self._bytes: dict[str, int] = {}
+        # peer -> when it last made progress: a write of it finished, or one was posted to it idle
+        self._progress: dict[str, float] = {}
+        self._held: dict[str, collections.deque] = {}  # peer -> tickets of held batches, oldest first
+        # Held batches of every peer. Read without the lock by `wake` (a stale 0 is harmless: a
+        # holder counts itself before it checks whether its room ended).
+        self.holding = 0
+
+    @classmethod
+    def from_config(cls, cfg) -> "InflightBudget":
+        """The budget a MoriConfig asks for (SGLANG_MORI_MAX_INFLIGHT_PER_PEER, _BYTES_PER_PEER)."""
+        return cls(cfg.max_inflight_per_peer, byte_limit=cfg.max_inflight_bytes_per_peer,
+                   stall_s=cfg.peer_stall_ms / 1000.0)
 
     def use_clock(self, clock: Callable[[], float]) -> None:
         self._clock = clock
 
-    def acquire(self, key: str, deadline: float) -> bool:
-        with self._cond:
-            while self._counts.get(key, 0) >= self.limit:
-                remaining = deadline - self._clock()
-                if remaining <= 0:
-                    return False
-                self._cond.wait(remaining)
-            self._counts[key] = self._counts.get(key, 0) + 1
+    def _fits_locked(self, key: str, nbytes: int) -> bool:
+        if self._counts.get(key, 0) >= self.limit:
+            return False
+        if not self.byte_limit:
             return True
+        posted = self._bytes.get(key, 0)
+        if posted == 0 or posted + nbytes <= self.byte_limit:
+            return True
+        return self.stall_s > 0 and self._clock() - self._progress.get(key, 0.0) < self.stall_s
 
-    def release(self, key: str, count: int = 1) -> None:
+    def stalled(self, key: str) -> bool:
+        """Writes in flight to `key` and none finished for `stall_s` (the byte bound binds)."""
         with self._cond:
+            if not self._counts.get(key):
+                return False
+            return self.stall_s <= 0 or self._clock() - self._progress.get(key, 0.0) >= self.stall_s
+
+    def _take_locked(self, key: str, nbytes: int) -> None:
+        if not self._counts.get(key):
+            self._progress[key] = self._clock()  # an idle peer: its clock starts with this write
+        self._counts[key] = self._counts.get(key, 0) + 1
+        if nbytes:
+            self._bytes[key] = self._bytes.get(key, 0) + nbytes
+
+    def acquire(self, key: str, deadline: float, nbytes: int = 0,
+                abandoned: Optional[Callable[[], bool]] = None) -> Admission:
+        """Room for one batch of `nbytes` toward `key`, waiting (held) up to `deadline`;
+        `abandoned()` (checked while held, when woken) says its room ended: give up at once."""
+        with self._cond:
+            if key not in self._held and self._fits_locked(key, nbytes):
+                self._take_locked(key, nbytes)
+                return Admission.ADMITTED
+            ticket = object()
+            queue = self._held.setdefault(key, collections.deque())
+            queue.append(ticket)
+            self.holding += 1
+            try:
+                while True:
+                    if abandoned is not None and abandoned():
+                        return Admission.ABANDONED
+                    if queue[0] is ticket and self._fits_locked(key, nbytes):
+                        self._take_locked(key, nbytes)
+                        return Admission.ADMITTED_AFTER_HOLD
+                    remaining = deadline - self._clock()
+                    if remaining <= 0:
+                        return Admission.TIMED_OUT
+                    self._cond.wait(remaining)
+            finally:
+                queue.remove(ticket)
+                if not queue:
+                    del self._held[key]
+                self.holding -= 1
+                self._cond.notify_all()  # the next held batch may fit now
+
+    def release(self, key: str, count: int = 1, nbytes: int = 0) -> None:
+        with self._cond:
+            self._progress[key] = self._clock()
             left = self._counts.get(key, 0) - count
             if left > 0:
                 self._counts[key] = left
             else:
                 self._counts.pop(key, None)
+            if nbytes:
+                left = self._bytes.get(key, 0) - nbytes
+                if left > 0:
+                    self._bytes[key] = left
+                else:
+                    self._bytes.pop(key, None)
             self._cond.notify_all()
+
+    def wake(self) -> None:
+        """A room ended: held batches look again whether theirs was it (nothing to do when none is held)."""
+        if self.holding:
+            with self._cond:
+                self._cond.notify_all()
 
     def count(self, key: str) -> int:
         with self._cond:
             return self._counts.get(key, 0)
 
+    def posted_bytes(self, key: str) -> int:
+        with self._cond:
+            return self._bytes.get(key, 0)
+
     def total(self) -> int:
         with self._cond:
             return sum(self._counts.values())
+
+    def total_bytes(self) -> int:
+        with self._cond:
+            return sum(self._bytes.values())
 
     def snapshot(self) -> dict:
         with self._cond:

@@ -122,7 +122,7 @@ class PDPair:
         pool = self.prefill_pool
         self.prefill = PrefillService(PrefillParts(
             config=config, engine=pool.engine, local=pool.buffers, planner=KVPlanner(pool.layout, pool.buffers),
-            peers=PeerRegistry(config.peer_fail_fast_s, InflightBudget(config.max_inflight_per_peer)),
+            peers=PeerRegistry(config.peer_fail_fast_s, InflightBudget.from_config(config)),
             messenger=Messenger(self.ctx), metrics=NullTransferMetrics(), sglang=self.prefill_sglang,
             read_aux=lambda i: None if i is None else [pool.aux[i * AUX_BYTES:(i + 1) * AUX_BYTES].tobytes()],
             control_socket=self.prefill_sock), reject)

@@ -74,14 +74,15 @@ class RoomEffects:
         `never_block`: messages are sent without waiting on a full queue (SGLang's scheduler thread)."""
         return _Transition(self, never_block)
 
-    def take_slot(self, peer_key: str, deadline: float) -> bool:
-        """One in-flight write to `peer_key` (waits up to `deadline`); returned through `fx.slots`
-        once the write's handle is terminal, or at once with `return_unused_slot`."""
-        return self.p.peers.budget.acquire(peer_key, deadline)
+    def take_slot(self, peer_key: str, deadline: float, nbytes: int = 0, abandoned=None):
+        """One in-flight write of `nbytes` to `peer_key` (held up to `deadline`, or until
+        `abandoned()`: peers.Admission); returned through `fx.slots` once the write's handle is
+        terminal, or at once with `return_unused_slot`."""
+        return self.p.peers.budget.acquire(peer_key, deadline, nbytes, abandoned)
 
-    def return_unused_slot(self, peer_key: str) -> None:
+    def return_unused_slot(self, peer_key: str, nbytes: int = 0) -> None:
         """A slot taken for a write that was never issued (no handle tracks it)."""
-        self.p.peers.budget.release(peer_key)
+        self.p.peers.budget.release(peer_key, nbytes=nbytes)
 
     # --- application ----------------------------------------------------------------------------
     def _apply_locked(self, fx: Effects) -> None:
@@ -110,7 +111,7 @@ class RoomEffects:
         p = self.p
         block = not fx.never_block
         for handle in fx.slots:
-            p.peers.budget.release(handle.peer_key)
+            p.peers.budget.release(handle.peer_key, nbytes=handle.nbytes)
             state = handle.state()
             ok = state is state.SUCCEEDED
             reason = None if ok else handle.failure_kind().metric_reason
@@ -120,6 +121,8 @@ class RoomEffects:
             p.sglang.set_status(room, status)
         for room, targets in fx.published:
             p.sglang.publish_destinations(room, targets)
+        if fx.failures:
+            p.peers.budget.wake()  # a write held for a room that just ended is dropped, not posted
         for f in fx.failures:
             if f.label is None:
                 continue

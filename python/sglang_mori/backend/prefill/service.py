@@ -164,5 +164,7 @@ class PrefillService:
     def debug_snapshot(self) -> dict:
         out = self.p.rooms.sizes()
         out["prefill.inflight_writes"] = self.p.peers.budget.total()
+        out["prefill.inflight_bytes"] = self.p.peers.budget.total_bytes()
+        out["prefill.held_writes"] = self.p.peers.budget.holding
         out["prefill.queued_chunks"] = self.submitter.queued()
         return out

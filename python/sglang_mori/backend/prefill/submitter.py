@@ -21,7 +21,9 @@ from sglang_mori import protocol
 from sglang_mori.config import transfer_shard_count
 from sglang_mori.backend import room_status
 from sglang_mori.backend.prefill.effects import RoomEffects
+from sglang_mori.backend.peers import Admission
 from sglang_mori.backend.prefill.failures import (
+    ABORTED,
     BACKPRESSURE,
     BAD_INDEX,
     LAYOUT,
@@ -143,6 +145,7 @@ class ChunkSubmitter:
 
     def stop(self) -> None:
         self.stopped.set()
+        self.p.peers.budget.wake()  # a shard holding a write for its peer's budget gives up now
         for q in self.queues:
             q.put(None)
 
@@ -184,7 +187,7 @@ class ChunkSubmitter:
         writes: List[TrackedWrite] = []
         failure = None
         try:
-            failure = self.post(chunk, targets, writes)
+            failure = self.post(chunk, targets, writes, r)
         finally:
             with self.effects.transition() as fx:
                 self.p.rooms.end_submit(r, writes, chunk.is_last, chunk.aux_index, fx)
@@ -232,10 +235,11 @@ class ChunkSubmitter:
             opened.add(batch_key)
         return None
 
-    def post(self, chunk: Chunk, targets, writes: List[TrackedWrite]):
+    def post(self, chunk: Chunk, targets, writes: List[TrackedWrite], life=None):
         """Post the chunk to every destination, appending each issued write to `writes`;
         (reason, label) of the first failure, or None. The caller holds a submit token on the
-        room and tracks `writes` afterwards, whatever this returns or raises."""
+        room and tracks `writes` afterwards, whatever this returns or raises. A write the peer's
+        budget holds is dropped, never posted, once room life `life` concludes meanwhile."""
         p = self.p
         # Every chunk restarts decode's deadline: a long chunked prefill is slow, not dead.
         if chunk.announce:
@@ -245,6 +249,7 @@ class ChunkSubmitter:
         if chunk.wait_event is not None:
             chunk.wait_event.synchronize()  # source KV is ready only after the forward pass
         deadline = p.clock() + p.timeout_s
+        ended = self._ended(life)
         for t in targets:
             reason = p.peers.unusable_reason(t.engine_key)
             if reason:
@@ -257,9 +262,16 @@ class ChunkSubmitter:
             failure = self._open_sessions(peer, batch) if len(batch) else None
             if failure is not None:
                 return failure, PEER_DEAD
-            if not self.effects.take_slot(peer.engine_key, deadline):
-                return (f"decode engine {peer.engine_key} has {p.peers.budget.count(peer.engine_key)} transfers in "
-                        "flight (SGLANG_MORI_MAX_INFLIGHT_PER_PEER) and none finished before the deadline", TIMEOUT)
+            admission = self.effects.take_slot(peer.engine_key, deadline, batch.nbytes, ended)
+            if admission.held:
+                p.metrics.writes_held(batch.nbytes)
+                if not admission:
+                    # Never posted: no byte of it can land, nothing of it to wait for.
+                    p.metrics.writes_dropped(batch.nbytes)
+                    if admission is Admission.ABANDONED:
+                        logger.info("sglang-mori: room %s: %d bytes held for decode engine %s dropped unsent (the "
+                                    "room ended while they waited)", chunk.room, batch.nbytes, peer.engine_key)
+                    return self._not_admitted(peer.engine_key, admission)
             try:
                 handle = p.engine.write(peer.engine_key, batch, deadline=deadline, retry_max=p.config.submit_retry_max)
             except SubmitError as exc:
@@ -269,7 +281,7 @@ class ChunkSubmitter:
                 return f"submitting KV writes to {peer.engine_key} failed: {exc}", SUBMIT_ERROR
             except BaseException:
                 # No handle tracks this slot: give it back before the shard fails the room.
-                self.effects.return_unused_slot(peer.engine_key)
+                self.effects.return_unused_slot(peer.engine_key, batch.nbytes)
                 raise
             # Count the start before the handle is visible: the completion thread may finish it at once.
             p.metrics.transfer_started(peer.engine_key)
@@ -277,3 +289,21 @@ class ChunkSubmitter:
                 p.metrics.retry(SUBMIT_ERROR)
             writes.append(TrackedWrite(handle, deadline))
         return None
+
+    def _ended(self, life):
+        """What a held write asks of its room while it waits: has its life (or this service) ended?"""
+        stopped = self.stopped
+        if life is None:
+            return stopped.is_set
+        return lambda: life.concluded or stopped.is_set()
+
+    def _not_admitted(self, peer_key: str, admission):
+        """(reason, label) for a write the peer's budget held and never let through. A dropped
+        write's room concluded already, so this reason is recorded nowhere (the first cause wins)."""
+        budget = self.p.peers.budget
+        if admission is Admission.ABANDONED:
+            return (f"room ended while its writes to decode engine {peer_key} were held "
+                    "(SGLANG_MORI_MAX_INFLIGHT_BYTES_PER_PEER); dropped unsent", ABORTED)
+        return (f"decode engine {peer_key} has {budget.count(peer_key)} transfers "
+                f"({budget.posted_bytes(peer_key)} bytes) in flight and none finished before the deadline "
+                "(SGLANG_MORI_MAX_INFLIGHT_PER_PEER, SGLANG_MORI_MAX_INFLIGHT_BYTES_PER_PEER)", TIMEOUT)
