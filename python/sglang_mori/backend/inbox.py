@@ -94,7 +94,7 @@ class Inbox:
         """Wait up to `timeout_ms` for a message and handle it (1), or return 0: on the timeout, on
         a wake-up, and at once while a poller is active (after waiting up to POLLER_ACTIVE_S
         off the socket: the poller reads every arrival)."""
-        if self._poller_active():
+        if time.perf_counter() - self._last_poll < POLLER_ACTIVE_S:  # a poller is active
             # Stay off the socket and the GIL until the poller may have stopped, then look again.
             time.sleep(min(POLLER_ACTIVE_S, timeout_ms / 1000.0))
             return 0
@@ -112,22 +112,18 @@ class Inbox:
                 frames = sock.recv_multipart()
             except zmq.Again:
                 return 0
-            except zmq.ZMQError:
-                if self.closed:  # closed under us (teardown)
-                    return 0
-                raise
             if frames[0] == self._token and len(frames) == 1:
                 return 0  # a poller started (or close()): look again from the top
-            self._handle(frames, False)
+            try:  # (_handle, inlined: one call less per message on this thread)
+                self.handle(frames, False)
+            except Exception:
+                logger.exception("sglang-mori: handling a message on the %s failed", self.name)
         self.by_thread += 1
         return 1
 
     def thread_done(self) -> None:
         """The reading thread is leaving: its wake-up socket goes with it."""
         self._close_waker()
-
-    def _poller_active(self) -> bool:
-        return time.perf_counter() - self._last_poll < POLLER_ACTIVE_S
 
     def close(self) -> None:
         """No more reads from either side (the manager closes the socket after this). Wakes the
