@@ -287,23 +287,17 @@ def test_sglangs_own_polls_see_destinations_and_success_through_our_check_status
         assert rig.decode_service.inbox.by_poller == 1 and rig.decode_service.inbox.by_thread == 0
 
 
-def test_the_reading_threads_leave_no_descriptor_behind(sockets):
-    """Each service's reading thread makes a wake-up pipe; stopping the service closes it."""
-    import os
-
+def test_the_reading_threads_leave_no_socket_behind(sockets):
+    """Each service's reading thread makes a wake-up socket; stopping the service closes it (a
+    socket left open would hang the context's termination)."""
     control, _ = sockets()
     status_sock, _ = sockets()
     with PrefillRig(control_socket=control, decode_socket=status_sock) as rig:
         inboxes = (rig.service.inbox, rig.decode_service.inbox)
-        rig.wait(lambda: all(i._wake_r is not None for i in inboxes), "both threads waiting")
-        pipes = [(i._wake_r, i._wake_w) for i in inboxes]
-        fd_ids = {fd: os.fstat(fd).st_ino for pair in pipes for fd in pair}
-    assert all(i._wake_r is None and i._wake_w is None for i in inboxes)
-    for fd, ino in fd_ids.items():  # closed (or the number reused by something else)
-        try:
-            assert os.fstat(fd).st_ino != ino
-        except OSError:
-            pass
+        rig.wait(lambda: all(i._waker is not None for i in inboxes), "both threads waiting")
+        wakers = [i._waker for i in inboxes]
+    assert all(i._waker is None for i in inboxes)
+    assert all(w.closed for w in wakers)
 
 
 def test_with_poll_reads_off_the_poll_leaves_the_socket_to_our_thread(sockets):
@@ -322,5 +316,76 @@ def test_with_poll_reads_off_the_poll_leaves_the_socket_to_our_thread(sockets):
             assert mgr.check_status(11) == S.BOOTSTRAPPING
             time.sleep(0.001)  # 0.2 s for the messages to arrive; the poll must not read them
         assert rig.service.inbox.by_poller == 0
-        assert rig.service.inbox.wait_and_drain(1000) == 2  # still queued for the thread, in order
+        # still queued for the thread, in order (one message per wait: a Register, then its metadata)
+        assert [rig.service.inbox.wait_and_drain(1000) for _ in range(2)] == [1, 1]
         assert rig.sglang.status(11) == S.WAITING_FOR_INPUT
+
+
+@pytest.fixture
+def plain_inbox(sockets, monkeypatch):
+    """An Inbox over a bare PULL socket that records what it handles, and its PUSH; the poller
+    counts as active for 1 s (not 5 ms), so a stalled test thread still counts as polling."""
+    from sglang_mori.backend import inbox as inbox_module
+
+    monkeypatch.setattr(inbox_module, "POLLER_ACTIVE_S", 1.0)
+    pull, push = sockets()
+    got = []
+    box = inbox_module.Inbox(pull, lambda frames, polled: got.append((frames, polled)), "test socket")
+    yield box, push, got
+    box.close()
+
+
+def test_a_poll_starting_wakes_the_thread_out_of_its_receive(plain_inbox):
+    """The reading thread waits inside a blocking receive with the lock held; the first poll after
+    a quiet spell must get it out (long before its 60 s receive timeout), so the message the poll
+    waits for is read by the poll, not by the thread."""
+    inbox, push, got = plain_inbox
+    returned = []
+    stop = threading.Event()
+
+    def reader():
+        while not stop.is_set():
+            returned.append(inbox.wait_and_drain(60_000))
+        inbox.thread_done()
+
+    thread = threading.Thread(target=reader, name="reading-thread")
+    thread.start()
+    try:
+        wait_until(lambda: inbox._waker is not None and inbox.lock.locked(), "the thread in its receive", WAIT_S)
+        assert inbox.drain_nowait() == 0  # the lock is the thread's: this poll only wakes it
+        wait_until(lambda: returned, "the thread out of its receive", WAIT_S, interval_s=0.001)
+        assert returned[0] == 0  # woken by the token, which is no message
+        push.send_multipart([b"for the poller"])
+        poll_until(SimpleNamespace(poll_inbox=inbox.drain_nowait), lambda: got, "the poll read it")
+        assert got == [([b"for the poller"], True)]
+        assert (inbox.by_poller, inbox.by_thread) == (1, 0)
+    finally:
+        stop.set()
+        inbox.close()
+        thread.join(WAIT_S)
+    assert not thread.is_alive()
+
+
+def test_close_takes_the_thread_out_of_its_receive_at_once(plain_inbox):
+    inbox, push, got = plain_inbox
+    thread = threading.Thread(target=inbox.wait_and_drain, args=(60_000,), name="reading-thread")
+    thread.start()
+    wait_until(lambda: inbox._waker is not None and inbox.lock.locked(), "the thread in its receive", WAIT_S)
+    start = time.monotonic()
+    inbox.close()  # returns once the thread is out of the socket: it may be closed next
+    assert time.monotonic() - start < WAIT_S
+    thread.join(WAIT_S)
+    assert not thread.is_alive()
+    assert inbox._waker is None and got == []
+
+
+def test_a_wake_up_token_read_by_the_poll_is_no_message(plain_inbox):
+    """A poll with no thread in the socket reads its own wake-up token and drops it; a real
+    message, even an empty frame, is handled."""
+    inbox, push, got = plain_inbox
+    assert inbox.wait_and_drain(1) == 0  # makes the wake-up socket, times out
+    assert inbox.drain_nowait() == 0  # quiet spell over: sends the token, then reads and drops it
+    assert got == []
+    push.send_multipart([b""])
+    poll_until(SimpleNamespace(poll_inbox=inbox.drain_nowait), lambda: got, "the empty frame")
+    assert got == [([b""], True)]

@@ -19,6 +19,12 @@ def test_steps_are_counted_on_the_threads_that_run_them():
     assert not any(thread == "MainThread" and "plan" in step for thread, step in steps)
     # Decode's metadata is handled by prefill's control thread, once per request.
     assert steps[("mori-control", "control: handle message")]["calls"] == pytest.approx(1.0)
+    # Decode's status thread reads prefill's two messages per request (TransferStarted, Success)
+    # through the inbox, one receive each (and a receive per timeout or wake-up besides); the last
+    # may be counted after the report, as above.
+    handled = steps[("mori-decode-status", "decode status: handle message")]
+    received = steps[("mori-decode-status", "inbox: wait, receive, handle")]
+    assert 30 / 16 <= handled["calls"] <= 2.0 and received["calls"] >= handled["calls"] - 1 / 16
     assert result["rejections"] == []
 
 

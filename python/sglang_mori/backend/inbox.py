@@ -8,24 +8,25 @@ anyway, also reads the socket when it polls a room still waiting for such a mess
 (`drain_nowait`), and the reading thread stays as the reader of last resort (no room polled, a
 message for a room nobody polls yet, Register, Abort, housekeeping). While a poller is active the
 thread leaves every arrival to it and only looks every POLLER_ACTIVE_S, so it never wakes on an
-arrival to compete with the scheduler for the GIL; a poller starting after a quiet spell wakes the
-thread out of its wait on the socket through a pipe (once, before the awaited message arrives).
+arrival to compete with the scheduler for the GIL.
 
 ZMQ sockets are not thread-safe, but may be used from several threads one at a time, with a full
 memory barrier between them; `lock` is that barrier. It covers each receive *and* the handling of
 what was received, so messages are handled in the order they arrived (a Register before the
-metadata that needs it). The reading thread never blocks inside the socket while holding the lock:
-it waits on the socket's file descriptor (`zmq.FD`, readable when the socket has commands, e.g. a
-message arriving on an empty pipe), then takes the lock and empties the socket. Every holder
-empties the socket before it lets the lock go (until `zmq.EVENTS` shows no POLLIN), so a message
-that arrives afterwards makes the descriptor readable again and the wait never misses one.
+metadata that needs it). The scheduler only try-locks. The reading thread, while no poller is
+active, waits inside one blocking receive with the lock held (one call per message: the cheapest
+wait pyzmq has; waiting on `zmq.FD` with select, then receiving non-blocking, cost this thread
+20-50 % more per message, issue 28). A poller starting after a quiet spell therefore wakes it
+first: it sends a wake-up token into the same socket through an in-process endpoint (`inproc://`,
+bound beside the socket's TCP one), the thread's receive returns it, the thread sees the poller
+and lets the lock go, and from the next poll on the scheduler reads. The token is random per
+inbox and dropped by whichever side reads it; a peer cannot forge it.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import select
 import threading
 import time
 from typing import Callable
@@ -52,10 +53,13 @@ class Inbox:
         self.lock = threading.Lock()
         self.closed = False
         self._last_poll = 0.0
-        # The reading thread's wake-up pipe (made by that thread, closed by it on the way out): a
-        # poller that starts after a quiet spell writes to it, so the thread leaves its wait on the
-        # socket and the coming arrivals to the poller.
-        self._wake_r = self._wake_w = None
+        # The wake-up path into the reading thread's receive (made by that thread on its first
+        # wait, closed by it on the way out or by close()): a PUSH socket connected to our own
+        # socket's inproc endpoint, used by one thread at a time under `_wake_lock`.
+        self._wake_lock = threading.Lock()
+        self._waker = None
+        self._token = os.urandom(16)
+        self._timeout_ms = None  # RCVTIMEO as last set
         # Messages handled by a poller (the scheduler's thread) and by the reading thread: the
         # tests and the benchmark read them to see which path a message took.
         self.by_poller = 0
@@ -64,20 +68,21 @@ class Inbox:
     # --- the scheduler's side ------------------------------------------------------------------
     def drain_nowait(self) -> int:
         """Handle what has arrived, on the calling thread, without waiting for anything: not for
-        the lock (the reading thread holding it is handling messages right now) and not for the
-        socket. At most one look per POLLER_MIN_GAP_S. Returns the number of messages handled."""
+        the lock (the reading thread holds it while it waits in the socket or handles a message)
+        and not for the socket. At most one look per POLLER_MIN_GAP_S. Returns the number of
+        messages handled."""
         now = time.perf_counter()
         since = now - self._last_poll
         if since < POLLER_MIN_GAP_S:
             return 0
         self._last_poll = now
+        if since >= POLLER_ACTIVE_S:
+            self._wake_thread()  # it may be waiting in the socket with the lock held
         if not self.lock.acquire(blocking=False):
             return 0
         try:
             if self.closed:
                 return 0
-            if since >= POLLER_ACTIVE_S:
-                self._wake_thread_locked()
             n = self._drain_locked(polled=True)
             self.by_poller += n
             return n
@@ -86,87 +91,87 @@ class Inbox:
 
     # --- the reading thread's side ----------------------------------------------------------------
     def wait_and_drain(self, timeout_ms: int) -> int:
-        """Wait up to `timeout_ms` for the socket to signal, then handle what has arrived. Returns
-        the number of messages handled here (0 also when a poller took them first). While a
-        poller is active it only waits: the poller reads every arrival."""
-        if self._poller_active():
+        """Wait up to `timeout_ms` for a message and handle it (1), or return 0: on the timeout, on
+        a wake-up, and at once while a poller is active (after waiting up to POLLER_ACTIVE_S
+        off the socket: the poller reads every arrival)."""
+        if time.perf_counter() - self._last_poll < POLLER_ACTIVE_S:  # a poller is active
             # Stay off the socket and the GIL until the poller may have stopped, then look again.
             time.sleep(min(POLLER_ACTIVE_S, timeout_ms / 1000.0))
             return 0
         with self.lock:
             if self.closed:
-                self._close_wake_pipe_locked()
+                self._close_waker()
                 return 0
-            if self._wake_r is None:
-                self._wake_r, self._wake_w = os.pipe()
-                os.set_blocking(self._wake_r, False)
-                os.set_blocking(self._wake_w, False)
-            # Empty first: the descriptor signals new arrivals only, not messages already queued.
-            n = self._drain_locked()
-            fd = self.sock.getsockopt(zmq.FD)
-            wake = self._wake_r
-        if n:
-            self.by_thread += n
-            return n
-        try:
-            readable, _, _ = select.select([fd, wake], [], [], timeout_ms / 1000.0)
-        except (OSError, ValueError):  # the socket was closed under us (teardown)
-            return 0
-        with self.lock:
-            if wake in readable:
-                self._empty_wake_pipe_locked()
-            if self.closed:
-                self._close_wake_pipe_locked()
+            if self._waker is None:
+                self._open_waker_locked()
+            sock = self.sock
+            if timeout_ms != self._timeout_ms:
+                sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
+                self._timeout_ms = timeout_ms
+            try:
+                frames = sock.recv_multipart()
+            except zmq.Again:
                 return 0
-            if self._poller_active():
-                return 0  # a poller started meanwhile: this arrival, if any, is its to read
-            n = self._drain_locked()
-        self.by_thread += n
-        return n
+            if frames[0] == self._token and len(frames) == 1:
+                return 0  # a poller started (or close()): look again from the top
+            try:  # (_handle, inlined: one call less per message on this thread)
+                self.handle(frames, False)
+            except Exception:
+                logger.exception("sglang-mori: handling a message on the %s failed", self.name)
+        self.by_thread += 1
+        return 1
 
     def thread_done(self) -> None:
-        """The reading thread is leaving: its wake-up pipe goes with it."""
-        with self.lock:
-            self._close_wake_pipe_locked()
-
-    def _poller_active(self) -> bool:
-        return time.perf_counter() - self._last_poll < POLLER_ACTIVE_S
+        """The reading thread is leaving: its wake-up socket goes with it."""
+        self._close_waker()
 
     def close(self) -> None:
-        """No more reads from either side (the manager closes the socket after this)."""
+        """No more reads from either side (the manager closes the socket after this). Wakes the
+        reading thread out of its receive first: the socket must not be closed while it is in it."""
+        self._wake_thread()
         with self.lock:
             self.closed = True
-            self._wake_thread_locked()  # out of its wait now, not at its timeout
+        self._close_waker()
 
-    def _wake_thread_locked(self) -> None:
-        if self._wake_w is not None:
-            try:
-                os.write(self._wake_w, b"w")
-            except BlockingIOError:  # full: the thread has wake-ups pending already
-                pass
+    def _open_waker_locked(self) -> None:
+        address = f"inproc://sglang-mori-inbox-{id(self):x}-{self._token.hex()[:8]}"
+        self.sock.bind(address)
+        waker = self.sock.context.socket(zmq.PUSH)
+        waker.setsockopt(zmq.LINGER, 0)
+        waker.setsockopt(zmq.SNDHWM, 4)  # one pending token wakes the thread; more add nothing
+        waker.connect(address)
+        with self._wake_lock:
+            self._waker = waker
 
-    def _empty_wake_pipe_locked(self) -> None:
-        try:
-            while os.read(self._wake_r, 4096):
-                pass
-        except BlockingIOError:
-            pass
+    def _wake_thread(self) -> None:
+        with self._wake_lock:
+            if self._waker is not None:
+                try:
+                    self._waker.send(self._token, zmq.NOBLOCK)
+                except zmq.ZMQError:  # full: the thread has wake-ups pending already
+                    pass
 
-    def _close_wake_pipe_locked(self) -> None:
-        if self._wake_r is not None:
-            os.close(self._wake_r)
-            os.close(self._wake_w)
-            self._wake_r = self._wake_w = None
+    def _close_waker(self) -> None:
+        with self._wake_lock:
+            if self._waker is not None:
+                self._waker.close(0)
+                self._waker = None
 
     # --- both ------------------------------------------------------------------------------------
+    def _handle(self, frames: list, polled: bool) -> None:
+        try:
+            self.handle(frames, polled)
+        except Exception:  # a bug in one handler must not stop the reader
+            logger.exception("sglang-mori: handling a message on the %s failed", self.name)
+
     def _drain_locked(self, polled: bool = False) -> int:
         sock = self.sock
+        token = self._token
         n = 0
         while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             frames = sock.recv_multipart(zmq.NOBLOCK)  # a multipart message arrives whole
+            if frames[0] == token and len(frames) == 1:
+                continue  # a wake-up meant for the reading thread, which is not in the socket now
             n += 1
-            try:
-                self.handle(frames, polled)
-            except Exception:  # a bug in one handler must not stop the reader
-                logger.exception("sglang-mori: handling a message on the %s failed", self.name)
+            self._handle(frames, polled)
         return n

@@ -27,6 +27,9 @@ STEPS = (
     ("sglang_mori.backend.prefill.completion", "Completion", "run_once", "completion: pass"),
     ("sglang_mori.backend.prefill.control", "PrefillControl", "handle", "control: handle message"),
     ("sglang_mori.backend.decode.service", "DecodeService", "handle", "decode status: handle message"),
+    # The reading threads' whole receive path (wake-up, receive, the handling above); minus the
+    # handling, what one message costs to get to its handler (inbox.py).
+    ("sglang_mori.backend.inbox", "Inbox", "wait_and_drain", "inbox: wait, receive, handle"),
 )
 
 

@@ -86,7 +86,7 @@ class DecodeService:
         self.stale_statuses = 0
         # prefill's messages: read by the status thread, and by SGLang's scheduler when it polls a
         # room not concluded yet (poll_inbox; inbox.py says why)
-        self.inbox = (Inbox(parts.control_socket, self._handle_safely, "decode status socket")
+        self.inbox = (Inbox(parts.control_socket, self.handle, "decode status socket")
                       if getattr(parts, "control_socket", None) is not None else None)
 
     def start(self) -> None:
@@ -199,14 +199,9 @@ class DecodeService:
         if self.inbox is not None:
             self.inbox.drain_nowait()
 
-    def _handle_safely(self, frames, polled: bool) -> None:
-        # (decode's handlers send nothing: `polled` changes nothing here)
-        try:
-            self.handle(frames)
-        except Exception:  # a bug must not stop whichever thread read the message
-            logger.exception("sglang-mori: decode status handling failed")
-
-    def handle(self, frames) -> None:
+    def handle(self, frames, polled: bool = False) -> None:
+        """One message from prefill, on the status thread or SGLang's (`polled`: decode's handlers
+        send nothing, so it changes nothing here). The inbox logs what a bug raises here."""
         p = self.p
         try:
             message = protocol.decode(frames)
