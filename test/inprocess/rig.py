@@ -122,13 +122,27 @@ class PrefillRig:
         )
         self.service = PrefillService(self.parts, lambda err, origin: self.rejections.append(err))
         self.decode_sglang = FakeSGLang()
-        self.decode_service = DecodeService(DecodeParts(
-            config=cfg, engine=self.decode.engine, local=self.decode.buffers, layout=self.decode.layout,
-            identity=DecodeIdentity("127.0.0.1", 17001, 1, 0),
-            aux=AuxSlots(list(self.decode.args.aux_data_ptrs), [AUX_BYTES], [self.decode.aux.nbytes]),
-            messenger=CapturingMessenger(), metrics=NullTransferMetrics(), sglang=self.decode_sglang,
-            control_socket=decode_socket,
+        self.decode_service = self._decode_service(self.decode, self.decode_sglang, 17001, decode_socket)
+        self.others: list = []  # further decode ranks (`add_decode`)
+
+    def _decode_service(self, side: Side, sglang: FakeSGLang, port: int, socket=None) -> DecodeService:
+        return DecodeService(DecodeParts(
+            config=self.config, engine=side.engine, local=side.buffers, layout=side.layout,
+            identity=DecodeIdentity("127.0.0.1", port, 1, 0),
+            aux=AuxSlots(list(side.args.aux_data_ptrs), [AUX_BYTES], [side.aux.nbytes]),
+            messenger=CapturingMessenger(), metrics=NullTransferMetrics(), sglang=sglang,
+            control_socket=socket,
         ), lambda err, origin: self.rejections.append(err))
+
+    def add_decode(self) -> "OtherDecode":
+        """A second (third, ...) decode rank served by the same prefill, registered with it."""
+        side = Side("decode", fill=False, buffers=len(self.decode.kv))
+        other = OtherDecode(self, side, self._decode_service(side, FakeSGLang(), 17002 + len(self.others)))
+        self.others.append(other)
+        if self.start_threads:
+            other.service.start()
+        self.service.control.on_register(other.service.registration())
+        return other
 
     def __enter__(self):
         if self.start_threads:
@@ -141,7 +155,9 @@ class PrefillRig:
             self.layerwise_session.stop()
         self.service.stop()
         self.decode_service.stop()
-        for side in (self.prefill, self.decode):
+        for other in self.others:
+            other.service.stop()
+        for side in (self.prefill, self.decode, *(other.side for other in self.others)):
             side.engine.deregister_all()
 
     def layerwise(self, group_size: int = 1, min_tokens: int = 0, min_batch_tokens: int = 0):
@@ -201,3 +217,26 @@ class PrefillRig:
         return self.wait(lambda: not any(v for k, v in self.service.debug_snapshot().items()
                                          if k != "prefill.unclaimed_rooms"),
                          f"an idle prefill service ({self.service.debug_snapshot()})")
+
+
+class OtherDecode:
+    """A further decode rank of a PrefillRig (`rig.add_decode()`): its own engine, memory and
+    receivers; its messages go to the rig's prefill service like the first decode's."""
+
+    def __init__(self, rig: PrefillRig, side: Side, service: DecodeService):
+        self.rig, self.side, self.service = rig, side, service
+        self.engine = side.engine
+
+    def new_attempt(self, room: int) -> int:
+        self.service.p.sglang.open(room)
+        return self.service.new_receiver(room)
+
+    def metadata(self, room: int, pages, aux_index: int = 0):
+        message = self.service.record_destination(
+            bootstrap_room=room, required_dst_info_num=1, kv_indices=np.asarray(pages), aux_index=aux_index,
+            state_indices=None, decode_prefix_len=None, is_dummy=False)
+        self.rig.service.control.on_metadata(message)
+        return message
+
+    def page(self, buffer: int, page: int) -> bytes:
+        return self.side.page(buffer, page)

@@ -84,11 +84,14 @@ def test_held_chunks_of_an_aborted_room_are_dropped_and_the_next_room_goes_out_b
             rig.wait(lambda: budget.holding == 1, "room 7's second chunk held")
             _open(rig, 8, pages=[50])  # the retry of another request, to the same decode
             rig.send(8, pages=[5], last=True)
-            rig.wait(lambda: budget.holding == 2, "room 8's chunk held behind it")
-            assert posted == [2 * CHUNK_BYTES]
+            # Behind it on the stalled-decodes shard: not yet at the budget, not posted.
+            rig.wait(lambda: rig.service.submitter.stalled_queue.qsize() == 1, "room 8's chunk queued behind it")
+            assert posted == [2 * CHUNK_BYTES] and budget.holding == 1
 
             rig.abort(7)  # decode gave up on room 7 (its deadline passed on the slow link)
-            rig.wait(lambda: budget.holding == 1, "room 7's held chunk dropped")
+            rig.wait(lambda: _metric(rig, "sglang_mori_dropped_bytes_total") == 3 * CHUNK_BYTES,
+                     "room 7's held chunk dropped")
+            rig.wait(lambda: budget.holding == 1, "room 8's chunk held in its turn")
             assert posted == [2 * CHUNK_BYTES], "a held chunk of an aborted room was posted"
             assert _metric(rig, "sglang_mori_dropped_bytes_total") == 3 * CHUNK_BYTES
             # Room 7's posted chunk may still land: its abort waits for it, room 8 waits behind it.

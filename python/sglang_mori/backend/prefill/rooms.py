@@ -124,6 +124,8 @@ class PrefillRoom:
     # Chunks the scheduler queued for a shard that no shard has taken yet (submitter.py): a last
     # chunk with nothing to write may be tracked on the scheduler's thread only behind none.
     queued: int = 0
+    # Its chunks go through the stalled-decodes shard from now on (submitter.py), in order.
+    on_stalled_shard: bool = False
     last_submitted: bool = False
     aux_index: Optional[int] = None
     outcome: Optional[Outcome] = None  # set on leaving the open phases

@@ -59,6 +59,7 @@ class PrefillService:
             self._spawn("mori-control", self._control_loop)
         for i, q in enumerate(self.submitter.queues):
             self._spawn(f"mori-shard-{i}", self.submitter.run_shard, q)
+        self._spawn("mori-shard-stalled", self.submitter.run_shard, self.submitter.stalled_queue)
         self._spawn("mori-completion", self._completion_loop)
 
     def _spawn(self, name, target, *args) -> None:

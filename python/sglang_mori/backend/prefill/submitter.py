@@ -1,7 +1,9 @@
 """Chunk-wise submission: plan each chunk the scheduler hands over and post its writes.
 
 One queue and thread per shard (SGLANG_MORI_TRANSFER_SHARDS); a room always maps to the same
-shard, so its chunks are submitted in order. A chunk is submitted between `begin_submit` and
+shard, so its chunks are submitted in order. A room whose decode stalled moves on, from its shard,
+to one more shard thread for stalled decodes (in order too), so that a write held for a stalled
+decode's byte budget waits there and not in front of other decodes' chunks. A chunk is submitted between `begin_submit` and
 `end_submit` on its room (both under the registry lock): while a submitter works, the room counts
 as having writes outstanding, so an abort can never be ACKed between "room is live" and "its
 writes are tracked".
@@ -76,6 +78,9 @@ class ChunkSubmitter:
         # can only overshoot it by a chunk or two, and the shards' stop sentinel always fits.
         self.max_queued = cfg.max_queued_chunks
         self.queues = [queue.SimpleQueue() for _ in range(transfer_shard_count(cfg))]
+        # One more shard, for rooms whose decode stalled (`_to_stalled_shard`): a write the peer's
+        # byte budget holds waits on this thread, not on the shard of other decodes' rooms.
+        self.stalled_queue = queue.SimpleQueue()
         # Count and publish the queue depth as one step: shards and the scheduler update it at once.
         self._depth_lock = threading.Lock()
         self.stopped = threading.Event()
@@ -122,7 +127,7 @@ class ChunkSubmitter:
         return True
 
     def queued(self) -> int:
-        return sum(q.qsize() for q in self.queues)
+        return sum(q.qsize() for q in self.queues) + self.stalled_queue.qsize()
 
     def _publish_depth(self) -> None:
         with self._depth_lock:
@@ -137,16 +142,41 @@ class ChunkSubmitter:
             # Also on dequeue: published only on enqueue, the gauge kept its last value when idle.
             self._publish_depth()
             try:
+                if q is not self.stalled_queue and self._to_stalled_shard(chunk):
+                    self.stalled_queue.put(chunk)  # still counted in its life's `queued`
+                    continue
                 self.submit(chunk)
             except Exception as exc:  # a bug must fail one room, not stop the shard
                 logger.exception("sglang-mori: chunk of room %s failed", chunk.room)
                 if chunk.life is not None:
                     self.failures.fail_life(chunk.life, f"internal error while sending KV: {exc!r}", OTHER)
 
+    def _to_stalled_shard(self, chunk: Chunk) -> bool:
+        """Whether a chunk a shard just took goes on to the stalled-peers shard instead: its room
+        is there already (its earlier chunks went: this one must follow them), or a decode it
+        writes to has stalled (`InflightBudget.stalled`) and no earlier chunk of the room is still
+        being submitted elsewhere (a submit token of the layer-wise worker). This shard took the
+        room's chunks in order and finished each before taking the next, so moving the room here
+        keeps their order. A decode that stalls while its chunk is already past this check can
+        still hold this shard, until it finishes writes or the held write's room ends."""
+        life = chunk.life
+        if life is None:
+            return False
+        budget = self.p.peers.budget
+        with self.p.rooms.lock:
+            if life.on_stalled_shard:
+                return True
+            if life.concluded or life.submitting:
+                return False
+            if any(budget.stalled(t.engine_key) for t in life.live_targets()):
+                life.on_stalled_shard = True
+                return True
+        return False
+
     def stop(self) -> None:
         self.stopped.set()
         self.p.peers.budget.wake()  # a shard holding a write for its peer's budget gives up now
-        for q in self.queues:
+        for q in (*self.queues, self.stalled_queue):
             q.put(None)
 
     def submit(self, chunk: Chunk) -> None:

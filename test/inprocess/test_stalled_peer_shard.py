@@ -1,0 +1,130 @@
+"""A write held for a stalled decode's byte budget (issue 29) holds only its own decode's rooms: the
+chunks of another, healthy decode on the same transfer shard are posted and succeed meanwhile.
+
+Rooms move, from their shard, to one more shard thread for stalled decodes (submitter.py); these
+tests check that a healthy decode's room on the held room's shard is not delayed, that a moved
+room's chunks are still posted in order, and that a held chunk of a room that ends is still dropped
+unsent. The stalled decode's lanes are stalled (a link that stopped moving bytes); every wait is on
+the service's own state, never a sleep.
+"""
+
+import sglang_mori.softio.faults as faults
+from sglang_mori.backend import room_status as S
+from sglang_mori.config import MoriConfig
+
+from rig import BUFFERS, PAGE_BYTES, PrefillRig
+
+CHUNK_BYTES = PAGE_BYTES * BUFFERS  # one page of every buffer
+SHARDS = 2
+ROOM_A, ROOM_B = 7, 7 + SHARDS  # both on shard 7 % SHARDS
+
+
+def _rig():
+    # peer_stall_ms 0: the budget binds from the first byte toward a peer with writes in flight.
+    return PrefillRig(config=MoriConfig(transfer_shards=SHARDS, transfer_timeout_ms=30000,
+                                        max_inflight_bytes_per_peer=2 * CHUNK_BYTES, peer_stall_ms=0))
+
+
+def _record_posts(rig) -> list:
+    """(decode engine key, bytes) of each write batch the prefill engine was asked to post, in order."""
+    posted = []
+    engine = rig.prefill.engine
+    real_write = engine.write
+
+    def write(peer_key, batch, **kw):
+        posted.append((peer_key, batch.nbytes))
+        return real_write(peer_key, batch, **kw)
+
+    engine.write = write
+    return posted
+
+
+def _stall(rig):
+    for lane in (0, 1):
+        faults.stall_lane(rig.prefill.engine.engine, lane, rig.decode.engine.key)
+
+
+def _resume(rig):
+    faults.resume_lane(rig.prefill.engine.engine, None, rig.decode.engine.key)
+
+
+def _open_a(rig, room, pages):
+    rig.new_attempt(room)
+    rig.metadata(room, pages=pages)
+    rig.claim(room)
+
+
+def _hold_a_chunk_of_room_a(rig, posted):
+    """Room A's first chunk posted toward the stalled decode A (filling its budget), its second held."""
+    a = rig.decode.engine.key
+    budget = rig.service.p.peers.budget
+    _open_a(rig, ROOM_A, pages=[40, 41, 42, 43, 44, 45])
+    rig.send(ROOM_A, pages=[0, 1], last=False)
+    rig.wait(lambda: posted == [(a, 2 * CHUNK_BYTES)], "room A's first chunk posted")
+    rig.send(ROOM_A, pages=[2], start=2, last=False)
+    rig.wait(lambda: budget.holding == 1, "room A's second chunk held")
+
+
+def test_a_healthy_decodes_room_on_the_held_rooms_shard_is_posted_and_succeeds_meanwhile():
+    with _rig() as rig:
+        rig.register()
+        b = rig.add_decode()
+        posted = _record_posts(rig)
+        budget = rig.service.p.peers.budget
+        a = rig.decode.engine.key
+        _stall(rig)
+        try:
+            _hold_a_chunk_of_room_a(rig, posted)
+            b.new_attempt(ROOM_B)
+            b.metadata(ROOM_B, pages=[30, 31])
+            rig.claim(ROOM_B)
+            rig.send(ROOM_B, pages=[8, 9], last=True)
+            rig.wait_status(ROOM_B, S.SUCCESS)
+            assert budget.holding == 1 and posted == [(a, 2 * CHUNK_BYTES), (b.engine.key, 2 * CHUNK_BYTES)]
+            for buf in range(BUFFERS):
+                assert [b.page(buf, p) for p in (30, 31)] == [rig.prefill.page(buf, p) for p in (8, 9)]
+            rig.send(ROOM_A, pages=[3, 4, 5], start=3, last=True)  # behind its held chunk, in order
+        finally:
+            _resume(rig)
+        rig.wait_status(ROOM_A, S.SUCCESS)
+        assert [n for key, n in posted if key == a] == [2 * CHUNK_BYTES, CHUNK_BYTES, 3 * CHUNK_BYTES]
+        for buf in range(BUFFERS):
+            assert [rig.decode.page(buf, 40 + i) for i in range(6)] == [rig.prefill.page(buf, i) for i in range(6)]
+        rig.clear(ROOM_A), rig.clear(ROOM_B)
+        rig.wait_idle()
+        assert budget.total_bytes() == 0 and budget.holding == 0
+
+
+def test_a_moved_rooms_later_chunks_wait_behind_its_held_one_and_are_dropped_with_it():
+    """The room's next chunks queue behind its held chunk; decode aborts the room: none of them is
+    posted, and a healthy decode's room on the same shard still goes out."""
+    with _rig() as rig:
+        rig.register()
+        b = rig.add_decode()
+        posted = _record_posts(rig)
+        budget = rig.service.p.peers.budget
+        a = rig.decode.engine.key
+        _stall(rig)
+        try:
+            _hold_a_chunk_of_room_a(rig, posted)
+            rig.send(ROOM_A, pages=[3], start=3, last=False)
+            rig.send(ROOM_A, pages=[4, 5], start=4, last=True)
+            stalled_queue = rig.service.submitter.stalled_queue
+            rig.wait(lambda: stalled_queue.qsize() == 2, "room A's later chunks queued behind its held one")
+            assert posted == [(a, 2 * CHUNK_BYTES)]
+            rig.abort(ROOM_A)
+            rig.wait(lambda: budget.holding == 0 and stalled_queue.qsize() == 0, "room A's chunks dropped")
+            b.new_attempt(ROOM_B)
+            b.metadata(ROOM_B, pages=[30])
+            rig.claim(ROOM_B)
+            rig.send(ROOM_B, pages=[8], last=True)
+            rig.wait_status(ROOM_B, S.SUCCESS)
+            assert posted == [(a, 2 * CHUNK_BYTES), (b.engine.key, CHUNK_BYTES)], "a chunk of the aborted room was posted"
+            assert rig.sglang.acks_sent == []  # room A's posted chunk may still land
+        finally:
+            _resume(rig)
+        rig.wait(lambda: rig.sglang.acks_sent, "room A's abort ACK once its posted chunk finished")
+        for buf in range(BUFFERS):
+            assert [rig.decode.page(buf, p) for p in (42, 43, 44, 45)] == [bytes(PAGE_BYTES)] * 4
+        rig.clear(ROOM_A), rig.clear(ROOM_B)
+        rig.wait_idle()
