@@ -8,6 +8,8 @@ unsent. The stalled decode's lanes are stalled (a link that stopped moving bytes
 the service's own state, never a sleep.
 """
 
+import numpy as np
+
 import sglang_mori.softio.faults as faults
 from sglang_mori.backend import room_status as S
 from sglang_mori.config import MoriConfig
@@ -19,10 +21,10 @@ SHARDS = 2
 ROOM_A, ROOM_B = 7, 7 + SHARDS  # both on shard 7 % SHARDS
 
 
-def _rig():
+def _rig(stall_ms=0):
     # peer_stall_ms 0: the budget binds from the first byte toward a peer with writes in flight.
     return PrefillRig(config=MoriConfig(transfer_shards=SHARDS, transfer_timeout_ms=30000,
-                                        max_inflight_bytes_per_peer=2 * CHUNK_BYTES, peer_stall_ms=0))
+                                        max_inflight_bytes_per_peer=2 * CHUNK_BYTES, peer_stall_ms=stall_ms))
 
 
 def _record_posts(rig) -> list:
@@ -128,3 +130,61 @@ def test_a_moved_rooms_later_chunks_wait_behind_its_held_one_and_are_dropped_wit
             assert [rig.decode.page(buf, p) for p in (42, 43, 44, 45)] == [bytes(PAGE_BYTES)] * 4
         rig.clear(ROOM_A), rig.clear(ROOM_B)
         rig.wait_idle()
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+class ForwardThatOutlastsTheStallWindow:
+    """A chunk's wait event: the forward pass it waits for ends after the peer was found stalled."""
+
+    def __init__(self, clock: FakeClock, seconds: float):
+        self.clock, self.seconds = clock, seconds
+
+    def synchronize(self):
+        self.clock.now += self.seconds
+
+
+def test_a_chunk_whose_decode_stalls_while_its_shard_prepares_it_moves_on_instead_of_holding_the_shard():
+    """The decode was not stalled when the shard took the chunk, and is by the time its write would
+    be posted (its forward pass ended past the stall window): nothing of it was posted, so it goes on
+    to the stalled-decodes shard, and a healthy decode's room behind it on its shard goes out."""
+    with _rig(stall_ms=500) as rig:
+        rig.register()
+        b = rig.add_decode()
+        posted = _record_posts(rig)
+        budget = rig.service.p.peers.budget
+        clock = FakeClock()
+        budget.use_clock(clock)
+        a = rig.decode.engine.key
+        _stall(rig)
+        try:
+            _open_a(rig, ROOM_A, pages=[40, 41, 42])
+            rig.send(ROOM_A, pages=[0, 1], last=False)
+            rig.wait(lambda: posted == [(a, 2 * CHUNK_BYTES)], "room A's first chunk posted")
+            clock.now += 0.1  # within the stall window when its shard takes the next chunk
+            rig.service.add_chunk(ROOM_A, np.asarray([2]), slice(2, 3), True, aux_index=0,
+                                  wait_event=ForwardThatOutlastsTheStallWindow(clock, 0.5))
+            rig.wait(lambda: budget.holding == 1, "room A's last chunk held")
+            assert budget.stalled(a)
+            b.new_attempt(ROOM_B)
+            b.metadata(ROOM_B, pages=[30])
+            rig.claim(ROOM_B)
+            rig.send(ROOM_B, pages=[8], last=True)
+            rig.wait_status(ROOM_B, S.SUCCESS)
+            assert budget.holding == 1 and rig.sglang.status(ROOM_A) == S.TRANSFERRING
+            assert [b.page(buf, 30) for buf in range(BUFFERS)] == [rig.prefill.page(buf, 8) for buf in range(BUFFERS)]
+        finally:
+            _resume(rig)
+        rig.wait_status(ROOM_A, S.SUCCESS)
+        assert posted == [(a, 2 * CHUNK_BYTES), (b.engine.key, CHUNK_BYTES), (a, CHUNK_BYTES)]
+        for buf in range(BUFFERS):
+            assert [rig.decode.page(buf, 40 + i) for i in range(3)] == [rig.prefill.page(buf, i) for i in range(3)]
+        rig.clear(ROOM_A), rig.clear(ROOM_B)
+        rig.wait_idle()
+        assert budget.total_bytes() == 0 and budget.holding == 0

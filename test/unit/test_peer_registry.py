@@ -326,3 +326,22 @@ def test_byte_budget_with_a_stall_window_binds_only_for_a_stalled_peer():
     assert budget.acquire("a", 0.9, 800) is peers.Admission.ADMITTED  # 1600 in flight, but progressing
     budget.release("a", count=2, nbytes=1600)
     assert not budget.stalled("a") and budget.total_bytes() == 0  # nothing in flight: never stalled
+
+
+def test_try_acquire_takes_only_what_acquire_would_admit_at_once():
+    """A transfer shard asks without waiting (it sends a chunk it would hold on to another shard):
+    a refusal takes nothing and queues nothing, and never overtakes a held batch."""
+    budget = peers.InflightBudget(64, byte_limit=1000)
+    assert budget.try_acquire("a", 800)
+    assert not budget.try_acquire("a", 300)  # past the bound
+    assert (budget.count("a"), budget.posted_bytes("a"), budget.holding) == (1, 800, 0)
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(budget.acquire("a", time.monotonic() + 30, 300)))
+    waiter.start()
+    _held(budget, 1)
+    assert not budget.try_acquire("a", 100)  # would fit, but a held batch came first
+    budget.release("a", nbytes=800)
+    waiter.join(30)
+    assert got == [peers.Admission.ADMITTED_AFTER_HOLD]
+    assert budget.try_acquire("b", 5000)  # an idle peer: a batch over the bound goes alone
+    assert (budget.posted_bytes("a"), budget.posted_bytes("b")) == (300, 5000)

@@ -253,6 +253,15 @@ class InflightBudget:
                 self.holding -= 1
                 self._cond.notify_all()  # the next held batch may fit now
 
+    def try_acquire(self, key: str, nbytes: int = 0) -> bool:
+        """Room for one batch now, as `acquire` admits one at once; False (nothing taken, nothing
+        queued) when `acquire` would hold it."""
+        with self._cond:
+            if key not in self._held and self._fits_locked(key, nbytes):
+                self._take_locked(key, nbytes)
+                return True
+            return False
+
     def release(self, key: str, count: int = 1, nbytes: int = 0) -> None:
         with self._cond:
             self._progress[key] = self._clock()

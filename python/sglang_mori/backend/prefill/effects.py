@@ -80,6 +80,10 @@ class RoomEffects:
         terminal, or at once with `return_unused_slot`."""
         return self.p.peers.budget.acquire(peer_key, deadline, nbytes, abandoned)
 
+    def try_slot(self, peer_key: str, nbytes: int = 0) -> bool:
+        """`take_slot` when it would admit at once; False, and nothing taken, when it would hold."""
+        return self.p.peers.budget.try_acquire(peer_key, nbytes)
+
     def return_unused_slot(self, peer_key: str, nbytes: int = 0) -> None:
         """A slot taken for a write that was never issued (no handle tracks it)."""
         self.p.peers.budget.release(peer_key, nbytes=nbytes)

@@ -45,6 +45,9 @@ from sglang_mori.planning import PlanningError
 
 logger = logging.getLogger(__name__)
 
+# `post`'s answer for a chunk sent on to the stalled-decodes shard instead of held on its own.
+DEFERRED = object()
+
 
 @dataclass
 class Chunk:
@@ -145,7 +148,7 @@ class ChunkSubmitter:
                 if q is not self.stalled_queue and self._to_stalled_shard(chunk):
                     self.stalled_queue.put(chunk)  # still counted in its life's `queued`
                     continue
-                self.submit(chunk)
+                self.submit(chunk, defer_held=q is not self.stalled_queue)
             except Exception as exc:  # a bug must fail one room, not stop the shard
                 logger.exception("sglang-mori: chunk of room %s failed", chunk.room)
                 if chunk.life is not None:
@@ -157,8 +160,8 @@ class ChunkSubmitter:
         writes to has stalled (`InflightBudget.stalled`) and no earlier chunk of the room is still
         being submitted elsewhere (a submit token of the layer-wise worker). This shard took the
         room's chunks in order and finished each before taking the next, so moving the room here
-        keeps their order. A decode that stalls while its chunk is already past this check can
-        still hold this shard, until it finishes writes or the held write's room ends."""
+        keeps their order. A decode that stalls after this check is caught where the write would
+        be held (`post_tracked`'s `defer_held`)."""
         life = chunk.life
         if life is None:
             return False
@@ -179,7 +182,9 @@ class ChunkSubmitter:
         for q in (*self.queues, self.stalled_queue):
             q.put(None)
 
-    def submit(self, chunk: Chunk) -> None:
+    def submit(self, chunk: Chunk, defer_held: bool = False) -> None:
+        """`defer_held`: a first write the budget would hold sends the chunk on to the stalled-decodes
+        shard instead (`post`)."""
         p = self.p
         with self.effects.transition() as fx:
             # The chunk's own life, never the room id's current one (a next life by now, maybe);
@@ -190,7 +195,7 @@ class ChunkSubmitter:
                 r.queued -= 1
             targets = self._begin_locked(r, fx)
         if targets is not None:
-            self.post_tracked(chunk, r, targets)
+            self.post_tracked(chunk, r, targets, defer_held)
 
     def _begin_locked(self, r, fx) -> Optional[list]:
         """A submit token on room life `r` (registry lock held) and its live targets; None when
@@ -209,20 +214,34 @@ class ChunkSubmitter:
             return None
         return r.live_targets()
 
-    def post_tracked(self, chunk: Chunk, r, targets) -> int:
+    def post_tracked(self, chunk: Chunk, r, targets, defer_held: bool = False) -> int:
         """Post `chunk` to `targets` for room life `r`, whose submit token the caller took
         (`rooms.begin_submit`), then track its writes and give the token back; a failure fails
-        the room through the failure door. The step the layer-wise worker shares. Returns the
-        number of writes tracked."""
+        the room through the failure door. The step the layer-wise worker shares (it waits for a
+        held write itself). `defer_held` (a transfer shard): a chunk whose first write would be
+        held, nothing of it posted, goes on to the stalled-decodes shard, queued again for its
+        room, and its room with it. Returns the number of writes tracked."""
         writes: List[TrackedWrite] = []
         failure = None
         try:
-            failure = self.post(chunk, targets, writes, r)
+            failure = self.post(chunk, targets, writes, r, defer_held)
         finally:
+            deferred = failure is DEFERRED
+            if deferred:
+                failure = None
             with self.effects.transition() as fx:
-                self.p.rooms.end_submit(r, writes, chunk.is_last, chunk.aux_index, fx)
+                # A deferred chunk is not the room's last submitted yet: it comes again.
+                self.p.rooms.end_submit(r, writes, chunk.is_last and not deferred, chunk.aux_index, fx)
                 if failure is not None:
                     self.failures.conclude_locked(r, *failure, fx)
+                if deferred:
+                    chunk.life, chunk.announce, chunk.queued = r, False, True  # decode heard it started
+                    r.queued += 1
+                    r.on_stalled_shard = True
+        if deferred:
+            self.stalled_queue.put(chunk)
+            self._publish_depth()
+            return 0
         if failure is None and r.last_submitted:
             # Writes that finished while they were posted (fast links): Success from here, not
             # after a wake-up of the completion thread (success.py).
@@ -265,11 +284,12 @@ class ChunkSubmitter:
             opened.add(batch_key)
         return None
 
-    def post(self, chunk: Chunk, targets, writes: List[TrackedWrite], life=None):
+    def post(self, chunk: Chunk, targets, writes: List[TrackedWrite], life=None, defer_held: bool = False):
         """Post the chunk to every destination, appending each issued write to `writes`;
-        (reason, label) of the first failure, or None. The caller holds a submit token on the
-        room and tracks `writes` afterwards, whatever this returns or raises. A write the peer's
-        budget holds is dropped, never posted, once room life `life` concludes meanwhile."""
+        (reason, label) of the first failure, None, or DEFERRED (`defer_held`: the first write
+        would be held, and nothing was posted). The caller holds a submit token on the room and
+        tracks `writes` afterwards, whatever this returns or raises. A write the peer's budget
+        holds is dropped, never posted, once room life `life` concludes meanwhile."""
         p = self.p
         # Every chunk restarts decode's deadline: a long chunked prefill is slow, not dead.
         if chunk.announce:
@@ -292,7 +312,12 @@ class ChunkSubmitter:
             failure = self._open_sessions(peer, batch) if len(batch) else None
             if failure is not None:
                 return failure, PEER_DEAD
-            admission = self.effects.take_slot(peer.engine_key, deadline, batch.nbytes, ended)
+            if defer_held and not writes:
+                if not self.effects.try_slot(peer.engine_key, batch.nbytes):
+                    return DEFERRED
+                admission = Admission.ADMITTED
+            else:
+                admission = self.effects.take_slot(peer.engine_key, deadline, batch.nbytes, ended)
             if admission.held:
                 p.metrics.writes_held(batch.nbytes)
                 if not admission:
