@@ -11,6 +11,7 @@ the service's own state, never a sleep.
 import numpy as np
 
 import sglang_mori.softio.faults as faults
+from sglang_mori import protocol
 from sglang_mori.backend import room_status as S
 from sglang_mori.config import MoriConfig
 
@@ -188,3 +189,29 @@ def test_a_chunk_whose_decode_stalls_while_its_shard_prepares_it_moves_on_instea
         rig.clear(ROOM_A), rig.clear(ROOM_B)
         rig.wait_idle()
         assert budget.total_bytes() == 0 and budget.holding == 0
+
+
+def test_a_moved_room_comes_back_to_its_shard_once_its_decode_finishes_writes_again():
+    """So that another decode stalling later cannot hold it on the stalled-decodes shard."""
+    with _rig() as rig:
+        rig.register()
+        posted = _record_posts(rig)
+        budget = rig.service.p.peers.budget
+        a = rig.decode.engine.key
+        _stall(rig)
+        try:
+            _hold_a_chunk_of_room_a(rig, posted)
+        finally:
+            _resume(rig)
+        rig.wait(lambda: len(posted) == 2 and budget.count(a) == 0, "room A's held chunk posted and finished")
+        rig.send(ROOM_A, pages=[3, 4, 5], start=3, last=True)
+        rig.wait_status(ROOM_A, S.SUCCESS)
+        started = [thread for message, thread in rig.messenger.threads
+                   if isinstance(message, protocol.TransferStarted) and message.room == ROOM_A]
+        shard = f"mori-shard-{ROOM_A % SHARDS}"
+        assert started == [shard, "mori-shard-stalled", shard]  # each chunk announced once
+        assert [n for _, n in posted] == [2 * CHUNK_BYTES, CHUNK_BYTES, 3 * CHUNK_BYTES]
+        for buf in range(BUFFERS):
+            assert [rig.decode.page(buf, 40 + i) for i in range(6)] == [rig.prefill.page(buf, i) for i in range(6)]
+        rig.clear(ROOM_A)
+        rig.wait_idle()

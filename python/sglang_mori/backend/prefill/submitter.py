@@ -155,26 +155,30 @@ class ChunkSubmitter:
                     self.failures.fail_life(chunk.life, f"internal error while sending KV: {exc!r}", OTHER)
 
     def _to_stalled_shard(self, chunk: Chunk) -> bool:
-        """Whether a chunk a shard just took goes on to the stalled-peers shard instead: its room
-        is there already (its earlier chunks went: this one must follow them), or a decode it
-        writes to has stalled (`InflightBudget.stalled`) and no earlier chunk of the room is still
-        being submitted elsewhere (a submit token of the layer-wise worker). This shard took the
-        room's chunks in order and finished each before taking the next, so moving the room here
-        keeps their order. A decode that stalls after this check is caught where the write would
-        be held (`post_tracked`'s `defer_held`)."""
+        """Whether a chunk a shard just took goes on to the stalled-decodes shard instead.
+
+        A room moves there when a decode it writes to has stalled (`InflightBudget.stalled`) and
+        no earlier chunk of it is still being submitted elsewhere (a layer-wise submit token); it
+        stays while its decode is stalled or any chunk of it is on its way there, and comes back
+        once neither holds, so that another decode stalling later does not hold it. This shard
+        took the room's chunks in order and finished each before taking the next, and a chunk
+        moves only behind every earlier one of its room, so their order holds. A decode that
+        stalls after this check is caught where the write would be held (`post_tracked`'s
+        `defer_held`)."""
         life = chunk.life
         if life is None:
             return False
         budget = self.p.peers.budget
         with self.p.rooms.lock:
-            if life.on_stalled_shard:
-                return True
-            if life.concluded or life.submitting:
+            if life.concluded:
+                return False  # dropped wherever it is taken
+            if life.submitting and not life.on_stalled_shard:
                 return False
-            if any(budget.stalled(t.engine_key) for t in life.live_targets()):
-                life.on_stalled_shard = True
-                return True
-        return False
+            stalled = any(budget.stalled(t.engine_key) for t in life.live_targets())
+            # `queued` counts this chunk: more means an earlier one of the room is queued there.
+            on_its_way = life.on_stalled_shard and (life.queued > 1 or life.submitting > 0)
+            life.on_stalled_shard = stalled or on_its_way
+            return life.on_stalled_shard
 
     def stop(self) -> None:
         self.stopped.set()
