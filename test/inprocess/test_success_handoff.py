@@ -77,9 +77,9 @@ def test_the_last_send_waits_behind_an_earlier_chunk_still_queued_for_its_shard(
     submitter = rig.service.submitter
     shard_may_go, real_submit = threading.Event(), submitter.submit
 
-    def held_submit(chunk):
+    def held_submit(chunk, **kw):
         assert shard_may_go.wait(WAIT_S)
-        real_submit(chunk)
+        real_submit(chunk, **kw)
 
     submitter.submit = held_submit
     rig.service.add_chunk(2, np.array(src[:4]), slice(0, 4), False)  # pass 1, chunk-wise
