@@ -122,7 +122,8 @@ def test_a_moved_rooms_later_chunks_wait_behind_its_held_one_and_are_dropped_wit
             rig.claim(ROOM_B)
             rig.send(ROOM_B, pages=[8], last=True)
             rig.wait_status(ROOM_B, S.SUCCESS)
-            assert posted == [(a, 2 * CHUNK_BYTES), (b.engine.key, CHUNK_BYTES)], "a chunk of the aborted room was posted"
+            assert posted == [(a, 2 * CHUNK_BYTES), (b.engine.key, CHUNK_BYTES)], (
+                "a chunk of the aborted room was posted")
             assert rig.sglang.acks_sent == []  # room A's posted chunk may still land
         finally:
             _resume(rig)

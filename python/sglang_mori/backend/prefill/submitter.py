@@ -3,10 +3,10 @@
 One queue and thread per shard (SGLANG_MORI_TRANSFER_SHARDS); a room always maps to the same
 shard, so its chunks are submitted in order. A room whose decode stalled moves on, from its shard,
 to one more shard thread for stalled decodes (in order too), so that a write held for a stalled
-decode's byte budget waits there and not in front of other decodes' chunks. A chunk is submitted between `begin_submit` and
-`end_submit` on its room (both under the registry lock): while a submitter works, the room counts
-as having writes outstanding, so an abort can never be ACKed between "room is live" and "its
-writes are tracked".
+decode's byte budget waits there and not in front of other decodes' chunks. A chunk is submitted
+between `begin_submit` and `end_submit` on its room (both under the registry lock): while a
+submitter works, the room counts as having writes outstanding, so an abort can never be ACKed
+between "room is live" and "its writes are tracked".
 """
 
 from __future__ import annotations
