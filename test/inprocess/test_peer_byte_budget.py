@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
-import sglang_mori.softio.faults as faults
 from sglang_mori.backend import room_status as S
 from sglang_mori.config import MoriConfig
 from sglang_mori.metrics import TransferMetrics
 
 from rig import BUFFERS, PAGE_BYTES, PrefillRig
+from stalled_lanes import FakeClock, open_room, record_posts, resume, stall
 
 CHUNK_BYTES = PAGE_BYTES * BUFFERS  # one page of every buffer
 BUDGET = 2 * CHUNK_BYTES  # two pages' writes may be in flight per peer
@@ -33,37 +33,8 @@ def _rig(budget=BUDGET, timeout_ms=30000, stall_ms=0):
     return rig
 
 
-def _count_posts(rig) -> list:
-    """The bytes of each write batch the prefill engine was asked to post, in order."""
-    posted = []
-    engine = rig.prefill.engine
-    real_write = engine.write
-
-    def write(peer_key, batch, **kw):
-        posted.append(batch.nbytes)
-        return real_write(peer_key, batch, **kw)
-
-    engine.write = write
-    return posted
-
-
-def _stall(rig):
-    for lane in (0, 1):
-        faults.stall_lane(rig.prefill.engine.engine, lane, rig.decode.engine.key)
-
-
-def _resume(rig):
-    faults.resume_lane(rig.prefill.engine.engine, None, rig.decode.engine.key)
-
-
 def _metric(rig, name) -> float:
     return rig.registry.get_sample_value(name, rig.parts.metrics.labels) or 0.0
-
-
-def _open(rig, room, pages):
-    rig.new_attempt(room)
-    rig.metadata(room, pages=pages)
-    rig.claim(room)
 
 
 def _budget(rig):
@@ -73,16 +44,16 @@ def _budget(rig):
 def test_held_chunks_of_an_aborted_room_are_dropped_and_the_next_room_goes_out_behind_what_was_posted():
     with _rig() as rig:
         rig.register()
-        posted = _count_posts(rig)
+        posted = record_posts(rig)
         budget = _budget(rig)
-        _stall(rig)
+        stall(rig)
         try:
-            _open(rig, 7, pages=[40, 41, 42, 43, 44])
+            open_room(rig, 7, pages=[40, 41, 42, 43, 44])
             rig.send(7, pages=[0, 1], last=False)  # posted: fills the budget
             rig.wait(lambda: posted == [2 * CHUNK_BYTES], "room 7's first chunk posted")
             rig.send(7, pages=[2, 3, 4], start=2, last=True)  # past the budget: held
             rig.wait(lambda: budget.holding == 1, "room 7's second chunk held")
-            _open(rig, 8, pages=[50])  # the retry of another request, to the same decode
+            open_room(rig, 8, pages=[50])  # the retry of another request, to the same decode
             rig.send(8, pages=[5], last=True)
             # Behind it on the stalled-decodes shard: not yet at the budget, not posted.
             rig.wait(lambda: rig.service.submitter.stalled_queue.qsize() == 1, "room 8's chunk queued behind it")
@@ -97,7 +68,7 @@ def test_held_chunks_of_an_aborted_room_are_dropped_and_the_next_room_goes_out_b
             # Room 7's posted chunk may still land: its abort waits for it, room 8 waits behind it.
             assert rig.sglang.acks_sent == [] and rig.sglang.status(8) != S.SUCCESS
         finally:
-            _resume(rig)
+            resume(rig)
         rig.wait_status(8, S.SUCCESS)
         assert posted == [2 * CHUNK_BYTES, CHUNK_BYTES]  # room 8 went out right after what was posted
         assert rig.decode.page(0, 50) == rig.prefill.page(0, 5)
@@ -116,11 +87,11 @@ def test_held_chunks_of_an_aborted_room_are_dropped_and_the_next_room_goes_out_b
 def test_a_room_succeeds_only_after_its_held_chunk_was_posted_and_finished():
     with _rig() as rig:
         rig.register()
-        posted = _count_posts(rig)
+        posted = record_posts(rig)
         budget = _budget(rig)
-        _stall(rig)
+        stall(rig)
         try:
-            _open(rig, 7, pages=[40, 41, 42])
+            open_room(rig, 7, pages=[40, 41, 42])
             rig.send(7, pages=[0, 1], last=False)
             rig.wait(lambda: posted == [2 * CHUNK_BYTES], "the first chunk posted")
             rig.send(7, pages=[2], start=2, last=True)
@@ -128,7 +99,7 @@ def test_a_room_succeeds_only_after_its_held_chunk_was_posted_and_finished():
             assert budget.posted_bytes(rig.decode.engine.key) == 2 * CHUNK_BYTES
             assert rig.sglang.status(7) == S.TRANSFERRING
         finally:
-            _resume(rig)
+            resume(rig)
         rig.wait_status(7, S.SUCCESS)
         assert posted == [2 * CHUNK_BYTES, CHUNK_BYTES]
         for b in range(BUFFERS):
@@ -143,14 +114,14 @@ def test_a_room_succeeds_only_after_its_held_chunk_was_posted_and_finished():
 def test_a_held_chunk_past_its_deadline_fails_its_room_without_being_posted():
     with _rig(timeout_ms=1500) as rig:
         rig.register()
-        posted = _count_posts(rig)
+        posted = record_posts(rig)
         budget = _budget(rig)
-        _stall(rig)
+        stall(rig)
         try:
-            _open(rig, 7, pages=[40, 41])
+            open_room(rig, 7, pages=[40, 41])
             rig.send(7, pages=[0, 1], last=True)
             rig.wait(lambda: posted == [2 * CHUNK_BYTES], "room 7 posted")
-            _open(rig, 8, pages=[50])
+            open_room(rig, 8, pages=[50])
             rig.send(8, pages=[5], last=True)
             rig.wait_status(8, S.FAILED)
             reason = rig.sglang.failure_records[8]
@@ -159,7 +130,7 @@ def test_a_held_chunk_past_its_deadline_fails_its_room_without_being_posted():
             assert _metric(rig, "sglang_mori_dropped_bytes_total") == CHUNK_BYTES
             assert budget.holding == 0
         finally:
-            _resume(rig)
+            resume(rig)
         rig.clear(7), rig.clear(8)
         rig.wait_idle()
         assert rig.decode.page(0, 50) == bytes(PAGE_BYTES)
@@ -170,16 +141,16 @@ def test_without_a_binding_budget_nothing_is_held(budget):
     """0 (no byte bound) and a budget above the load post every chunk at once, as before the budget."""
     with _rig(budget=budget) as rig:
         rig.register()
-        posted = _count_posts(rig)
-        _stall(rig)
+        posted = record_posts(rig)
+        stall(rig)
         try:
-            _open(rig, 7, pages=[40, 41, 42, 43, 44])
+            open_room(rig, 7, pages=[40, 41, 42, 43, 44])
             rig.send(7, pages=[0, 1], last=False)
             rig.send(7, pages=[2, 3, 4], start=2, last=True)
             rig.wait(lambda: posted == [2 * CHUNK_BYTES, 3 * CHUNK_BYTES], "both chunks posted")
             assert _budget(rig).holding == 0
         finally:
-            _resume(rig)
+            resume(rig)
         rig.wait_status(7, S.SUCCESS)
         assert _metric(rig, "sglang_mori_held_bytes_total") == 0
         rig.clear(7)
@@ -189,8 +160,8 @@ def test_without_a_binding_budget_nothing_is_held(budget):
 def test_a_chunk_larger_than_the_budget_is_posted_alone():
     with _rig(budget=CHUNK_BYTES) as rig:
         rig.register()
-        posted = _count_posts(rig)
-        _open(rig, 7, pages=list(range(40, 48)))
+        posted = record_posts(rig)
+        open_room(rig, 7, pages=list(range(40, 48)))
         rig.send(7, pages=np.arange(8), last=True)
         rig.wait_status(7, S.SUCCESS)
         assert posted == [8 * CHUNK_BYTES]
@@ -210,11 +181,11 @@ def test_a_held_layer_group_of_an_aborted_room_is_dropped():
                         peer_stall_ms=0)  # the budget binds from the first byte
     with PrefillRig(config, buffers=2 * layers, planner_class=LayerwisePlanner) as rig:
         rig.register()
-        posted = _count_posts(rig)
+        posted = record_posts(rig)
         budget = _budget(rig)
         session = rig.layerwise(group_size=1)
-        _open(rig, 9, pages=[50, 51, 52])
-        _stall(rig)
+        open_room(rig, 9, pages=[50, 51, 52])
+        stall(rig)
         try:
             batch = session.begin_batch(BatchView([ReqView(
                 room=9, prefix_len=0, extend_len=3, input_len=3, decode_prefix_len=0, start_send_idx=0,
@@ -232,20 +203,12 @@ def test_a_held_layer_group_of_an_aborted_room_is_dropped():
             assert posted == [group_bytes] and budget.holding == 0
             assert rig.sglang.acks_sent == []  # layer 0's write may still land
         finally:
-            _resume(rig)
+            resume(rig)
         rig.wait(lambda: rig.sglang.acks_sent, "the held ACK, once layer 0's write drained")
         for layer in range(1, layers):
             for buffer in (layer, layers + layer):
                 assert [rig.decode.page(buffer, p) for p in (50, 51, 52)] == [bytes(PAGE_BYTES)] * 3
         assert rig.decode.page(0, 50) == rig.prefill.page(0, 1)
-
-
-class FakeClock:
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self):
-        return self.now
 
 
 def test_the_budget_binds_only_once_the_peer_stopped_finishing_writes():
@@ -254,13 +217,13 @@ def test_the_budget_binds_only_once_the_peer_stopped_finishing_writes():
     the stall window, the next chunk is held, and it goes out when writes finish again."""
     with _rig(stall_ms=500) as rig:
         rig.register()
-        posted = _count_posts(rig)
+        posted = record_posts(rig)
         budget = _budget(rig)
         clock = FakeClock()
         budget.use_clock(clock)
-        _stall(rig)
+        stall(rig)
         try:
-            _open(rig, 7, pages=[40, 41, 42, 43, 44])
+            open_room(rig, 7, pages=[40, 41, 42, 43, 44])
             rig.send(7, pages=[0, 1], last=False)  # fills the budget
             rig.wait(lambda: posted == [2 * CHUNK_BYTES], "room 7's first chunk posted")
             clock.now += 0.1  # within the window: the peer is not known to be stalled
@@ -269,12 +232,12 @@ def test_the_budget_binds_only_once_the_peer_stopped_finishing_writes():
             assert budget.holding == 0 and not budget.stalled(rig.decode.engine.key)
             clock.now += 0.5  # nothing finished for the window: stalled
             assert budget.stalled(rig.decode.engine.key)
-            _open(rig, 8, pages=[50])
+            open_room(rig, 8, pages=[50])
             rig.send(8, pages=[5], last=True)
             rig.wait(lambda: budget.holding == 1, "room 8's chunk held toward the stalled peer")
             assert posted == [2 * CHUNK_BYTES, 3 * CHUNK_BYTES]
         finally:
-            _resume(rig)
+            resume(rig)
         rig.wait_status(8, S.SUCCESS)  # writes finished: progress, and the held chunk went out
         assert posted == [2 * CHUNK_BYTES, 3 * CHUNK_BYTES, CHUNK_BYTES]
         rig.wait_status(7, S.SUCCESS)

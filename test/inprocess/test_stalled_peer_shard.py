@@ -10,12 +10,12 @@ the service's own state, never a sleep.
 
 import numpy as np
 
-import sglang_mori.softio.faults as faults
 from sglang_mori import protocol
 from sglang_mori.backend import room_status as S
 from sglang_mori.config import MoriConfig
 
 from rig import BUFFERS, PAGE_BYTES, PrefillRig
+from stalled_lanes import FakeClock, open_room, record_posts, resume, stall
 
 CHUNK_BYTES = PAGE_BYTES * BUFFERS  # one page of every buffer
 SHARDS = 2
@@ -28,40 +28,11 @@ def _rig(stall_ms=0):
                                         max_inflight_bytes_per_peer=2 * CHUNK_BYTES, peer_stall_ms=stall_ms))
 
 
-def _record_posts(rig) -> list:
-    """(decode engine key, bytes) of each write batch the prefill engine was asked to post, in order."""
-    posted = []
-    engine = rig.prefill.engine
-    real_write = engine.write
-
-    def write(peer_key, batch, **kw):
-        posted.append((peer_key, batch.nbytes))
-        return real_write(peer_key, batch, **kw)
-
-    engine.write = write
-    return posted
-
-
-def _stall(rig):
-    for lane in (0, 1):
-        faults.stall_lane(rig.prefill.engine.engine, lane, rig.decode.engine.key)
-
-
-def _resume(rig):
-    faults.resume_lane(rig.prefill.engine.engine, None, rig.decode.engine.key)
-
-
-def _open_a(rig, room, pages):
-    rig.new_attempt(room)
-    rig.metadata(room, pages=pages)
-    rig.claim(room)
-
-
 def _hold_a_chunk_of_room_a(rig, posted):
     """Room A's first chunk posted toward the stalled decode A (filling its budget), its second held."""
     a = rig.decode.engine.key
     budget = rig.service.p.peers.budget
-    _open_a(rig, ROOM_A, pages=[40, 41, 42, 43, 44, 45])
+    open_room(rig, ROOM_A, pages=[40, 41, 42, 43, 44, 45])
     rig.send(ROOM_A, pages=[0, 1], last=False)
     rig.wait(lambda: posted == [(a, 2 * CHUNK_BYTES)], "room A's first chunk posted")
     rig.send(ROOM_A, pages=[2], start=2, last=False)
@@ -72,15 +43,13 @@ def test_a_healthy_decodes_room_on_the_held_rooms_shard_is_posted_and_succeeds_m
     with _rig() as rig:
         rig.register()
         b = rig.add_decode()
-        posted = _record_posts(rig)
+        posted = record_posts(rig, keyed=True)
         budget = rig.service.p.peers.budget
         a = rig.decode.engine.key
-        _stall(rig)
+        stall(rig)
         try:
             _hold_a_chunk_of_room_a(rig, posted)
-            b.new_attempt(ROOM_B)
-            b.metadata(ROOM_B, pages=[30, 31])
-            rig.claim(ROOM_B)
+            open_room(rig, ROOM_B, pages=[30, 31], decode=b)
             rig.send(ROOM_B, pages=[8, 9], last=True)
             rig.wait_status(ROOM_B, S.SUCCESS)
             assert budget.holding == 1 and posted == [(a, 2 * CHUNK_BYTES), (b.engine.key, 2 * CHUNK_BYTES)]
@@ -88,7 +57,7 @@ def test_a_healthy_decodes_room_on_the_held_rooms_shard_is_posted_and_succeeds_m
                 assert [b.page(buf, p) for p in (30, 31)] == [rig.prefill.page(buf, p) for p in (8, 9)]
             rig.send(ROOM_A, pages=[3, 4, 5], start=3, last=True)  # behind its held chunk, in order
         finally:
-            _resume(rig)
+            resume(rig)
         rig.wait_status(ROOM_A, S.SUCCESS)
         assert [n for key, n in posted if key == a] == [2 * CHUNK_BYTES, CHUNK_BYTES, 3 * CHUNK_BYTES]
         for buf in range(BUFFERS):
@@ -104,10 +73,10 @@ def test_a_moved_rooms_later_chunks_wait_behind_its_held_one_and_are_dropped_wit
     with _rig() as rig:
         rig.register()
         b = rig.add_decode()
-        posted = _record_posts(rig)
+        posted = record_posts(rig, keyed=True)
         budget = rig.service.p.peers.budget
         a = rig.decode.engine.key
-        _stall(rig)
+        stall(rig)
         try:
             _hold_a_chunk_of_room_a(rig, posted)
             rig.send(ROOM_A, pages=[3], start=3, last=False)
@@ -117,29 +86,19 @@ def test_a_moved_rooms_later_chunks_wait_behind_its_held_one_and_are_dropped_wit
             assert posted == [(a, 2 * CHUNK_BYTES)]
             rig.abort(ROOM_A)
             rig.wait(lambda: budget.holding == 0 and stalled_queue.qsize() == 0, "room A's chunks dropped")
-            b.new_attempt(ROOM_B)
-            b.metadata(ROOM_B, pages=[30])
-            rig.claim(ROOM_B)
+            open_room(rig, ROOM_B, pages=[30], decode=b)
             rig.send(ROOM_B, pages=[8], last=True)
             rig.wait_status(ROOM_B, S.SUCCESS)
             assert posted == [(a, 2 * CHUNK_BYTES), (b.engine.key, CHUNK_BYTES)], (
                 "a chunk of the aborted room was posted")
             assert rig.sglang.acks_sent == []  # room A's posted chunk may still land
         finally:
-            _resume(rig)
+            resume(rig)
         rig.wait(lambda: rig.sglang.acks_sent, "room A's abort ACK once its posted chunk finished")
         for buf in range(BUFFERS):
             assert [rig.decode.page(buf, p) for p in (42, 43, 44, 45)] == [bytes(PAGE_BYTES)] * 4
         rig.clear(ROOM_A), rig.clear(ROOM_B)
         rig.wait_idle()
-
-
-class FakeClock:
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self):
-        return self.now
 
 
 class ForwardThatOutlastsTheStallWindow:
@@ -159,14 +118,14 @@ def test_a_chunk_whose_decode_stalls_while_its_shard_prepares_it_moves_on_instea
     with _rig(stall_ms=500) as rig:
         rig.register()
         b = rig.add_decode()
-        posted = _record_posts(rig)
+        posted = record_posts(rig, keyed=True)
         budget = rig.service.p.peers.budget
         clock = FakeClock()
         budget.use_clock(clock)
         a = rig.decode.engine.key
-        _stall(rig)
+        stall(rig)
         try:
-            _open_a(rig, ROOM_A, pages=[40, 41, 42])
+            open_room(rig, ROOM_A, pages=[40, 41, 42])
             rig.send(ROOM_A, pages=[0, 1], last=False)
             rig.wait(lambda: posted == [(a, 2 * CHUNK_BYTES)], "room A's first chunk posted")
             clock.now += 0.1  # within the stall window when its shard takes the next chunk
@@ -174,15 +133,13 @@ def test_a_chunk_whose_decode_stalls_while_its_shard_prepares_it_moves_on_instea
                                   wait_event=ForwardThatOutlastsTheStallWindow(clock, 0.5))
             rig.wait(lambda: budget.holding == 1, "room A's last chunk held")
             assert budget.stalled(a)
-            b.new_attempt(ROOM_B)
-            b.metadata(ROOM_B, pages=[30])
-            rig.claim(ROOM_B)
+            open_room(rig, ROOM_B, pages=[30], decode=b)
             rig.send(ROOM_B, pages=[8], last=True)
             rig.wait_status(ROOM_B, S.SUCCESS)
             assert budget.holding == 1 and rig.sglang.status(ROOM_A) == S.TRANSFERRING
             assert [b.page(buf, 30) for buf in range(BUFFERS)] == [rig.prefill.page(buf, 8) for buf in range(BUFFERS)]
         finally:
-            _resume(rig)
+            resume(rig)
         rig.wait_status(ROOM_A, S.SUCCESS)
         assert posted == [(a, 2 * CHUNK_BYTES), (b.engine.key, CHUNK_BYTES), (a, CHUNK_BYTES)]
         for buf in range(BUFFERS):
@@ -196,14 +153,14 @@ def test_a_moved_room_comes_back_to_its_shard_once_its_decode_finishes_writes_ag
     """So that another decode stalling later cannot hold it on the stalled-decodes shard."""
     with _rig() as rig:
         rig.register()
-        posted = _record_posts(rig)
+        posted = record_posts(rig, keyed=True)
         budget = rig.service.p.peers.budget
         a = rig.decode.engine.key
-        _stall(rig)
+        stall(rig)
         try:
             _hold_a_chunk_of_room_a(rig, posted)
         finally:
-            _resume(rig)
+            resume(rig)
         rig.wait(lambda: len(posted) == 2 and budget.count(a) == 0, "room A's held chunk posted and finished")
         rig.send(ROOM_A, pages=[3, 4, 5], start=3, last=True)
         rig.wait_status(ROOM_A, S.SUCCESS)
