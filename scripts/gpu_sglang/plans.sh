@@ -109,6 +109,30 @@ tp_fp32_ieee() {
   for k in $W/kv_*; do echo "$k: $(cat $k/*/kv-*.jsonl 2>/dev/null | grep '"process"' | sort -u)"; done
 }
 
+# Session 15 (issue 27, SGLang's optimistic prefill: the forward starts before decode's
+# destinations arrive, and layer-wise joins the request to its stream when they do): the 8K
+# concurrency-1 TTFT of standalone, PD `auto` and PD `auto` with --optimistic-prefill-attempts 1 on
+# the prefill, two pairs side by side in both orders (GPUs 0->1, 2->3), traced.
+ttft8k_optimistic() {
+  PLAN_JSONS="$W/lat*/*.json"
+  python3 "$S/pd_latency.py" --out $W/latA --configs standalone,pd_auto,pd_auto_optimistic --gpu-base 0 --trace \
+    --lengths 8192 --concurrency 1 --requests-c1 12 --repeats 2 --tag latency_8k_opt_a --port-base 17000 > $W/latA.out 2>&1 & local a=$!
+  python3 "$S/pd_latency.py" --out $W/latB --configs pd_auto_optimistic,pd_auto,standalone --gpu-base 2 --trace \
+    --lengths 8192 --concurrency 1 --requests-c1 12 --repeats 2 --tag latency_8k_opt_b --port-base 18000 > $W/latB.out 2>&1 & local b=$!
+  wait $a $b
+}
+
+# Session 15: token identity with optimistic prefill, Llama GQA (GPUs 0->1) beside DeepSeek-shaped
+# MLA (GPUs 2->3): each its standalone, then chunk-wise, layer-wise and decode's radix cache with
+# --optimistic-prefill-attempts 1 on the prefill.
+identity_optimistic() {
+  python3 "$S/pd_identity.py" --model /tmp/gpu-llama --out $W/gqa --phases standalone,pd_optimistic,pd_lw_optimistic,pd_dcache_optimistic \
+    --gpus 2 --gpu-base 0 --deterministic --tag identity_optimistic_gqa --port-base 14000 > $W/gqa.out 2>&1 & local a=$!
+  python3 "$S/pd_identity.py" --model /tmp/gpu-mla --out $W/mla --phases standalone,pd_optimistic,pd_lw_optimistic \
+    --gpus 2 --gpu-base 2 --deterministic --tag identity_optimistic_mla --port-base 16000 > $W/mla.out 2>&1 & local b=$!
+  wait $a $b
+}
+
 run_plan() {
   local plan=$1
   rm -rf $W && mkdir -p $W
