@@ -16,6 +16,8 @@ that decodes each chunk and checks its pages:
   shm-poll   the same ring, no system call at all on the sender: the receiver looks at the ring
              every --poll-us while idle (its own CPU and up to that much latency, never the
              scheduler's)
+  none       the floor: the same header and page copy into private memory, no receiver (what
+             any Python of that size costs the sending thread at that rate on this host)
 
 Per chunk, on the sending (scheduler) side: the calling thread's CPU clock around the send
 (encode included), its wall time, and the CPU of the sender's other threads (libzmq's I/O thread;
@@ -34,6 +36,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import shutil
 import socket
 import struct
 import sys
@@ -128,6 +131,20 @@ class ShmRingSender:
         seq_cell[0] = self._seq  # published last (x86 keeps store order; a benchmark, not a product)
         if self._wake_fd >= 0:
             os.eventfd_write(self._wake_fd, 1)
+
+    def close(self) -> None:
+        pass
+
+
+class NullSender:
+    """The shm senders' Python work into private memory: the cost floor of any hand-off."""
+
+    def __init__(self, max_pages: int):
+        self._buf = memoryview(bytearray(HEADER.size + 8 * max_pages))
+
+    def send(self, room: int, pages: np.ndarray, is_last: bool, aux: int) -> None:
+        HEADER.pack_into(self._buf, 0, room, aux, time.monotonic_ns(), len(pages), is_last)
+        self._buf[HEADER.size:HEADER.size + pages.nbytes] = pages.view(np.uint8)
 
     def close(self) -> None:
         pass
@@ -299,7 +316,7 @@ def run_case(transport: str, pages_per_chunk: int, rate: float, count: int, seco
         address = f"ipc://{tmp}/chunks"
     elif transport == "seqpacket":
         address = os.path.join(tmp, "chunks.sock")
-    else:
+    elif transport != "none":
         from multiprocessing import shared_memory
 
         slot_bytes = (8 + HEADER.size + 8 * max_pages + 63) // 64 * 64
@@ -308,15 +325,19 @@ def run_case(transport: str, pages_per_chunk: int, rate: float, count: int, seco
         address = shm.name
         if transport == "shm-ring":
             wake_fd = os.eventfd(0, os.EFD_NONBLOCK)
-    proc = ctx.Process(target=_receiver_main,
-                       args=(transport, address, wake_fd, poll_s, max_pages, ready, child_conn),
-                       daemon=True)
-    proc.start()
+    proc = None
+    if transport != "none":
+        proc = ctx.Process(target=_receiver_main,
+                           args=(transport, address, wake_fd, poll_s, max_pages, ready, child_conn),
+                           daemon=True)
+        proc.start()
+        if not ready.wait(10):
+            proc.kill()
+            raise RuntimeError(f"{transport}: receiver did not start")
     child_conn.close()
-    if not ready.wait(10):
-        proc.kill()
-        raise RuntimeError(f"{transport}: receiver did not start")
-    if transport == "zmq":
+    if transport == "none":
+        sender = NullSender(max_pages)
+    elif transport == "zmq":
         sender = ZmqSender(address)
     elif transport == "seqpacket":
         for _ in range(200):  # the receiver binds then listens; connect once it does (bounded)
@@ -368,13 +389,17 @@ def run_case(transport: str, pages_per_chunk: int, rate: float, count: int, seco
         sent += 1
     tasks1 = _task_cpu_ns()
     elapsed = time.monotonic() - (measured_from if tasks0 else t0)
-    sender.send(END_ROOM, base[:1], False, sent)
-    result = parent_conn.recv() if parent_conn.poll(RECEIVER_IDLE_S + 5) else None
-    proc.join(10)
-    if proc.is_alive():  # bounded: end the receiver this case started
-        proc.kill()
-        proc.join(5)
+    if proc is None:
+        result = {"latencies_ns": [0] * sent, "errors": 0, "cpu_ns": 0}
+    else:
+        sender.send(END_ROOM, base[:1], False, sent)
+        result = parent_conn.recv() if parent_conn.poll(RECEIVER_IDLE_S + 5) else None
+        proc.join(10)
+        if proc.is_alive():  # bounded: end the receiver this case started
+            proc.kill()
+            proc.join(5)
     sender.close()
+    shutil.rmtree(tmp, ignore_errors=True)
     if shm is not None:
         del ring, sender
         shm.close()
@@ -387,7 +412,7 @@ def run_case(transport: str, pages_per_chunk: int, rate: float, count: int, seco
         other_ns = sum(tasks1.get(t, 0) - tasks0.get(t, 0) for t in tasks1 if t != main_tid)
     if result is None:
         raise RuntimeError(f"{transport}: receiver sent no result")
-    lat = np.array(result["latencies_ns"][warmup:], dtype=np.int64) / 1000.0
+    lat = np.array(result["latencies_ns"][warmup:] if proc else [], dtype=np.int64) / 1000.0
     return {
         "transport": transport,
         "pace": "spin" if spin and rate > 0 else ("sleep" if rate > 0 else "none"),
@@ -430,7 +455,7 @@ def measure_status_read(reads: int = 200_000) -> float:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--transports", default="zmq,seqpacket,shm-ring,shm-poll")
+    parser.add_argument("--transports", default="none,zmq,seqpacket,shm-ring,shm-poll")
     parser.add_argument("--poll-us", type=float, default=100.0, help="shm-poll's idle look interval")
     parser.add_argument("--pages", default="128,512,2048", help="KV pages per chunk (int64 each)")
     parser.add_argument("--rates", default="50,200,0", help="chunks/s; 0 = as fast as possible")
@@ -445,7 +470,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     transports = [t for t in args.transports.split(",") if t]
     for t in transports:
-        if t not in ("zmq", "seqpacket", "shm-ring", "shm-poll"):
+        if t not in ("none", "zmq", "seqpacket", "shm-ring", "shm-poll"):
             parser.error(f"unknown transport {t!r}")
     sizes = [int(p) for p in args.pages.split(",")]
     rates = [float(r) for r in args.rates.split(",")]
