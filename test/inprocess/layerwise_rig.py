@@ -85,13 +85,17 @@ class Geometry:
 class CountingMetrics(NullTransferMetrics):
     def __init__(self):
         self.layerwise = 0
+        self.late = 0  # optimistic requests that joined a forward's stream
         self.fallbacks: list = []
 
     def layerwise_writes(self, n: int = 1) -> None:
         self.layerwise += n
 
     def layerwise_fallback(self, reason: str, n: int = 1) -> None:
-        self.fallbacks.append(reason)
+        self.fallbacks.extend([reason] * n)
+
+    def layerwise_late_destinations(self, n: int = 1) -> None:
+        self.late += n
 
 
 class Rank:
