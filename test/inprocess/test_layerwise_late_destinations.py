@@ -241,3 +241,33 @@ def test_without_late_join_optimistic_requests_go_chunk_wise(rig):
     claim_pending(rig, 8)
     assert session.begin_batch(view(8, [1, 2], 0, 2, 2, pending_bootstrap=True)) is None
     assert rig.metrics.fallbacks == ["pending_bootstrap"]
+
+
+@pytest.mark.parametrize("decode_prefix, arrive_after", [(4, 1), (3, 2)])
+def test_decode_prefix_learnt_mid_forward_agrees_with_finalize(rig, decode_prefix, arrive_after):
+    """Decode holds the first `decode_prefix` tokens: its destinations start after them. The
+    joined stream skips them by the same value SGLang's finalize_bootstrap reads
+    (req_to_decode_prefix_len), so send() from start_send_idx = decode_prefix finds only the aux
+    data left, decode's pages of the prefix stay untouched, and every other page lands. (The
+    adapter hands SGLang the value by the same function, rooms.decode_prefix_len.)"""
+    session = rig.layerwise(group_size=1)
+    src, dst = list(range(10, 22)), list(range(30, 42))
+    claim_pending(rig, 9)
+    batch = session.begin_batch(view(9, src, 0, 12, 12, pending_bootstrap=True))
+    pool = rig.prefill.pool()
+    for layer in range(arrive_after):
+        session.on_layer(batch, pool, layer)
+    rig.service.control.on_metadata(rig.decode_service.record_destination(
+        bootstrap_room=9, required_dst_info_num=1, kv_indices=np.asarray(dst[decode_prefix:]), aux_index=1,
+        state_indices=None, decode_prefix_len=decode_prefix, is_dummy=False))
+    for layer in range(arrive_after, LAYERS):
+        session.on_layer(batch, pool, layer)
+    session.end_batch(batch)
+    assert rig.metrics.late == 1
+    (stream,) = batch.streams
+    assert (stream.rng.tok_lo, stream.dst_slice) == (decode_prefix, slice(0, 12 - decode_prefix))
+    # finalize_bootstrap: start_send_idx = decode_prefix; send() of the rest, index_slice from 0
+    session.add_chunk(9, np.array(src[decode_prefix:]), slice(0, 12 - decode_prefix), True, aux_index=2)
+    rig.wait_status(9, S.SUCCESS)
+    assert_bytes(rig, src[decode_prefix:], dst[decode_prefix:])
+    assert all(rig.decode.page(b, p) == bytes(256) for b in range(2 * LAYERS) for p in dst[:decode_prefix])
