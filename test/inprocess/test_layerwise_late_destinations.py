@@ -271,3 +271,27 @@ def test_decode_prefix_learnt_mid_forward_agrees_with_finalize(rig, decode_prefi
     rig.wait_status(9, S.SUCCESS)
     assert_bytes(rig, src[decode_prefix:], dst[decode_prefix:])
     assert all(rig.decode.page(b, p) == bytes(256) for b in range(2 * LAYERS) for p in dst[:decode_prefix])
+
+
+def test_a_later_pass_still_pending_joins_the_room_already_streaming(rig):
+    """Chunked prefill: pass 1 joined late; pass 2 was built before SGLang finalized the request
+    (still pending) and joins at its first hook; send() after finalize has only the aux left."""
+    session = rig.layerwise(group_size=1)
+    src, dst = list(range(40, 52)), list(range(50, 62))
+    claim_pending(rig, 10)
+    pool = rig.prefill.pool()
+    b1 = session.begin_batch(view(10, src, 0, 6, 12, pending_bootstrap=True))
+    session.on_layer(b1, pool, 0)
+    destinations(rig, 10, dst)
+    for layer in range(1, LAYERS):
+        session.on_layer(b1, pool, layer)
+    session.end_batch(b1)
+    b2 = session.begin_batch(view(10, src, 6, 6, 12, pending_bootstrap=True))
+    for layer in range(LAYERS):
+        session.on_layer(b2, pool, layer)
+    session.end_batch(b2)
+    assert (rig.metrics.late, rig.metrics.fallbacks) == (2, [])
+    assert [s.dst_slice for s in b1.streams + b2.streams] == [slice(0, 6), slice(6, 12)]
+    finalize_and_send(rig, session, 10, src)
+    rig.wait_status(10, S.SUCCESS)
+    assert_bytes(rig, src, dst)

@@ -44,6 +44,8 @@ from sglang_mori.backend.prefill.rooms import Phase, PrefillRoom, decode_prefix_
 
 logger = logging.getLogger(__name__)
 
+TAKES_WRITES = (Phase.READY, Phase.SUBMITTING)
+
 
 def group_ends(layers: int) -> frozenset:
     """Halving groups: after how many layers of a forward a group is written. The first group is
@@ -192,12 +194,11 @@ class LayerwiseSession:
                            page_size=page_size, decode_prefix_len=0, already_sent=0)
         if rng is None:
             return None  # no whole page completes in this pass: nothing to stream either way
-        waiting.append(LateRoom(rq, life, page_size, rng.tok_lo, source_pages(rq.row, rng.tok_lo, rng.tok_hi, page_size)))
+        src = source_pages(rq.row, rng.tok_lo, rng.tok_hi, page_size)
+        waiting.append(LateRoom(rq, life, page_size, rng.tok_lo, src))
         return None
 
     def _open_stream(self, rq: ReqView, page_size: int, streams: List[RoomStream]) -> Optional[str]:
-        if rq.pending_bootstrap:
-            return "pending_bootstrap"
         if rq.extend_len < self.min_tokens:
             return "below_min_tokens"
         if rq.decode_prefix_len % page_size:
@@ -205,7 +206,7 @@ class LayerwiseSession:
         p = self.p
         with p.rooms.lock:
             life = p.rooms.get(rq.room)
-            if (life is None or not life.claimed or life.phase not in (Phase.READY, Phase.SUBMITTING)
+            if (life is None or not life.claimed or life.phase not in TAKES_WRITES
                     or any(t.reject_reason for t in life.targets.values())):
                 return "not_ready"
             refusal = next(filter(None, map(p.planner.stream_refusal, life.targets)), None)
@@ -269,15 +270,18 @@ class LayerwiseSession:
         """None: not yet (wait for a later layer); "": joined, or nothing left to stream; else the
         fallback reason (the request goes chunk-wise)."""
         p, life, rq = self.p, late.life, late.view
-        if life.phase is not Phase.READY:  # read unlocked: the usual answer while decode's message travels
+        # SUBMITTING: an earlier pass of this request joined (SGLang finalizes it at its next
+        # poll, so a later pass is rarely still pending; it may be if a batch was built first).
+        if life.phase not in TAKES_WRITES:  # read unlocked: the usual answer while decode's message travels
             return "pending_bootstrap" if life.concluded else None
         if p.sglang.status(rq.room) != room_status.WAITING_FOR_INPUT:
             return None  # SGLang cannot see the destinations yet (published right after READY)
         page_size = late.page_size
         with p.rooms.lock:
-            if (life.phase is not Phase.READY or not life.claimed
-                    or any(t.reject_reason for t in life.targets.values())):
+            if life.phase not in TAKES_WRITES or not life.claimed:
                 return None
+            if any(t.reject_reason for t in life.targets.values()):
+                return "not_ready"  # a destination this rank refused: the room fails, nothing streams
             refusal = next(filter(None, map(p.planner.stream_refusal, life.targets)), None)
             if refusal:
                 return refusal
