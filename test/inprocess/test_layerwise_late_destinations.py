@@ -21,6 +21,7 @@ from sglang_mori.softio.write_log import enable_write_log, get_write_log
 from layerwise_rig import CountingMetrics
 from rig import PrefillRig
 from test_layerwise import LAYERS, assert_bytes, view
+from test_layerwise_layouts import stub_sender_module  # noqa: F401 (a fixture)
 
 
 @pytest.fixture
@@ -295,3 +296,37 @@ def test_a_later_pass_still_pending_joins_the_room_already_streaming(rig):
     finalize_and_send(rig, session, 10, src)
     rig.wait_status(10, S.SUCCESS)
     assert_bytes(rig, src, dst)
+
+
+# Real page sizes and both pool kinds, through hooks.py's AROUND hooks (SGLang's Req carries
+# `pending_bootstrap`): destinations arrive after layer 1 of 4; decode may hold a prefix.
+LATE_CASES = [("mha", 16, 0), ("mha", 16, 32), ("mla", 64, 64), ("mla", 1, 0)]
+
+
+@pytest.mark.parametrize("pool, page, decode_prefix", LATE_CASES)
+def test_late_destinations_through_the_hooks_land_byte_exact(pool, page, decode_prefix, stub_sender_module):
+    from types import SimpleNamespace
+
+    from layerwise_rig import Geometry, LayerwiseRig
+    from sglang_mori.backend.prefill.layerwise.session import ReqView
+
+    tokens = 3 * 64 + 5
+    geometry = Geometry(is_mla=pool == "mla", layers=LAYERS, page_size=page, pages=2 * (tokens // page + 1) + 2)
+    with LayerwiseRig(geometry, group_size=1, via_hooks=True) as lw:
+        (p,) = lw.prefills
+        req = lw.request(21, tokens, decode_prefix=decode_prefix)
+        lw.claim_pending(req)
+        # SGLang leaves decode's prefix and start_send_idx at 0 until finalize_bootstrap
+        pending = ReqView(room=21, prefix_len=0, extend_len=tokens, input_len=tokens, decode_prefix_len=0,
+                          start_send_idx=0, row=req.row, pending_bootstrap=True)
+        batch = lw.run_batch_through_hooks(p, [pending], range(LAYERS),
+                                           after_layer=lambda layer: layer == 1 and lw.destinations(p, req, 0))
+        lw.wait(lambda: batch.done.is_set(), "the worker finished the batch")
+        assert p.metrics.late == 1 and p.metrics.fallbacks == []
+        assert p.sglang.status(21) == S.WAITING_FOR_INPUT
+        # finalize_bootstrap: start_send_idx = decode's prefix; then send() of the last chunk
+        lw._send(p, req, SimpleNamespace(start_send=decode_prefix, curr_idx=0), tokens, True, 0)
+        lw.wait_success(21)
+        assert lw.mismatches(req) == []
+        assert lw.write_counts_off(req) == []  # every page once, decode's prefix never
+        assert lw.streamed_pages(p, req) == set(range(decode_prefix // page, tokens // page))
