@@ -1,5 +1,5 @@
 """Optimistic prefill (`--optimistic-prefill-attempts 1` on the prefill server) with real SGLang
-servers on CPU, our backend on softio, layer-wise streaming on.
+servers on CPU, our backend on softio, layer-wise streaming on, then chunk-wise.
 
 With the flag, SGLang admits a request whose decode has not sent its destinations yet
 (KVPoll.Bootstrapping) into a prefill batch with `req.pending_bootstrap`; its KV is sent once the
@@ -37,12 +37,12 @@ BOOTSTRAP_TIMEOUT_S = 20
 OPTIMISTIC = re.compile(r"#optimistic-req: (\d+)")
 
 
-@pytest.fixture(scope="module")
-def optimistic_pd(e2e_backend, server_options, reference_server, reference_ports, tmp_path_factory,
+@pytest.fixture(scope="module", params=["on", "off"], ids=["layerwise", "chunkwise"])
+def optimistic_pd(request, e2e_backend, server_options, reference_server, reference_ports, tmp_path_factory,
                   active_deployments):
-    log_dir = tmp_path_factory.mktemp("optimistic-logs")
+    log_dir = tmp_path_factory.mktemp(f"optimistic-{request.param}-logs")
     env = {
-        "SGLANG_MORI_LAYERWISE": "on",
+        "SGLANG_MORI_LAYERWISE": request.param,
         "SGLANG_MORI_LAYERWISE_MIN_TOKENS": "1",
         "SGLANG_MORI_LAYERWISE_MIN_BATCH_TOKENS": "0",
         # A request whose destinations never come fails after this (SGLang's bootstrap timeout).
@@ -56,6 +56,7 @@ def optimistic_pd(e2e_backend, server_options, reference_server, reference_ports
     opts = dataclasses.replace(server_options, extra_args=["--enable-metrics"], prefill_overlap=True,
                                prefill_extra_args=["--optimistic-prefill-attempts", "1"])
     pd = PDDeployment(opts, e2e_backend, log_dir, ports=reference_ports, env=env)
+    pd.layerwise = request.param
     active_deployments.append(pd)
     try:
         pd.start()
@@ -88,10 +89,13 @@ def test_optimistic_outputs_match_standalone(standalone, optimistic_pd):
     print(f"\nbatches with optimistic requests: {taken}; late destinations joined: {late}; "
           f"pending_bootstrap fallbacks: {pending}")
     assert taken > 0, "no prefill batch ran a request before its destinations arrived"
-    # Destinations that arrived mid-forward were streamed from there (SGLang still saw
-    # WaitingForInput until its finalize_bootstrap: it raises on any other state there).
-    assert late > 0, "no optimistic request joined the layer-wise stream mid-forward"
     assert "Unexpected poll state" not in optimistic_pd.log_text("prefill")
+    if optimistic_pd.layerwise == "on":
+        # Destinations that arrived mid-forward were streamed from there (SGLang still saw
+        # WaitingForInput until its finalize_bootstrap: it raises on any other state there).
+        assert late > 0, "no optimistic request joined the layer-wise stream mid-forward"
+    else:
+        assert late == 0 and pending == 0  # chunk-wise: no layer-wise session at all
 
 
 def test_request_whose_decode_never_answers_fails_with_its_cause(standalone, optimistic_pd):
