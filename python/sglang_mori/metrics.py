@@ -135,6 +135,11 @@ class _Collectors:
         self.layerwise_fallbacks = Counter(
             PREFIX + "layerwise_fallbacks", "Requests or batches of a layer-wise deployment sent chunk-wise "
             "instead, by reason.", RANK_LABELS + ("reason",), **kw)
+        self.layerwise_late = Counter(
+            PREFIX + "layerwise_late_destinations", "Requests of an optimistic prefill (SGLang's "
+            "--optimistic-prefill-attempts) whose decode destinations arrived during their forward and "
+            "that joined its layer-wise stream there (catch-up writes for the layers already computed).",
+            RANK_LABELS, **kw)
         self.held_bytes = Counter(
             PREFIX + "held_bytes", "Bytes of KV writes held back by a decode peer's byte budget "
             "(SGLANG_MORI_MAX_INFLIGHT_BYTES_PER_PEER) before they were posted or dropped.", RANK_LABELS, **kw)
@@ -187,6 +192,7 @@ class TransferMetrics:
             self._c.transfers.labels(*self._labels, outcome)
             self._c.requests.labels(*self._labels, outcome)
         self._c.held_bytes.labels(*self._labels)
+        self._c.layerwise_late.labels(*self._labels)
         self._c.dropped_bytes.labels(*self._labels)
 
     @property
@@ -250,6 +256,10 @@ class TransferMetrics:
         label = reason if reason in LAYERWISE_FALLBACK_REASONS else "other"
         if n > 0:
             self._c.layerwise_fallbacks.labels(*self._labels, label).inc(n)
+
+    def layerwise_late_destinations(self, n: int = 1) -> None:
+        if n > 0:
+            self._c.layerwise_late.labels(*self._labels).inc(n)
 
     # ---- queues and peers --------------------------------------------------------------------
     def set_queue_depth(self, n: int) -> None:
@@ -321,6 +331,9 @@ class NullTransferMetrics:
         pass
 
     def layerwise_fallback(self, reason: str, n: int = 1) -> None:
+        pass
+
+    def layerwise_late_destinations(self, n: int = 1) -> None:
         pass
 
     def set_queue_depth(self, n: int) -> None:

@@ -11,6 +11,9 @@ Phases (--phases, comma-separated; each runs every prompt at concurrency 1, then
   pd_lw_nograph    pd_lw with the prefill CUDA graph disabled on the prefill server
   pd_dcache        pd with decode's radix cache on (--disaggregation-decode-enable-radix-cache), so
                    prompts sharing a prefix with an earlier one are sent only past decode's cached part
+  <pd phase>_optimistic  that phase with --optimistic-prefill-attempts 1 on the prefill server
+                   (SGLang runs a request's forward before decode's destinations arrive; with pd_lw
+                   the request joins the layer-wise stream when they do), e.g. pd_lw_optimistic
 Results: OUT/pd_identity.json (per phase: outputs' digest, mismatches vs standalone, start-up times,
 our metrics from both servers); OUT/logs/*.log.
 """
@@ -31,6 +34,8 @@ import kv_hash
 from servers import PDClient, Server, generate, record_failure, sampling, server_argv
 
 CHUNK = 1024  # --chunked-prefill-size: prompts up to 3x this are prefilled (and sent) in chunks
+OPTIMISTIC = "_optimistic"  # phase suffix: optimistic prefill on the prefill server
+OPTIMISTIC_FLAGS = ["--optimistic-prefill-attempts", "1"]
 LAYERWISE_ENV = {"SGLANG_MORI_LAYERWISE": "on", "SGLANG_MORI_LAYERWISE_MIN_TOKENS": "16",
                  "SGLANG_MORI_LAYERWISE_MIN_BATCH_TOKENS": "16"}
 
@@ -119,18 +124,21 @@ def run_phase(name: str, args, items: List[Dict], logs: Path, ports: List[int]) 
             srv.wait_ready(args.start_timeout)
             send = lambda body: generate(srv.url, body)  # noqa: E731
         else:
+            base_phase = name.removesuffix(OPTIMISTIC)  # what the servers run, the flag aside
             penv = dict(env, SGLANG_MORI_ENGINE="soft")
-            if name.startswith("pd_lw"):
+            if base_phase.startswith("pd_lw"):
                 penv.update(LAYERWISE_ENV)
             if args.kv_hash:
                 penv.update(kv_hash_env(args, name))
             boot = ports[2]
             pextra = ["--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "mori",
                       "--disaggregation-bootstrap-port", str(boot)]
-            if name == "pd_lw_nograph":
+            if base_phase == "pd_lw_nograph":
                 pextra += ["--cuda-graph-backend-prefill", "disabled"]
+            if name.endswith(OPTIMISTIC):
+                pextra += OPTIMISTIC_FLAGS
             dextra = ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "mori"]
-            if name == "pd_dcache":
+            if base_phase == "pd_dcache":
                 dextra.append("--disaggregation-decode-enable-radix-cache")
             pre = Server(f"{name}-prefill", server_argv(model, ports[0], base, args.mem, pextra + flags, tp=tp),
                          penv, logs, ports[0])

@@ -39,6 +39,31 @@ VARIANT_ENV = {
     "_threadreads": {"SGLANG_MORI_POLL_READS": "0"},
     "_kernelonly": {"SGLANG_MORI_SOFTIO_CE_MIN_BYTES": "0"},
 }
+# Variants that add server flags to the PREFILL server only: pd_<mode>_optimistic lets SGLang run a
+# request's forward before decode's destinations arrive (optimistic prefill; layer-wise streams it
+# from the hook that sees them, docs/tuning.md).
+VARIANT_PREFILL_FLAGS = {
+    "_optimistic": ["--optimistic-prefill-attempts", "1"],
+}
+
+
+def split_variants(mode: str):
+    """'auto_optimistic' -> ('auto', {env}, [prefill flags]); suffixes combine in any order."""
+    env: Dict[str, str] = {}
+    flags: List[str] = []
+    stripped = True
+    while stripped:
+        stripped = False
+        for suffix, extra in VARIANT_ENV.items():
+            if mode.endswith(suffix):
+                mode, stripped = mode.removesuffix(suffix), True
+                env.update(extra)
+        for suffix, extra in VARIANT_PREFILL_FLAGS.items():
+            if mode.endswith(suffix):
+                mode, stripped = mode.removesuffix(suffix), True
+                flags += extra
+    return mode, env, flags
+
 
 def write_model(path: Path, layers: int) -> str:
     path.mkdir(parents=True, exist_ok=True)
@@ -102,18 +127,16 @@ def run_config(name: str, args, logs: Path, ports: List[int]) -> Dict:
             srv.wait_ready(args.start_timeout)
             send = lambda body: generate_stream(srv.url, body)  # noqa: E731
         else:
-            # pd_<layerwise mode>[_<variant>]: a variant sets VARIANT_ENV's variables on both servers
-            mode = name.split("_", 1)[1]
-            penv = dict(env, SGLANG_MORI_ENGINE="soft")
-            for suffix, extra in VARIANT_ENV.items():
-                if mode.endswith(suffix):
-                    mode = mode.removesuffix(suffix)
-                    penv.update(extra)
+            # pd_<layerwise mode>[_<variant>...]: VARIANT_ENV's variables on both servers,
+            # VARIANT_PREFILL_FLAGS' flags on the prefill server
+            mode, variant_env, prefill_flags = split_variants(name.split("_", 1)[1])
+            penv = dict(env, SGLANG_MORI_ENGINE="soft", **variant_env)
             penv["SGLANG_MORI_LAYERWISE"] = mode
+            result["variant"] = {"env": variant_env, "prefill_flags": prefill_flags}
             boot = ports[2]
             pre = Server(f"{name}-prefill", server_argv(args.model, ports[0], g, args.mem, [
                 "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "mori",
-                "--disaggregation-bootstrap-port", str(boot)] + dummy), penv, logs, ports[0])
+                "--disaggregation-bootstrap-port", str(boot)] + prefill_flags + dummy), penv, logs, ports[0])
             dec = Server(f"{name}-decode", server_argv(args.model, ports[1], g + 1, args.mem, [
                 "--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "mori"] + dummy),
                 penv, logs, ports[1])

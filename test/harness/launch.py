@@ -48,6 +48,8 @@ class ServerOptions:
     extra_args: List[str] = field(default_factory=list)
     # Run the prefill with SGLang's overlap scheduler; needs CPU_HOOKS on the servers' PYTHONPATH.
     prefill_overlap: bool = False
+    # Flags for the prefill server only (e.g. --optimistic-prefill-attempts 1).
+    prefill_extra_args: List[str] = field(default_factory=list)
 
 
 # Ports we hand out: above SGLang's own pick range for internal ports (22000-29999, see
@@ -164,7 +166,7 @@ def prefill_argv(opts: ServerOptions, port: int, bootstrap_port: int, backend: s
         # The overlap scheduler records a torch.cuda.Event on a radix-cache prefix hit (prefill.py,
         # maybe_send_cached_prefix_chunk), which fails without CUDA; CPU_HOOKS makes it run on CPU.
         "--disable-overlap-schedule",
-    ])
+    ]) + list(opts.prefill_extra_args)
 
 
 def decode_argv(opts: ServerOptions, port: int, backend: str, host: str = HOST) -> List[str]:

@@ -85,13 +85,17 @@ class Geometry:
 class CountingMetrics(NullTransferMetrics):
     def __init__(self):
         self.layerwise = 0
+        self.late = 0  # optimistic requests that joined a forward's stream
         self.fallbacks: list = []
 
     def layerwise_writes(self, n: int = 1) -> None:
         self.layerwise += n
 
     def layerwise_fallback(self, reason: str, n: int = 1) -> None:
-        self.fallbacks.append(reason)
+        self.fallbacks.extend([reason] * n)
+
+    def layerwise_late_destinations(self, n: int = 1) -> None:
+        self.late += n
 
 
 class Rank:
@@ -292,14 +296,28 @@ class LayerwiseRig:
             d.sglang.open(req.room)
             d.service.new_receiver(req.room)
         for p in self.prefills:
-            decodes = self.paired_decodes(p)
-            for d in decodes:
-                p.service.control.on_metadata(d.service.record_destination(
-                    bootstrap_room=req.room, required_dst_info_num=len(decodes),
-                    kv_indices=req.dst_pages[req.first_page:], aux_index=aux_index, state_indices=None,
-                    decode_prefix_len=req.decode_prefix or None, is_dummy=self.is_dummy(p)))
+            self.destinations(p, req, aux_index)
             p.sglang.open(req.room)
             assert p.service.claim(req.room) is None
+
+    def claim_pending(self, req: Request) -> None:
+        """Decode's receivers start and every prefill rank claims; no destinations yet (what SGLang's
+        optimistic prefill runs a forward on: `destinations` comes later)."""
+        for d in self.decodes:
+            d.sglang.open(req.room)
+            d.service.new_receiver(req.room)
+        for p in self.prefills:
+            p.sglang.open(req.room)
+            assert p.service.claim(req.room) is None
+
+    def destinations(self, p: PrefillRank, req: Request, aux_index: int = 1) -> None:
+        """Every decode rank paired with prefill rank `p` sends it the request's destinations."""
+        decodes = self.paired_decodes(p)
+        for d in decodes:
+            p.service.control.on_metadata(d.service.record_destination(
+                bootstrap_room=req.room, required_dst_info_num=len(decodes),
+                kv_indices=req.dst_pages[req.first_page:], aux_index=aux_index, state_indices=None,
+                decode_prefix_len=req.decode_prefix or None, is_dummy=self.is_dummy(p)))
 
     # --- through hooks.py ------------------------------------------------------------------------
     def scheduler(self, p: PrefillRank) -> SimpleNamespace:
@@ -309,9 +327,10 @@ class LayerwiseRig:
             token_to_kv_pool_allocator=SimpleNamespace(page_size=self.g.page_size, get_kvcache=p.pool),
             req_to_token_pool=SimpleNamespace(req_to_token=self.req_to_token))
 
-    def run_batch_through_hooks(self, p: PrefillRank, views, layers):
+    def run_batch_through_hooks(self, p: PrefillRank, views, layers, after_layer=None):
         """One extend batch through `around_run_batch`, whose forward calls
-        `around_attention_forward` after each layer; the published LayerBatch, or None."""
+        `around_attention_forward` after each layer (then `after_layer(layer)`, if given); the
+        published LayerBatch, or None."""
         from sglang_mori.backend.prefill.layerwise import hooks
 
         sender_class = mori_sender_class()
@@ -319,7 +338,7 @@ class LayerwiseRig:
         reqs = [SimpleNamespace(
             disagg_kv_sender=object.__new__(sender_class), kv=SimpleNamespace(req_pool_idx=v.room),
             bootstrap_room=v.room, origin_input_ids=range(v.input_len), disagg_decode_prefix_len=v.decode_prefix_len,
-            start_send_idx=v.start_send_idx, pending_bootstrap=False) for v in views]
+            start_send_idx=v.start_send_idx, pending_bootstrap=v.pending_bootstrap) for v in views]
         batch = SimpleNamespace(forward_mode=extend, spec_algorithm=None, tbo_split_seq_index=None, reqs=reqs,
                                 prefix_lens=[v.prefix_len for v in views], extend_lens=[v.extend_len for v in views])
         backend = SimpleNamespace()  # no pool of its own: the hook uses the scheduler's
@@ -335,6 +354,8 @@ class LayerwiseRig:
             for layer in layers:
                 hooks.around_attention_forward(attention, backend, q, None, None, SimpleNamespace(layer_id=layer),
                                                SimpleNamespace(forward_mode=extend))
+                if after_layer is not None:
+                    after_layer(layer)
             return "forward result"
 
         assert hooks.around_run_batch(forward, self.scheduler(p), batch) == "forward result"

@@ -12,6 +12,7 @@ from typing import Dict, Optional
 
 from sglang_mori.backend import room_status
 from sglang_mori.backend import sglang_compat as compat
+from sglang_mori.backend.prefill.rooms import decode_prefix_len
 
 
 class SGLangAdapter:
@@ -71,9 +72,7 @@ class SGLangAdapter:
         mgr = self._mgr
         mgr.transfer_infos[room] = dict(targets)
         mgr.resolve_kv_replica_factor(mgr.transfer_infos[room])
-        mgr.req_to_decode_prefix_len[room] = next(
-            (t.decode_prefix_len for t in targets.values() if t.decode_prefix_len), 0
-        )
+        mgr.req_to_decode_prefix_len[room] = decode_prefix_len(targets.values())
         mgr.update_status(room, room_status.WAITING_FOR_INPUT)
 
     def check_peer_aux_buffer_count(self, peer: str, count: int) -> None:

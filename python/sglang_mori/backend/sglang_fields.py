@@ -116,11 +116,13 @@ class Deployment:
     staging: bool = False
     kv_shard_size: int = 1
     two_batch_overlap: bool = False
+    attn_tp_size: int = 1
 
 
 def deployment(mgr) -> Deployment:
     return Deployment(
         pp_size=int(mgr.pp_size or 1), attn_cp_size=int(mgr.attn_cp_size or 1),
+        attn_tp_size=int(mgr.attn_tp_size or 1),
         staging=bool(getattr(mgr, "enable_staging", False)),  # see sglang_manifest.OPTIONAL
         kv_shard_size=int(mgr.kv_shard_size or 1),
         two_batch_overlap=bool(mgr.server_args.enable_two_batch_overlap),

@@ -101,6 +101,14 @@ class RoomTarget:
         return (self.endpoint, self.dst_port)
 
 
+def decode_prefix_len(targets) -> int:
+    """The decode prefix of a room (tokens decode holds already; its `kv_indices` start after
+    them): the first non-zero one among its destinations, else 0. SGLang reads the same value at
+    `finalize_bootstrap` (`pop_decode_prefix_len`, published by `publish_destinations`), so what
+    layer-wise streams before that agrees with the `send()` after it."""
+    return next((t.decode_prefix_len for t in targets if t.decode_prefix_len), 0)
+
+
 @dataclass
 class TrackedWrite:
     handle: object  # engine.TransferHandle
@@ -443,14 +451,17 @@ class PrefillRoomRegistry:
         if self.owns_sglang_state(r):
             fx.outstanding[r.room] = r.outstanding()
 
-    def begin_submit(self, r: PrefillRoom, fx: Effects) -> bool:
+    def begin_submit(self, r: PrefillRoom, fx: Effects, *, transferring: bool = True) -> bool:
         """A submitter takes a submit token on `r`; False (nothing changes) unless it takes writes.
-        The first one moves SGLang's status to Transferring."""
+        The first one moves SGLang's status to Transferring, unless `transferring` is False: a
+        request SGLang still holds as `pending_bootstrap` (optimistic prefill) must poll
+        WaitingForInput until its `finalize_bootstrap` (SGLang 0.5.23's handle_pending_bootstrap
+        raises on any other state), and it then treats Transferring and WaitingForInput alike."""
         first = r.phase is Phase.READY
         if not r.begin_submit():
             return False
         self._publish_outstanding(r, fx)
-        if first:
+        if first and transferring:
             fx.statuses.append((r.room, room_status.TRANSFERRING))
         return True
 

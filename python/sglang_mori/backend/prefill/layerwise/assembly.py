@@ -53,9 +53,11 @@ def build_session(deployment, kv_data_ptrs, parts, service, layout) -> Optional[
     buffer_map = LayerBufferMap(list(kv_data_ptrs), layout.num_draft_entries, layout.is_mla)
     session = LayerwiseSession(parts, service, buffer_map, group_size=cfg.layerwise_group,
                                min_tokens=cfg.layerwise_min_tokens,
-                               min_batch_tokens=cfg.layerwise_min_batch_tokens)
+                               min_batch_tokens=cfg.layerwise_min_batch_tokens,
+                               late_join=deployment.attn_tp_size == 1)
     logger.info("sglang-mori: layer-wise streaming on (%s, groups: %s, min %d new tokens per request, "
-                "%d per batch)", "MLA" if layout.is_mla else "MHA",
+                "%d per batch; optimistic requests %s)", "MLA" if layout.is_mla else "MHA",
                 f"{cfg.layerwise_group} layers" if cfg.layerwise_group else "halving",
-                cfg.layerwise_min_tokens, cfg.layerwise_min_batch_tokens)
+                cfg.layerwise_min_tokens, cfg.layerwise_min_batch_tokens,
+                "join mid-forward" if session.late_join else "go chunk-wise (attention TP > 1)")
     return session

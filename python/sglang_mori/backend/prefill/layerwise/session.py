@@ -7,7 +7,11 @@ Driven by the scheduler thread through hooks.py (and directly by tests, with pla
   submit token on the room (`begin_submit` under `parts.rooms.lock`); returns the `LayerBatch`
   or None (the batch goes chunk-wise; the reason is counted);
 - `on_layer(batch, pool, layer_id, event)` after each attention layer: maps the layer to its
-  registered buffers (mapping.py) and hands every `group_size` layers to the worker;
+  registered buffers (mapping.py) and hands every `group_size` layers to the worker; a request
+  that began the forward still waiting for decode's destinations (SGLang's optimistic prefill,
+  `pending_bootstrap`) joins at the first hook that finds its room READY and SGLang's status
+  WaitingForInput: a catch-up write of the layers already handed off, then the rest as usual
+  (`_join_late`; nothing to check while no request waits);
 - `end_batch(batch)` after the forward: the last group, the coverage of each stream (exactly the
   layers handed to the worker), and the batch's end marker (the worker gives the tokens back);
 - `add_chunk(...)` for SGLang's `send()`: submits only what was not streamed;
@@ -28,14 +32,19 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
+import numpy as np
+
+from sglang_mori.backend import room_status
 from sglang_mori.backend.prefill.failures import CHECKPOINT_HAZARD_TIMEOUT, TIMEOUT
 from sglang_mori.backend.prefill.layerwise.mapping import LayerBufferMap
 from sglang_mori.backend.prefill.layerwise.planner import selected_chunk
 from sglang_mori.backend.prefill.layerwise.ranges import Coverage, source_pages, stream_range
 from sglang_mori.backend.prefill.layerwise.worker import LayerBatch, LayerWorker, RoomStream
-from sglang_mori.backend.prefill.rooms import Phase, PrefillRoom
+from sglang_mori.backend.prefill.rooms import Phase, PrefillRoom, decode_prefix_len
 
 logger = logging.getLogger(__name__)
+
+TAKES_WRITES = (Phase.READY, Phase.SUBMITTING)
 
 
 def group_ends(layers: int) -> frozenset:
@@ -89,9 +98,21 @@ class RoomRecord:
         return bool(self.life.unfinished()) or self.life.submitting > 0 or self.pending_batches > 0
 
 
+@dataclass(eq=False)
+class LateRoom:
+    """A request of a published batch whose destinations were not known when the forward began
+    (SGLang's `pending_bootstrap`): what joining the stream mid-forward needs, read before it."""
+
+    view: ReqView
+    life: PrefillRoom
+    page_size: int
+    tok_lo: int  # the first token of `src_pages`: the widest range the forward may stream
+    src_pages: np.ndarray  # read before the forward (on a GPU a device read mid-forward would sync)
+
+
 class LayerwiseSession:
     def __init__(self, parts, service, buffer_map: LayerBufferMap, *, group_size: int, min_tokens: int,
-                 min_batch_tokens: int = 0):
+                 min_batch_tokens: int = 0, late_join: bool = True):
         self.p = parts
         self.service = service
         self.map = buffer_map
@@ -100,6 +121,11 @@ class LayerwiseSession:
         self.group_ends = group_ends(buffer_map.layers) if self.group_size == 0 else frozenset()
         self.min_tokens = max(0, int(min_tokens))
         self.min_batch_tokens = max(0, int(min_batch_tokens))
+        # Optimistic requests may join mid-forward only where this rank alone answers SGLang's
+        # bootstrap poll (attention TP 1): with more ranks SGLang polls their minimum, so a rank
+        # that streamed could see its request released and requeued (its pages freed) because
+        # another rank still waits for its destinations (assembly.py).
+        self.late_join = bool(late_join)
         self.effects = service.effects
         self.worker = LayerWorker(parts, service.effects, service.failures, service.submitter)
         self._serial = 0
@@ -134,9 +160,13 @@ class LayerwiseSession:
             metrics.layerwise_fallback("short_batch")
             return None
         streams: List[RoomStream] = []
+        waiting: List[LateRoom] = []
         try:
             for rq in view.reqs:
-                reason = self._open_stream(rq, view.page_size, streams)
+                if rq.pending_bootstrap:
+                    reason = self._await_destinations(rq, view.page_size, waiting)
+                else:
+                    reason = self._open_stream(rq, view.page_size, streams)
                 if reason:
                     metrics.layerwise_fallback(reason)
         except BaseException:
@@ -144,14 +174,31 @@ class LayerwiseSession:
                 self._serial += 1
                 self.end_batch(LayerBatch(self._serial, streams, self.group_size, stopped="other"))
             raise
-        if not streams:
+        if not streams and not waiting:
             return None
         self._serial += 1
-        return LayerBatch(self._serial, streams, self.group_size)
+        return LayerBatch(self._serial, streams, self.group_size, waiting=waiting)
+
+    def _await_destinations(self, rq: ReqView, page_size: int, waiting: List[LateRoom]) -> Optional[str]:
+        """An optimistic request: it may join the stream once decode's destinations arrive."""
+        if not self.late_join:
+            return "pending_bootstrap"
+        if rq.extend_len < self.min_tokens:
+            return "below_min_tokens"
+        with self.p.rooms.lock:
+            life = self.p.rooms.get(rq.room)
+            if life is None or not life.claimed or life.concluded:
+                return "pending_bootstrap"
+        # Decode's prefix is not known yet: the pages of the widest range it leaves to stream.
+        rng = stream_range(prefix_len=rq.prefix_len, extend_len=rq.extend_len, input_len=rq.input_len,
+                           page_size=page_size, decode_prefix_len=0, already_sent=0)
+        if rng is None:
+            return None  # no whole page completes in this pass: nothing to stream either way
+        src = source_pages(rq.row, rng.tok_lo, rng.tok_hi, page_size)
+        waiting.append(LateRoom(rq, life, page_size, rng.tok_lo, src))
+        return None
 
     def _open_stream(self, rq: ReqView, page_size: int, streams: List[RoomStream]) -> Optional[str]:
-        if rq.pending_bootstrap:
-            return "pending_bootstrap"
         if rq.extend_len < self.min_tokens:
             return "below_min_tokens"
         if rq.decode_prefix_len % page_size:
@@ -159,7 +206,7 @@ class LayerwiseSession:
         p = self.p
         with p.rooms.lock:
             life = p.rooms.get(rq.room)
-            if (life is None or not life.claimed or life.phase not in (Phase.READY, Phase.SUBMITTING)
+            if (life is None or not life.claimed or life.phase not in TAKES_WRITES
                     or any(t.reject_reason for t in life.targets.values())):
                 return "not_ready"
             refusal = next(filter(None, map(p.planner.stream_refusal, life.targets)), None)
@@ -197,12 +244,70 @@ class LayerwiseSession:
             self.stop_batch(batch, "unmapped_pool")
             return
         batch.seen_layers.add(layer_id)
+        if batch.waiting:
+            self._join_late(batch, event)
         batch.pending.extend(buffers)
         batch.pending_layers += 1
         batch.event = event
         if (len(batch.seen_layers) in self.group_ends if batch.group_size == 0
                 else batch.pending_layers >= batch.group_size):
             self._flush(batch)
+
+    def _join_late(self, batch: LayerBatch, event) -> None:
+        """Each waiting request whose room turned READY joins the batch's streams: the layers
+        handed to the worker so far go now in one catch-up write; the open group (this layer
+        included) and the later ones go with every other stream's, so each layer is written once."""
+        still: List[LateRoom] = []
+        for late in batch.waiting:
+            outcome = self._try_join(batch, late, event)
+            if outcome is None:
+                still.append(late)
+            elif outcome:
+                self.p.metrics.layerwise_fallback(outcome)
+        batch.waiting = still
+
+    def _try_join(self, batch: LayerBatch, late: LateRoom, event) -> Optional[str]:
+        """None: not yet (wait for a later layer); "": joined, or nothing left to stream; else the
+        fallback reason (the request goes chunk-wise)."""
+        p, life, rq = self.p, late.life, late.view
+        # SUBMITTING: an earlier pass of this request joined (SGLang finalizes it at its next
+        # poll, so a later pass is rarely still pending; it may be if a batch was built first).
+        if life.phase not in TAKES_WRITES:  # read unlocked: the usual answer while decode's message travels
+            return "pending_bootstrap" if life.concluded else None
+        if p.sglang.status(rq.room) != room_status.WAITING_FOR_INPUT:
+            return None  # SGLang cannot see the destinations yet (published right after READY)
+        page_size = late.page_size
+        with p.rooms.lock:
+            if life.phase not in TAKES_WRITES or not life.claimed:
+                return None
+            if any(t.reject_reason for t in life.targets.values()):
+                return "not_ready"  # a destination this rank refused: the room fails, nothing streams
+            refusal = next(filter(None, map(p.planner.stream_refusal, life.targets)), None)
+            if refusal:
+                return refusal
+            prefix = decode_prefix_len(life.targets.values())  # what finalize_bootstrap will read
+            if prefix % page_size:
+                return "unaligned_prefix"
+            record = life.layerwise
+            if record is None:
+                record = life.layerwise = RoomRecord(life)
+            sent = max(record.streamed_until, prefix)
+        rng = stream_range(prefix_len=rq.prefix_len, extend_len=rq.extend_len, input_len=rq.input_len,
+                           page_size=page_size, decode_prefix_len=prefix, already_sent=sent)
+        if rng is None:
+            return ""  # decode holds every page this pass completes
+        src = late.src_pages[(rng.tok_lo - late.tok_lo) // page_size:(rng.tok_hi - late.tok_lo) // page_size]
+        with self.effects.transition() as fx:
+            if life.concluded or not p.rooms.begin_submit(life, fx, transferring=False):
+                return None
+            record.streamed_until = rng.tok_hi
+            record.pending_batches += 1
+        stream = RoomStream(rq.room, life, rng, src)
+        batch.streams = batch.streams + [stream]  # a new list: queued groups keep the streams they had
+        if batch.fired:
+            self.worker.post_group(batch, frozenset(batch.fired), event, streams=(stream,))
+        p.metrics.layerwise_late_destinations()
+        return ""
 
     def stop_batch(self, batch: LayerBatch, reason: str) -> None:
         """No further layers of `batch` are streamed (they go with `send()`); counted as `reason`."""
@@ -222,6 +327,9 @@ class LayerwiseSession:
     def end_batch(self, batch: LayerBatch) -> None:
         """After the forward (also when it raised): the last group, the coverage, the end marker."""
         try:
+            if batch.waiting:  # destinations that did not arrive during the forward: send() moves it all
+                self.p.metrics.layerwise_fallback("pending_bootstrap", len(batch.waiting))
+                batch.waiting = []
             self._flush(batch)
             if not batch.fired and not batch.stopped:
                 self.p.metrics.layerwise_fallback("no_layer_hook")

@@ -60,6 +60,9 @@ class LayerBatch:
     pending_layers: int = 0
     seen_layers: set = field(default_factory=set)
     excluded: set = field(default_factory=set)  # buffers not counted as streamed (a layer ran twice)
+    # Requests SGLang runs before their destinations are known (optimistic prefill), each a
+    # `session.LateRoom`: they join the stream at the first layer hook that finds their room READY.
+    waiting: list = field(default_factory=list)
     stopped: Optional[str] = None  # fallback reason: no further layers are streamed
     event: object = None  # device event of the last layer seen (GPU); None on CPU
     pool: object = None  # the scheduler's KV pool (for backends that do not name theirs)
@@ -90,11 +93,13 @@ class LayerWorker:
             self.thread.join(timeout=3)
 
     # --- scheduler side -------------------------------------------------------------------------
-    def post_group(self, batch: LayerBatch, buffers: FrozenSet[int], event) -> None:
-        self.queue.put(("group", batch, buffers, event))
+    def post_group(self, batch: LayerBatch, buffers: FrozenSet[int], event, streams=None) -> None:
+        """Write `buffers` for `streams` (default: the batch's streams now; a stream that joins
+        later gets its catch-up by a post of its own, never this group a second time)."""
+        self.queue.put(("group", batch, buffers, event, tuple(batch.streams if streams is None else streams)))
 
     def post_end(self, batch: LayerBatch) -> None:
-        self.queue.put(("end", batch, None, None))
+        self.queue.put(("end", batch, None, None, ()))
 
     # --- the thread ---------------------------------------------------------------------------
     def run(self) -> None:
@@ -102,11 +107,11 @@ class LayerWorker:
             item = self.queue.get()
             if item is None:
                 return
-            kind, batch, buffers, event = item
+            kind, batch, buffers, event, streams = item
             if kind == "end":
                 self._end(batch)
                 continue
-            for stream in batch.streams:
+            for stream in streams:
                 try:
                     self.submit(stream, buffers, event)
                 except Exception as exc:  # a bug fails one room, never the thread
