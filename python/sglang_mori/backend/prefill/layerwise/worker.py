@@ -20,7 +20,7 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Dict, FrozenSet, List, Optional
+from typing import Dict, FrozenSet, List, Optional, Tuple
 
 import numpy as np
 
@@ -56,13 +56,21 @@ class LayerBatch:
     streams: List[RoomStream]
     group_size: int
     fired: List[int] = field(default_factory=list)  # KV buffers handed to the worker, in order
+    # (buffers, device event) of each group handed to the worker, in order: a request joining
+    # late catches up each group against the event it was posted with (None on CPU)
+    groups: List[Tuple[FrozenSet[int], object]] = field(default_factory=list)
     pending: List[int] = field(default_factory=list)  # buffers of the group being collected
     pending_layers: int = 0
     seen_layers: set = field(default_factory=set)
     excluded: set = field(default_factory=set)  # buffers not counted as streamed (a layer ran twice)
     # Requests SGLang runs before their destinations are known (optimistic prefill), each a
-    # `session.LateRoom`: they join the stream at the first layer hook that finds their room READY.
+    # `late.LateRoom`: they join the stream when their room turns READY, at a layer hook or,
+    # for a pass that completes its request, up to its send() (session.py). While this list is
+    # not empty, the batch's streams, groups and waiting list change only under the session's
+    # late lock; once it is empty no other thread touches them.
     waiting: list = field(default_factory=list)
+    ended: bool = False  # end_batch ran: no further group is fired, late joins bring their own end
+    covered: frozenset = frozenset()  # buffers streamed in full (set by end_batch)
     stopped: Optional[str] = None  # fallback reason: no further layers are streamed
     event: object = None  # device event of the last layer seen (GPU); None on CPU
     pool: object = None  # the scheduler's KV pool (for backends that do not name theirs)
@@ -98,8 +106,14 @@ class LayerWorker:
         later gets its catch-up by a post of its own, never this group a second time)."""
         self.queue.put(("group", batch, buffers, event, tuple(batch.streams if streams is None else streams)))
 
-    def post_end(self, batch: LayerBatch) -> None:
-        self.queue.put(("end", batch, None, None, ()))
+    def post_end(self, batch: LayerBatch, streams=None) -> None:
+        """The batch's end (default: its streams now; the batch counts as done), or, with
+        `streams`, the end of streams that joined after the batch's end: each gives back its
+        batch token once the writes posted before this item are tracked."""
+        if streams is None:
+            self.queue.put(("end", batch, None, None, tuple(batch.streams)))
+        else:
+            self.queue.put(("late_end", batch, None, None, tuple(streams)))
 
     # --- the thread ---------------------------------------------------------------------------
     def run(self) -> None:
@@ -108,8 +122,8 @@ class LayerWorker:
             if item is None:
                 return
             kind, batch, buffers, event, streams = item
-            if kind == "end":
-                self._end(batch)
+            if kind != "group":
+                self._end(batch, streams, batch_done=kind == "end")
                 continue
             for stream in streams:
                 try:
@@ -134,14 +148,15 @@ class LayerWorker:
         p.metrics.layerwise_writes(tracked)
         return tracked
 
-    def _end(self, batch: LayerBatch) -> None:
+    def _end(self, batch: LayerBatch, streams, batch_done: bool) -> None:
         """Give back each stream's batch token: its writes are all tracked now."""
         p = self.p
         with self.effects.transition() as fx:
-            for stream in batch.streams:
+            for stream in streams:
                 p.rooms.end_submit(stream.life, [], False, None, fx)
                 p.rooms.batch_ended(stream.life)
-        for stream in batch.streams:
+        for stream in streams:
             if stream.life.last_submitted:  # the last chunk came first: this token was what it waited for
                 self.submitter.success.try_succeed(stream.life)
-        batch.done.set()
+        if batch_done:
+            batch.done.set()
