@@ -93,13 +93,17 @@ class LateJoins:
                                                                                 page_size)))
         return None
 
-    def register(self, batch: LayerBatch) -> None:
-        """The batch's waiting requests become reachable by room id; a room's earlier pass still
-        waiting (SGLang requeued the request) and rooms that concluded stop waiting."""
+    def forget_concluded(self) -> None:
+        """Before each batch: rooms that concluded while waiting (decode aborted, a timeout) stop."""
         with self.lock:
             for late in list(self.rooms.values()):
                 if late.life.concluded:
                     self._close(late, PENDING)
+
+    def register(self, batch: LayerBatch) -> None:
+        """The batch's waiting requests become reachable by room id; a room's earlier pass still
+        waiting (SGLang requeued the request and runs it again) stops waiting."""
+        with self.lock:
             for late in batch.waiting:
                 late.batch = batch
                 old = self.rooms.get(late.view.room)

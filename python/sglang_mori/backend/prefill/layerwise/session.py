@@ -138,6 +138,8 @@ class LayerwiseSession:
     # --- publication ----------------------------------------------------------------------------
     def begin_batch(self, view: BatchView) -> Optional[LayerBatch]:
         metrics = self.p.metrics
+        if self.late.rooms:
+            self.late.forget_concluded()
         if view.fallback:
             metrics.layerwise_fallback(view.fallback)
             return None
