@@ -22,6 +22,7 @@ from sglang_mori.softio.write_log import enable_write_log, get_write_log
 
 from test_layerwise import LAYERS, assert_bytes, rig, view  # noqa: F401 (rig: a fixture)
 from test_layerwise_late_destinations import assert_written_once, claim_pending, destinations, finalize_and_send
+from test_layerwise_layouts import stub_sender_module  # noqa: F401 (a fixture)
 
 WAIT_S = 20.0
 
@@ -192,3 +193,62 @@ def test_abort_during_the_catch_up_posts_no_later_group(rig):
     rig.wait(lambda: life.layerwise.pending_batches == 0, "the late stream's end marker")
     rig.wait(lambda: rig.sglang.acks_sent, "the held ACK, once the posted writes drained")
     assert rig.decode.page(2, 52) == bytes(256) and rig.decode.page(LAYERS + 3, 52) == bytes(256)
+
+
+def test_a_middle_chunk_stops_waiting_at_the_batch_end(rig):
+    """A pass that does not complete its request: SGLang may release and requeue the request after
+    it without looking at the status, so it goes chunk-wise from the batch's end, counted once."""
+    session = rig.layerwise(group_size=1)
+    enable_write_log(rig.decode.engine.engine)
+    calls = record_submits(session)
+    src, dst = list(range(40, 52)), list(range(50, 62))
+    claim_pending(rig, 11)
+    batch = session.begin_batch(view(11, src, 0, 6, 12, pending_bootstrap=True))
+    run_hooks(session, rig, batch, [None] * LAYERS)
+    session.end_batch(batch)
+    assert rig.metrics.fallbacks == ["pending_bootstrap"] and 11 not in session.late.rooms
+    destinations(rig, 11, dst)
+    b2 = session.begin_batch(view(11, src, 6, 6, 12))  # finalized: the last pass streams as usual
+    run_hooks(session, rig, b2, [None] * LAYERS)
+    session.end_batch(b2)
+    finalize_and_send(rig, session, 11, src)
+    rig.wait_status(11, S.SUCCESS)
+    assert posted(calls, 11) and all(buffers for buffers, _ in posted(calls, 11))
+    assert rig.metrics.late == 0 and rig.metrics.fallbacks == ["pending_bootstrap"]
+    assert_bytes(rig, src, dst)
+    assert_written_once(rig, dst)
+
+
+# Real page sizes and both pool kinds, through hooks.py's AROUND hooks: the destinations arrive
+# after run_batch returned; decode may hold a prefix.
+AFTER_CASES = [("mha", 16, 0), ("mha", 16, 32), ("mla", 64, 64), ("mla", 1, 0)]
+
+
+@pytest.mark.parametrize("pool, page, decode_prefix", AFTER_CASES)
+def test_destinations_after_run_batch_through_the_hooks_land_byte_exact(pool, page, decode_prefix,
+                                                                        stub_sender_module):  # noqa: F811
+    from types import SimpleNamespace
+
+    from layerwise_rig import Geometry, LayerwiseRig
+
+    tokens = 3 * 64 + 5
+    geometry = Geometry(is_mla=pool == "mla", layers=LAYERS, page_size=page, pages=2 * (tokens // page + 1) + 2)
+    with LayerwiseRig(geometry, group_size=1, via_hooks=True) as lw:
+        (p,) = lw.prefills
+        req = lw.request(22, tokens, decode_prefix=decode_prefix)
+        lw.claim_pending(req)
+        pending = ReqView(room=22, prefix_len=0, extend_len=tokens, input_len=tokens, decode_prefix_len=0,
+                          start_send_idx=0, row=req.row, pending_bootstrap=True)
+        batch = lw.run_batch_through_hooks(p, [pending], range(LAYERS))
+        lw.wait(lambda: batch.done.is_set(), "the worker finished the batch")
+        assert p.metrics.late == 0 and p.metrics.fallbacks == [] and p.metrics.layerwise == 0
+        lw.destinations(p, req, 0)
+        assert (p.metrics.late, p.metrics.late_after_hooks) == (1, 1)
+        assert p.sglang.status(22) == S.WAITING_FOR_INPUT
+        lw._send(p, req, SimpleNamespace(start_send=decode_prefix, curr_idx=0), tokens, True, 0)
+        lw.wait_success(22)
+        assert p.metrics.layerwise == 1  # CPU: no device events, the catch-up is one write
+        assert lw.mismatches(req) == []
+        assert lw.write_counts_off(req) == []  # every page once, decode's prefix never
+        assert lw.streamed_pages(p, req) == set(range(decode_prefix // page, tokens // page))
+        assert p.metrics.fallbacks == []
