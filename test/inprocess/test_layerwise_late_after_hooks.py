@@ -252,3 +252,30 @@ def test_destinations_after_run_batch_through_the_hooks_land_byte_exact(pool, pa
         assert lw.write_counts_off(req) == []  # every page once, decode's prefix never
         assert lw.streamed_pages(p, req) == set(range(decode_prefix // page, tokens // page))
         assert p.metrics.fallbacks == []
+
+
+def test_an_end_batch_that_raises_leaves_no_request_waiting(rig, monkeypatch):
+    """end_batch failed before recording the batch's end: its waiting request goes chunk-wise
+    (counted once) and a later publication posts nothing for it (it would never get its end)."""
+    session = rig.layerwise(group_size=1)
+    enable_write_log(rig.decode.engine.engine)
+    calls = record_submits(session)
+    src, dst = [1, 2], [3, 4]
+    claim_pending(rig, 12)
+    batch = session.begin_batch(view(12, src, 0, 2, 2, pending_bootstrap=True))
+    run_hooks(session, rig, batch, [None] * LAYERS)
+
+    def boom(*args):
+        raise RuntimeError("end_batch failed")
+
+    monkeypatch.setattr(session.late, "at_end", boom)
+    with pytest.raises(RuntimeError):
+        session.end_batch(batch)
+    rig.wait(lambda: batch.done.is_set(), "the worker finished the batch")
+    assert rig.metrics.fallbacks == ["pending_bootstrap"] and 12 not in session.late.rooms
+    destinations(rig, 12, dst)
+    finalize_and_send(rig, session, 12, src)
+    rig.wait_status(12, S.SUCCESS)
+    assert calls == [] and rig.metrics.late == 0 and rig.metrics.fallbacks == ["pending_bootstrap"]
+    assert_bytes(rig, src, dst)
+    assert_written_once(rig, dst)

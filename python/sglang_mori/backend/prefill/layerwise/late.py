@@ -126,6 +126,12 @@ class LateJoins:
             if not (late.completes_input and batch.groups):
                 self._close(late, PENDING)
 
+    def abandon(self, batch: LayerBatch) -> None:
+        """end_batch failed before `at_end` (lock held): its waiting requests go chunk-wise."""
+        batch.ended = True
+        for late in list(batch.waiting):
+            self._close(late, PENDING)
+
     def published(self, room: int) -> None:
         """The room's destinations were just published to SGLang (WaitingForInput), on the
         publishing thread, after the registry lock was let go."""

@@ -269,6 +269,8 @@ class LayerwiseSession:
                 for stream in batch.streams:
                     self.add_coverage(stream, covered)
         finally:
+            if waiting and not batch.ended:  # raised before the end was recorded: nobody joins any more
+                self.late.abandon(batch)
             self.worker.post_end(batch)
 
     def add_coverage(self, stream, covered: frozenset) -> None:

@@ -4,7 +4,9 @@ produces it.
 A published batch (`LayerBatch`) holds one `RoomStream` per room that streams in it. When the
 session publishes it, each stream's room took one submit token (`PrefillRoom.begin_submit`), so
 the room counts writes outstanding and cannot conclude Success until the worker has tracked every
-write of the batch; the worker gives the token back when it processes the batch's end.
+write of the batch; the worker gives the token back when it processes the batch's end. A stream
+that joins after the batch's end (an optimistic request, late.py) brings its own end marker,
+queued after its catch-up groups.
 
 Per layer group and stream the worker does what the chunk submitter does for a chunk, on the same
 parts: `rooms.begin_submit` in a transition (skipped when the room concluded meanwhile), then the
