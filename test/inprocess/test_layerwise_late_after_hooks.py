@@ -279,3 +279,63 @@ def test_an_end_batch_that_raises_leaves_no_request_waiting(rig, monkeypatch):
     assert calls == [] and rig.metrics.late == 0 and rig.metrics.fallbacks == ["pending_bootstrap"]
     assert_bytes(rig, src, dst)
     assert_written_once(rig, dst)
+
+
+def requeue_through_the_hook(session, room):
+    """SGLang's optimistic_release_and_requeue through hooks.py's AROUND hook: True once the
+    original ran (it releases the request's pages)."""
+    from types import SimpleNamespace
+
+    from sglang_mori.backend.prefill.layerwise import hooks
+
+    scheduler = SimpleNamespace(disagg_prefill_bootstrap_queue=SimpleNamespace(
+        kv_manager=SimpleNamespace(layerwise=session)))
+    ran = []
+    hooks.around_requeue(lambda scheduler, req: ran.append(req), scheduler, SimpleNamespace(bootstrap_room=room))
+    return ran != []
+
+
+def test_a_request_requeued_before_its_destinations_never_joins(rig):
+    """SGLang read Bootstrapping and releases the parked request's pages: the destinations
+    published after that must not start writes from them."""
+    session = rig.layerwise(group_size=1)
+    calls = record_submits(session)
+    claim_pending(rig, 13)
+    batch = session.begin_batch(view(13, [1, 2], 0, 2, 2, pending_bootstrap=True))
+    run_hooks(session, rig, batch, [None] * LAYERS)
+    session.end_batch(batch)
+    assert requeue_through_the_hook(session, 13)
+    assert rig.metrics.fallbacks == ["pending_bootstrap"] and 13 not in session.late.rooms
+    assert session.hazards == []  # nothing of it was written
+    destinations(rig, 13, [3, 4])
+    rig.wait(lambda: batch.done.is_set(), "the worker finished the batch")
+    assert calls == [] and rig.metrics.late == 0
+
+
+def test_a_request_requeued_after_it_joined_holds_the_next_forward_until_its_writes_end(rig):
+    """The publication won the race with SGLang's requeue (its poll had read Bootstrapping): the
+    joined writes read pages SGLang now releases, so the next forward (the only thing that could
+    rewrite them) waits until they are terminal."""
+    session = rig.layerwise(group_size=1)
+    key = rig.decode.engine.key
+    src, dst = [5, 6, 7], [8, 9, 10]
+    claim_pending(rig, 14)
+    batch = session.begin_batch(view(14, src, 0, 3, 3, pending_bootstrap=True))
+    run_hooks(session, rig, batch, [None] * LAYERS)
+    session.end_batch(batch)
+    faults.stall_lane(rig.prefill.engine.engine, 0, key)
+    faults.stall_lane(rig.prefill.engine.engine, 1, key)
+    released = threading.Event()
+    try:
+        destinations(rig, 14, dst)
+        assert rig.metrics.late_after_hooks == 1
+        assert requeue_through_the_hook(session, 14)
+        assert [r.life.room for r in session.hazards] == [14]
+        waiter = threading.Thread(target=lambda: (session.wait_hazards(), released.set()), daemon=True)
+        waiter.start()
+        assert not released.wait(0.3)  # the next forward waits for the writes on the wire
+    finally:
+        faults.resume_lane(rig.prefill.engine.engine, None, key)
+    assert released.wait(WAIT_S)
+    waiter.join(WAIT_S)
+    assert rig.metrics.fallbacks == []

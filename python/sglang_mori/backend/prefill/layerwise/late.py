@@ -18,6 +18,9 @@ its room is READY *and* SGLang's status reads WaitingForInput (`LateJoins.try_jo
 A pass that does not complete its request stops waiting at the batch's end: SGLang may release
 and requeue a chunked request still pending after its middle chunk (`optimistic_release_and_requeue`
 does not look at the status then), so its pages are only safe while the forward's hooks run.
+SGLang's requeue of a parked request (its poll read Bootstrapping, possibly just before the
+destinations were published) goes through hooks.around_requeue: the pass stops waiting
+(`requeued`) and writes a join already posted become a hazard for the next forward (session.py).
 
 Threads: the scheduler (hooks, end_batch, send()) and the publishing thread both reach a waiting
 request; every change to a batch with waiting requests (its streams, groups, waiting list) and to
@@ -27,7 +30,8 @@ empty costs no lock: the list only shrinks, and it shrinks last under the lock.
 
 A request that never joins is counted once as the `pending_bootstrap` fallback, where that becomes
 known: at the batch's end (a pass that does not complete its request, or a forward that handed no
-layer off), at `send()`, when a later pass of the request replaces it, or when its room concluded.
+layer off), at `send()`, at SGLang's requeue, when a later pass of the request replaces it, or
+when its room concluded.
 """
 
 from __future__ import annotations
@@ -145,6 +149,16 @@ class LateJoins:
     def closed_by_send(self, room: int) -> None:
         """SGLang's send() for the room: what it moves is read from the coverage now, so a pass
         still waiting goes chunk-wise and nothing is posted for it later."""
+        if not self.rooms:
+            return
+        with self.lock:
+            late = self.rooms.get(room)
+            if late is not None:
+                self._close(late, PENDING)
+
+    def requeued(self, room: int) -> None:
+        """SGLang releases the request's pages and requeues it: a pass still waiting never joins
+        (a join in progress holds the lock, so it has finished: session.requeued sees its writes)."""
         if not self.rooms:
             return
         with self.lock:

@@ -330,6 +330,20 @@ class LayerwiseSession:
                 self.p.rooms.add_hazard(record.life)
         return running
 
+    def requeued(self, room_id: int) -> bool:
+        """SGLang is about to release an optimistic request's pages and requeue it (it read
+        Bootstrapping, possibly just before the destinations were published and a join read those
+        pages). A pass still waiting stops; a write that may still read the pages blocks the next
+        forward until it is terminal, as after a checkpoint that moved them. True if one may."""
+        self.late.requeued(room_id)
+        with self.p.rooms.lock:
+            life = self.p.rooms.get(room_id)
+            record = None if life is None else life.layerwise
+            running = record is not None and record.busy()
+            if running:
+                self.p.rooms.add_hazard(life)
+        return running
+
     def wait_hazards(self) -> None:
         """Before a forward: wait (bounded) until no write reads a page a checkpoint freed."""
         p = self.p
