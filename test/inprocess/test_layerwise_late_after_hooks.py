@@ -339,3 +339,22 @@ def test_a_request_requeued_after_it_joined_holds_the_next_forward_until_its_wri
     assert released.wait(WAIT_S)
     waiter.join(WAIT_S)
     assert rig.metrics.fallbacks == []
+
+
+class DoneEvent(FakeEvent):
+    """A layer the device has finished: query() says so without waiting."""
+
+    def query(self) -> bool:
+        return True
+
+
+def test_catch_up_merges_the_groups_the_device_finished():
+    """Layers 0-1 finished on the device when the request joins: one write for them (against
+    layer 1's completed event), then layers 2 and 3 each against its own event."""
+    from sglang_mori.backend.prefill.layerwise.late import catch_up
+
+    events = [DoneEvent("layer0"), DoneEvent("layer1"), FakeEvent("layer2"), FakeEvent("layer3")]
+    groups = [(frozenset({i, LAYERS + i}), e) for i, e in enumerate(events)]
+    assert catch_up(groups) == [(frozenset({0, 1, LAYERS, LAYERS + 1}), events[1]), groups[2], groups[3]]
+    assert catch_up([(g, None) for g, _ in groups]) == [(frozenset(range(2 * LAYERS)), None)]
+    assert catch_up(groups[2:]) == groups[2:]

@@ -231,13 +231,31 @@ class LateJoins:
 
 
 def catch_up(groups):
-    """The fired groups as catch-up writes: consecutive groups posted with the same device event
-    (on CPU every event is None: the forward is synchronous) go in one write, the others each
-    against its own event, so an early group does not wait for a later layer."""
+    """The fired groups as catch-up writes, each against the device event it was posted with, so
+    an early group does not wait for a later layer. Merged where waiting buys nothing: the groups
+    up to the last one whose event has completed already go in one write (events are recorded in
+    order on one stream, so every earlier one has completed too), and consecutive groups with the
+    same event (on CPU every event is None: the forward is synchronous) go in one write."""
+    groups = list(groups)
+    done = 0
+    for i, (_, event) in enumerate(groups):
+        if not _completed(event):
+            break
+        done = i + 1
     out = []
-    for buffers, event in groups:
+    if done:
+        out.append((frozenset().union(*(buffers for buffers, _ in groups[:done])), groups[done - 1][1]))
+    for buffers, event in groups[done:]:
         if out and out[-1][1] is event:
             out[-1] = (out[-1][0] | buffers, event)
         else:
             out.append((buffers, event))
     return out
+
+
+def _completed(event) -> bool:
+    """None (CPU), or a device event whose work is done (a non-blocking query)."""
+    if event is None:
+        return True
+    query = getattr(event, "query", None)
+    return bool(query()) if query is not None else False
