@@ -109,11 +109,12 @@ class LayerWorker:
         self.queue.put(("group", batch, buffers, event, tuple(batch.streams if streams is None else streams)))
 
     def post_end(self, batch: LayerBatch, streams=None) -> None:
-        """The batch's end (default: its streams now; the batch counts as done), or, with
-        `streams`, the end of streams that joined after the batch's end: each gives back its
-        batch token once the writes posted before this item are tracked."""
+        """The batch's end (its streams, which no longer change: a stream joining after this
+        brings its own; the batch counts as done), or, with `streams`, the end of streams that
+        joined after the batch's end: each gives back its batch token once the writes posted
+        before this item are tracked."""
         if streams is None:
-            self.queue.put(("end", batch, None, None, tuple(batch.streams)))
+            self.queue.put(("end", batch, None, None, ()))
         else:
             self.queue.put(("late_end", batch, None, None, tuple(streams)))
 
@@ -124,8 +125,11 @@ class LayerWorker:
             if item is None:
                 return
             kind, batch, buffers, event, streams = item
-            if kind != "group":
-                self._end(batch, streams, batch_done=kind == "end")
+            if kind == "end":
+                self._end(batch)
+                continue
+            if kind == "late_end":
+                self._give_back(streams)
                 continue
             for stream in streams:
                 try:
@@ -150,7 +154,12 @@ class LayerWorker:
         p.metrics.layerwise_writes(tracked)
         return tracked
 
-    def _end(self, batch: LayerBatch, streams, batch_done: bool) -> None:
+    def _end(self, batch: LayerBatch) -> None:
+        """The batch's end: each stream's batch token goes back; the batch is done."""
+        self._give_back(batch.streams)
+        batch.done.set()
+
+    def _give_back(self, streams) -> None:
         """Give back each stream's batch token: its writes are all tracked now."""
         p = self.p
         with self.effects.transition() as fx:
@@ -160,5 +169,3 @@ class LayerWorker:
         for stream in streams:
             if stream.life.last_submitted:  # the last chunk came first: this token was what it waited for
                 self.submitter.success.try_succeed(stream.life)
-        if batch_done:
-            batch.done.set()
