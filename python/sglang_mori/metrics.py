@@ -140,6 +140,10 @@ class _Collectors:
             "--optimistic-prefill-attempts) whose decode destinations arrived during their forward and "
             "that joined its layer-wise stream there (catch-up writes for the layers already computed).",
             RANK_LABELS, **kw)
+        self.layerwise_late_after_hooks = Counter(
+            PREFIX + "layerwise_late_after_hooks", "Of the layerwise_late_destinations joins, those made "
+            "after the forward's layer hooks ran (the forward launched; the destinations arrived before "
+            "SGLang's send() for the request).", RANK_LABELS, **kw)
         self.held_bytes = Counter(
             PREFIX + "held_bytes", "Bytes of KV writes held back by a decode peer's byte budget "
             "(SGLANG_MORI_MAX_INFLIGHT_BYTES_PER_PEER) before they were posted or dropped.", RANK_LABELS, **kw)
@@ -193,6 +197,7 @@ class TransferMetrics:
             self._c.requests.labels(*self._labels, outcome)
         self._c.held_bytes.labels(*self._labels)
         self._c.layerwise_late.labels(*self._labels)
+        self._c.layerwise_late_after_hooks.labels(*self._labels)
         self._c.dropped_bytes.labels(*self._labels)
 
     @property
@@ -260,6 +265,10 @@ class TransferMetrics:
     def layerwise_late_destinations(self, n: int = 1) -> None:
         if n > 0:
             self._c.layerwise_late.labels(*self._labels).inc(n)
+
+    def layerwise_late_after_hooks(self, n: int = 1) -> None:
+        if n > 0:
+            self._c.layerwise_late_after_hooks.labels(*self._labels).inc(n)
 
     # ---- queues and peers --------------------------------------------------------------------
     def set_queue_depth(self, n: int) -> None:
@@ -334,6 +343,9 @@ class NullTransferMetrics:
         pass
 
     def layerwise_late_destinations(self, n: int = 1) -> None:
+        pass
+
+    def layerwise_late_after_hooks(self, n: int = 1) -> None:
         pass
 
     def set_queue_depth(self, n: int) -> None:

@@ -86,6 +86,7 @@ class CountingMetrics(NullTransferMetrics):
     def __init__(self):
         self.layerwise = 0
         self.late = 0  # optimistic requests that joined a forward's stream
+        self.late_after_hooks = 0  # of those, joined after the forward's layer hooks
         self.fallbacks: list = []
 
     def layerwise_writes(self, n: int = 1) -> None:
@@ -96,6 +97,9 @@ class CountingMetrics(NullTransferMetrics):
 
     def layerwise_late_destinations(self, n: int = 1) -> None:
         self.late += n
+
+    def layerwise_late_after_hooks(self, n: int = 1) -> None:
+        self.late_after_hooks += n
 
 
 class Rank:

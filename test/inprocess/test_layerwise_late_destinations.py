@@ -150,8 +150,12 @@ def test_success_only_after_the_catch_up_write_lands(rig):
     assert_bytes(rig, src, dst)
 
 
-def test_destinations_after_the_forward_go_chunk_wise_and_are_counted(rig):
+def test_destinations_published_after_send_go_chunk_wise_and_are_counted(rig):
+    """The publishing thread lost the race: SGLang read WaitingForInput, finalized the request and
+    called send() before our notification ran. send() moves everything chunk-wise (counted once),
+    and the late notification posts nothing: each decode byte is written once."""
     session = rig.layerwise(group_size=1)
+    enable_write_log(rig.decode.engine.engine)
     src, dst = [7, 8, 9], [1, 2, 3]
     claim_pending(rig, 4)
     batch = session.begin_batch(view(4, src, 0, 3, 3, pending_bootstrap=True))
@@ -160,12 +164,30 @@ def test_destinations_after_the_forward_go_chunk_wise_and_are_counted(rig):
         session.on_layer(batch, pool, layer)
     session.end_batch(batch)
     rig.wait(lambda: batch.done.is_set(), "the worker finished the batch")
-    assert rig.metrics.fallbacks == ["pending_bootstrap"] and rig.metrics.late == 0
-    assert rig.metrics.layerwise == 0
-    destinations(rig, 4, dst)  # SGLang's parked request: finalized on a later poll, then send()
+    assert rig.metrics.fallbacks == [] and rig.metrics.layerwise == 0  # it may still join
+    delayed = []
+    rig.service.effects.on_published = delayed.append  # the notification runs only later
+    destinations(rig, 4, dst)
     finalize_and_send(rig, session, 4, src)
+    assert rig.metrics.fallbacks == ["pending_bootstrap"]
+    assert delayed == [4]
+    session.late.published(4)
     rig.wait_status(4, S.SUCCESS)
+    assert rig.metrics.late == 0 and rig.metrics.layerwise == 0 and rig.metrics.fallbacks == ["pending_bootstrap"]
     assert_bytes(rig, src, dst)
+    assert_written_once(rig, dst)
+
+
+def assert_written_once(rig, dst):
+    """Each decode KV byte of the destination pages written exactly once."""
+    counts = [np.zeros(len(a), np.int32) for a in rig.decode.kv]
+    by_region = {d.id: b for b, d in enumerate(rig.decode.buffers.kv)}
+    for r in get_write_log(rig.decode.engine.engine):
+        if r.region_id in by_region:
+            counts[by_region[r.region_id]][r.offset:r.offset + r.size] += 1
+    item = len(rig.decode.page(0, 0))
+    for b, c in enumerate(counts):
+        assert all((c[p * item:(p + 1) * item] == 1).all() for p in dst), b
 
 
 def test_ready_room_not_yet_published_to_sglang_waits_for_a_later_layer(rig):
@@ -176,6 +198,7 @@ def test_ready_room_not_yet_published_to_sglang_waits_for_a_later_layer(rig):
     claim_pending(rig, 5)
     batch = session.begin_batch(view(5, src, 0, 2, 2, pending_bootstrap=True))
     pool = rig.prefill.pool()
+    rig.service.effects.on_published = None  # the publishing thread has not told us yet either
     destinations(rig, 5, dst)
     rig.sglang.request_status[5] = S.BOOTSTRAPPING  # as if the publication had not happened yet
     session.on_layer(batch, pool, 0)

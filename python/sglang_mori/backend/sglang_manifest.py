@@ -135,12 +135,15 @@ RUN_BATCH_TARGET = "sglang.srt.managers.scheduler.Scheduler.run_batch"
 ATTENTION_TARGET = "sglang.srt.layers.attention.base_attn_backend.AttentionBackend.forward"
 CHECKPOINT_TARGET = ("sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin"
                      ".checkpoint_disagg_prefill")
-HOOK_TARGETS = (GET_KV_CLASS_TARGET, RUN_BATCH_TARGET, ATTENTION_TARGET, CHECKPOINT_TARGET)
+REQUEUE_TARGET = ("sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin"
+                  ".optimistic_release_and_requeue")
+HOOK_TARGETS = (GET_KV_CLASS_TARGET, RUN_BATCH_TARGET, ATTENTION_TARGET, REQUEUE_TARGET, CHECKPOINT_TARGET)
 # The layer-wise hooks: (target, function of backend/prefill/layerwise/hooks.py). Listed here, not in
 # hooks.py, so that the plugin registers them without importing that module.
 LAYERWISE_HOOKS = (
     (RUN_BATCH_TARGET, "around_run_batch"),
     (ATTENTION_TARGET, "around_attention_forward"),
+    (REQUEUE_TARGET, "around_requeue"),
     (CHECKPOINT_TARGET, "around_checkpoint"),
 )
 

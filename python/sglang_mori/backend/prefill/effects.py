@@ -67,6 +67,9 @@ class RoomEffects:
 
     def __init__(self, parts):
         self.p = parts
+        # Called with a room id right after its destinations were published to SGLang (the
+        # layer-wise session joins an optimistic request still waiting for them); must not raise.
+        self.on_published = None
 
     def transition(self, *, never_block: bool = False) -> "_Transition":
         """`with effects.transition() as fx:` run transitions on `parts.rooms` (lock held), each
@@ -125,6 +128,11 @@ class RoomEffects:
             p.sglang.set_status(room, status)
         for room, targets in fx.published:
             p.sglang.publish_destinations(room, targets)
+            if self.on_published is not None:
+                try:
+                    self.on_published(room)
+                except Exception:
+                    logger.exception("sglang-mori: room %s: after publishing its destinations", room)
         if fx.failures:
             p.peers.budget.wake()  # a write held for a room that just ended is dropped, not posted
         for f in fx.failures:

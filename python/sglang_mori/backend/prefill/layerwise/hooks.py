@@ -10,6 +10,9 @@ SGLANG_MORI_LAYERWISE is on or auto; no other patching).
   stream marks it and the worker waits on it before posting.
 - AROUND `checkpoint_disagg_prefill`: after SGLang's radix checkpoint, detect a streamed page
   that moved (dedup frees the old one) while a write from it may still run (session.py).
+- AROUND `optimistic_release_and_requeue`: before SGLang releases an optimistic request's pages
+  and requeues it, a pass of it still waiting for its destinations stops waiting, and a write
+  that may still read those pages blocks the next forward until it is terminal (late.py).
 
 SGLang's scheduler, batch and request are read through backend/sglang_fields.py (its members are
 declared in sglang_manifest.py); the session sees plain views.
@@ -21,7 +24,7 @@ import logging
 import threading
 
 from sglang_mori.backend import sglang_fields as fields
-from sglang_mori.backend.sglang_manifest import ATTENTION_TARGET, CHECKPOINT_TARGET, RUN_BATCH_TARGET
+from sglang_mori.backend.sglang_manifest import ATTENTION_TARGET, CHECKPOINT_TARGET, REQUEUE_TARGET, RUN_BATCH_TARGET
 
 logger = logging.getLogger(__name__)
 
@@ -110,3 +113,13 @@ def around_checkpoint(original, scheduler, req, *args, **kwargs):
     return out
 
 
+def around_requeue(original, scheduler, req, *args, **kwargs):
+    session = session_of(scheduler)
+    if session is not None:
+        try:
+            room = fields.bootstrap_room(req)
+            if room is not None:
+                session.requeued(room)
+        except Exception:
+            logger.exception("sglang-mori: layer-wise requeue guard failed")
+    return original(scheduler, req, *args, **kwargs)

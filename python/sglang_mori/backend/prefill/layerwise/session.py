@@ -9,9 +9,9 @@ Driven by the scheduler thread through hooks.py (and directly by tests, with pla
 - `on_layer(batch, pool, layer_id, event)` after each attention layer: maps the layer to its
   registered buffers (mapping.py) and hands every `group_size` layers to the worker; a request
   that began the forward still waiting for decode's destinations (SGLang's optimistic prefill,
-  `pending_bootstrap`) joins at the first hook that finds its room READY and SGLang's status
-  WaitingForInput: a catch-up write of the layers already handed off, then the rest as usual
-  (`_join_late`; nothing to check while no request waits);
+  `pending_bootstrap`) joins once its room is READY and SGLang's status WaitingForInput, at a
+  hook or, after the hooks, when the destinations are published, up to its `send()` (late.py;
+  nothing to check while no request waits);
 - `end_batch(batch)` after the forward: the last group, the coverage of each stream (exactly the
   layers handed to the worker), and the batch's end marker (the worker gives the tokens back);
 - `add_chunk(...)` for SGLang's `send()`: submits only what was not streamed;
@@ -32,19 +32,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-import numpy as np
-
-from sglang_mori.backend import room_status
 from sglang_mori.backend.prefill.failures import CHECKPOINT_HAZARD_TIMEOUT, TIMEOUT
+from sglang_mori.backend.prefill.layerwise.late import TAKES_WRITES, LateJoins
 from sglang_mori.backend.prefill.layerwise.mapping import LayerBufferMap
 from sglang_mori.backend.prefill.layerwise.planner import selected_chunk
 from sglang_mori.backend.prefill.layerwise.ranges import Coverage, source_pages, stream_range
 from sglang_mori.backend.prefill.layerwise.worker import LayerBatch, LayerWorker, RoomStream
-from sglang_mori.backend.prefill.rooms import Phase, PrefillRoom, decode_prefix_len
+from sglang_mori.backend.prefill.rooms import PrefillRoom
 
 logger = logging.getLogger(__name__)
-
-TAKES_WRITES = (Phase.READY, Phase.SUBMITTING)
 
 
 def group_ends(layers: int) -> frozenset:
@@ -98,18 +94,6 @@ class RoomRecord:
         return bool(self.life.unfinished()) or self.life.submitting > 0 or self.pending_batches > 0
 
 
-@dataclass(eq=False)
-class LateRoom:
-    """A request of a published batch whose destinations were not known when the forward began
-    (SGLang's `pending_bootstrap`): what joining the stream mid-forward needs, read before it."""
-
-    view: ReqView
-    life: PrefillRoom
-    page_size: int
-    tok_lo: int  # the first token of `src_pages`: the widest range the forward may stream
-    src_pages: np.ndarray  # read before the forward (on a GPU a device read mid-forward would sync)
-
-
 class LayerwiseSession:
     def __init__(self, parts, service, buffer_map: LayerBufferMap, *, group_size: int, min_tokens: int,
                  min_batch_tokens: int = 0, late_join: bool = True):
@@ -129,6 +113,9 @@ class LayerwiseSession:
         self.effects = service.effects
         self.worker = LayerWorker(parts, service.effects, service.failures, service.submitter)
         self._serial = 0
+        self.late = LateJoins(self)
+        # The thread that publishes a room's destinations to SGLang tells us (late.py).
+        service.effects.on_published = self.late.published
 
     def start(self) -> None:
         self.worker.start()
@@ -151,6 +138,8 @@ class LayerwiseSession:
     # --- publication ----------------------------------------------------------------------------
     def begin_batch(self, view: BatchView) -> Optional[LayerBatch]:
         metrics = self.p.metrics
+        if self.late.rooms:
+            self.late.forget_concluded()
         if view.fallback:
             metrics.layerwise_fallback(view.fallback)
             return None
@@ -160,11 +149,11 @@ class LayerwiseSession:
             metrics.layerwise_fallback("short_batch")
             return None
         streams: List[RoomStream] = []
-        waiting: List[LateRoom] = []
+        waiting: list = []  # late.LateRoom
         try:
             for rq in view.reqs:
                 if rq.pending_bootstrap:
-                    reason = self._await_destinations(rq, view.page_size, waiting)
+                    reason = self.late.await_destinations(rq, view.page_size, waiting)
                 else:
                     reason = self._open_stream(rq, view.page_size, streams)
                 if reason:
@@ -177,26 +166,10 @@ class LayerwiseSession:
         if not streams and not waiting:
             return None
         self._serial += 1
-        return LayerBatch(self._serial, streams, self.group_size, waiting=waiting)
-
-    def _await_destinations(self, rq: ReqView, page_size: int, waiting: List[LateRoom]) -> Optional[str]:
-        """An optimistic request: it may join the stream once decode's destinations arrive."""
-        if not self.late_join:
-            return "pending_bootstrap"
-        if rq.extend_len < self.min_tokens:
-            return "below_min_tokens"
-        with self.p.rooms.lock:
-            life = self.p.rooms.get(rq.room)
-            if life is None or not life.claimed or life.concluded:
-                return "pending_bootstrap"
-        # Decode's prefix is not known yet: the pages of the widest range it leaves to stream.
-        rng = stream_range(prefix_len=rq.prefix_len, extend_len=rq.extend_len, input_len=rq.input_len,
-                           page_size=page_size, decode_prefix_len=0, already_sent=0)
-        if rng is None:
-            return None  # no whole page completes in this pass: nothing to stream either way
-        src = source_pages(rq.row, rng.tok_lo, rng.tok_hi, page_size)
-        waiting.append(LateRoom(rq, life, page_size, rng.tok_lo, src))
-        return None
+        batch = LayerBatch(self._serial, streams, self.group_size, waiting=waiting)
+        if waiting:
+            self.late.register(batch)
+        return batch
 
     def _open_stream(self, rq: ReqView, page_size: int, streams: List[RoomStream]) -> Optional[str]:
         if rq.extend_len < self.min_tokens:
@@ -212,9 +185,7 @@ class LayerwiseSession:
             refusal = next(filter(None, map(p.planner.stream_refusal, life.targets)), None)
             if refusal:
                 return refusal  # e.g. a decode with context parallelism: its chunks are relaid out
-            record = life.layerwise
-            if record is None:
-                record = life.layerwise = RoomRecord(life)
+            record = self.record_of(life)
             sent = max(record.streamed_until, rq.start_send_idx)
         rng = stream_range(prefix_len=rq.prefix_len, extend_len=rq.extend_len, input_len=rq.input_len,
                            page_size=page_size, decode_prefix_len=rq.decode_prefix_len, already_sent=sent)
@@ -244,70 +215,20 @@ class LayerwiseSession:
             self.stop_batch(batch, "unmapped_pool")
             return
         batch.seen_layers.add(layer_id)
-        if batch.waiting:
-            self._join_late(batch, event)
+        if batch.waiting:  # another thread may join a request into this batch (late.py)
+            with self.late.lock:
+                self.late.at_hook(batch)
+                self._collect(batch, buffers, event)
+        else:
+            self._collect(batch, buffers, event)
+
+    def _collect(self, batch: LayerBatch, buffers, event) -> None:
         batch.pending.extend(buffers)
         batch.pending_layers += 1
         batch.event = event
         if (len(batch.seen_layers) in self.group_ends if batch.group_size == 0
                 else batch.pending_layers >= batch.group_size):
             self._flush(batch)
-
-    def _join_late(self, batch: LayerBatch, event) -> None:
-        """Each waiting request whose room turned READY joins the batch's streams: the layers
-        handed to the worker so far go now in one catch-up write; the open group (this layer
-        included) and the later ones go with every other stream's, so each layer is written once."""
-        still: List[LateRoom] = []
-        for late in batch.waiting:
-            outcome = self._try_join(batch, late, event)
-            if outcome is None:
-                still.append(late)
-            elif outcome:
-                self.p.metrics.layerwise_fallback(outcome)
-        batch.waiting = still
-
-    def _try_join(self, batch: LayerBatch, late: LateRoom, event) -> Optional[str]:
-        """None: not yet (wait for a later layer); "": joined, or nothing left to stream; else the
-        fallback reason (the request goes chunk-wise)."""
-        p, life, rq = self.p, late.life, late.view
-        # SUBMITTING: an earlier pass of this request joined (SGLang finalizes it at its next
-        # poll, so a later pass is rarely still pending; it may be if a batch was built first).
-        if life.phase not in TAKES_WRITES:  # read unlocked: the usual answer while decode's message travels
-            return "pending_bootstrap" if life.concluded else None
-        if p.sglang.status(rq.room) != room_status.WAITING_FOR_INPUT:
-            return None  # SGLang cannot see the destinations yet (published right after READY)
-        page_size = late.page_size
-        with p.rooms.lock:
-            if life.phase not in TAKES_WRITES or not life.claimed:
-                return None
-            if any(t.reject_reason for t in life.targets.values()):
-                return "not_ready"  # a destination this rank refused: the room fails, nothing streams
-            refusal = next(filter(None, map(p.planner.stream_refusal, life.targets)), None)
-            if refusal:
-                return refusal
-            prefix = decode_prefix_len(life.targets.values())  # what finalize_bootstrap will read
-            if prefix % page_size:
-                return "unaligned_prefix"
-            record = life.layerwise
-            if record is None:
-                record = life.layerwise = RoomRecord(life)
-            sent = max(record.streamed_until, prefix)
-        rng = stream_range(prefix_len=rq.prefix_len, extend_len=rq.extend_len, input_len=rq.input_len,
-                           page_size=page_size, decode_prefix_len=prefix, already_sent=sent)
-        if rng is None:
-            return ""  # decode holds every page this pass completes
-        src = late.src_pages[(rng.tok_lo - late.tok_lo) // page_size:(rng.tok_hi - late.tok_lo) // page_size]
-        with self.effects.transition() as fx:
-            if life.concluded or not p.rooms.begin_submit(life, fx, transferring=False):
-                return None
-            record.streamed_until = rng.tok_hi
-            record.pending_batches += 1
-        stream = RoomStream(rq.room, life, rng, src)
-        batch.streams = batch.streams + [stream]  # a new list: queued groups keep the streams they had
-        if batch.fired:
-            self.worker.post_group(batch, frozenset(batch.fired), event, streams=(stream,))
-        p.metrics.layerwise_late_destinations()
-        return ""
 
     def stop_batch(self, batch: LayerBatch, reason: str) -> None:
         """No further layers of `batch` are streamed (they go with `send()`); counted as `reason`."""
@@ -320,31 +241,54 @@ class LayerwiseSession:
             return
         group = frozenset(batch.pending)
         batch.fired.extend(batch.pending)
+        batch.groups.append((group, batch.event))
         batch.pending = []
         batch.pending_layers = 0
         self.worker.post_group(batch, group, batch.event)
 
     def end_batch(self, batch: LayerBatch) -> None:
         """After the forward (also when it raised): the last group, the coverage, the end marker."""
+        if batch.waiting:
+            with self.late.lock:
+                self._end(batch, waiting=True)
+        else:
+            self._end(batch, waiting=False)
+
+    def _end(self, batch: LayerBatch, waiting: bool) -> None:
         try:
-            if batch.waiting:  # destinations that did not arrive during the forward: send() moves it all
-                self.p.metrics.layerwise_fallback("pending_bootstrap", len(batch.waiting))
-                batch.waiting = []
+            if waiting:  # one more look; a request completing its input may still join after this
+                self.late.at_hook(batch)
             self._flush(batch)
             if not batch.fired and not batch.stopped:
                 self.p.metrics.layerwise_fallback("no_layer_hook")
             covered = frozenset(batch.fired) - batch.excluded
+            if waiting:
+                self.late.at_end(batch, covered)
+            batch.ended, batch.covered = True, covered
             with self.p.rooms.lock:
                 for stream in batch.streams:
-                    try:
-                        stream.life.layerwise.coverage.add(stream.rng, covered, stream.src_pages)
-                    except ValueError:  # not expected; then send() simply writes these pages again
-                        logger.exception("sglang-mori: room %s: layer-wise coverage", stream.room)
+                    self.add_coverage(stream, covered)
         finally:
+            if waiting and not batch.ended:  # raised before the end was recorded: nobody joins any more
+                self.late.abandon(batch)
             self.worker.post_end(batch)
+
+    def add_coverage(self, stream, covered: frozenset) -> None:
+        """The stream's layers `send()` skips (registry lock held)."""
+        try:
+            stream.life.layerwise.coverage.add(stream.rng, covered, stream.src_pages)
+        except ValueError:  # not expected; then send() simply writes these pages again
+            logger.exception("sglang-mori: room %s: layer-wise coverage", stream.room)
+
+    def record_of(self, life: PrefillRoom) -> RoomRecord:
+        """The room life's layer-wise record, made on first use (registry lock held)."""
+        if life.layerwise is None:
+            life.layerwise = RoomRecord(life)
+        return life.layerwise
 
     # --- SGLang's send() ------------------------------------------------------------------------
     def add_chunk(self, room_id: int, kv_indices, index_slice: slice, is_last: bool, **kw) -> None:
+        self.late.closed_by_send(room_id)  # a pass still waiting goes chunk-wise from here (late.py)
         with self.p.rooms.lock:
             current = self.p.rooms.get(room_id)
             record = None if current is None else current.layerwise
@@ -384,6 +328,20 @@ class LayerwiseSession:
             running = record.busy()
             if running:
                 self.p.rooms.add_hazard(record.life)
+        return running
+
+    def requeued(self, room_id: int) -> bool:
+        """SGLang is about to release an optimistic request's pages and requeue it (it read
+        Bootstrapping, possibly just before the destinations were published and a join read those
+        pages). A pass still waiting stops; a write that may still read the pages blocks the next
+        forward until it is terminal, as after a checkpoint that moved them. True if one may."""
+        self.late.requeued(room_id)
+        with self.p.rooms.lock:
+            life = self.p.rooms.get(room_id)
+            record = None if life is None else life.layerwise
+            running = record is not None and record.busy()
+            if running:
+                self.p.rooms.add_hazard(life)
         return running
 
     def wait_hazards(self) -> None:

@@ -4,7 +4,9 @@ produces it.
 A published batch (`LayerBatch`) holds one `RoomStream` per room that streams in it. When the
 session publishes it, each stream's room took one submit token (`PrefillRoom.begin_submit`), so
 the room counts writes outstanding and cannot conclude Success until the worker has tracked every
-write of the batch; the worker gives the token back when it processes the batch's end.
+write of the batch; the worker gives the token back when it processes the batch's end. A stream
+that joins after the batch's end (an optimistic request, late.py) brings its own end marker,
+queued after its catch-up groups.
 
 Per layer group and stream the worker does what the chunk submitter does for a chunk, on the same
 parts: `rooms.begin_submit` in a transition (skipped when the room concluded meanwhile), then the
@@ -20,7 +22,7 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Dict, FrozenSet, List, Optional
+from typing import Dict, FrozenSet, List, Optional, Tuple
 
 import numpy as np
 
@@ -56,13 +58,21 @@ class LayerBatch:
     streams: List[RoomStream]
     group_size: int
     fired: List[int] = field(default_factory=list)  # KV buffers handed to the worker, in order
+    # (buffers, device event) of each group handed to the worker, in order: a request joining
+    # late catches up each group against the event it was posted with (None on CPU)
+    groups: List[Tuple[FrozenSet[int], object]] = field(default_factory=list)
     pending: List[int] = field(default_factory=list)  # buffers of the group being collected
     pending_layers: int = 0
     seen_layers: set = field(default_factory=set)
     excluded: set = field(default_factory=set)  # buffers not counted as streamed (a layer ran twice)
     # Requests SGLang runs before their destinations are known (optimistic prefill), each a
-    # `session.LateRoom`: they join the stream at the first layer hook that finds their room READY.
+    # `late.LateRoom`: they join the stream when their room turns READY, at a layer hook or,
+    # for a pass that completes its request, up to its send() (session.py). While this list is
+    # not empty, the batch's streams, groups and waiting list change only under the session's
+    # late lock; once it is empty no other thread touches them.
     waiting: list = field(default_factory=list)
+    ended: bool = False  # end_batch ran: no further group is fired, late joins bring their own end
+    covered: frozenset = frozenset()  # buffers streamed in full (set by end_batch)
     stopped: Optional[str] = None  # fallback reason: no further layers are streamed
     event: object = None  # device event of the last layer seen (GPU); None on CPU
     pool: object = None  # the scheduler's KV pool (for backends that do not name theirs)
@@ -98,8 +108,15 @@ class LayerWorker:
         later gets its catch-up by a post of its own, never this group a second time)."""
         self.queue.put(("group", batch, buffers, event, tuple(batch.streams if streams is None else streams)))
 
-    def post_end(self, batch: LayerBatch) -> None:
-        self.queue.put(("end", batch, None, None, ()))
+    def post_end(self, batch: LayerBatch, streams=None) -> None:
+        """The batch's end (its streams, which no longer change: a stream joining after this
+        brings its own; the batch counts as done), or, with `streams`, the end of streams that
+        joined after the batch's end: each gives back its batch token once the writes posted
+        before this item are tracked."""
+        if streams is None:
+            self.queue.put(("end", batch, None, None, ()))
+        else:
+            self.queue.put(("late_end", batch, None, None, tuple(streams)))
 
     # --- the thread ---------------------------------------------------------------------------
     def run(self) -> None:
@@ -110,6 +127,9 @@ class LayerWorker:
             kind, batch, buffers, event, streams = item
             if kind == "end":
                 self._end(batch)
+                continue
+            if kind == "late_end":
+                self._give_back(streams)
                 continue
             for stream in streams:
                 try:
@@ -135,13 +155,17 @@ class LayerWorker:
         return tracked
 
     def _end(self, batch: LayerBatch) -> None:
+        """The batch's end: each stream's batch token goes back; the batch is done."""
+        self._give_back(batch.streams)
+        batch.done.set()
+
+    def _give_back(self, streams) -> None:
         """Give back each stream's batch token: its writes are all tracked now."""
         p = self.p
         with self.effects.transition() as fx:
-            for stream in batch.streams:
+            for stream in streams:
                 p.rooms.end_submit(stream.life, [], False, None, fx)
                 p.rooms.batch_ended(stream.life)
-        for stream in batch.streams:
+        for stream in streams:
             if stream.life.last_submitted:  # the last chunk came first: this token was what it waited for
                 self.submitter.success.try_succeed(stream.life)
-        batch.done.set()
