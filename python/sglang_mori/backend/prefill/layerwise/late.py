@@ -149,16 +149,15 @@ class LateJoins:
     def closed_by_send(self, room: int) -> None:
         """SGLang's send() for the room: what it moves is read from the coverage now, so a pass
         still waiting goes chunk-wise and nothing is posted for it later."""
-        if not self.rooms:
-            return
-        with self.lock:
-            late = self.rooms.get(room)
-            if late is not None:
-                self._close(late, PENDING)
+        self._stop_waiting(room)
 
     def requeued(self, room: int) -> None:
         """SGLang releases the request's pages and requeues it: a pass still waiting never joins
         (a join in progress holds the lock, so it has finished: session.requeued sees its writes)."""
+        self._stop_waiting(room)
+
+    def _stop_waiting(self, room: int) -> None:
+        """A pass of `room` still waiting never joins: counted as a pending-bootstrap fallback."""
         if not self.rooms:
             return
         with self.lock:
