@@ -1,13 +1,21 @@
 """Real SGLang servers on the GPU machine and the PD front that stands in for sglang_router.
 
-`PDClient` does for /generate what sglang_router's mini_lb does (sglang_router's 30 MB wheel does not
+`PDClient` does for /generate what sglang_router does in PD mode (sglang_router's 30 MB wheel does not
 fit beside sglang in one device call): the same body plus bootstrap_host / bootstrap_port / a random
 63-bit bootstrap_room, POSTed to the prefill and the decode server at once; the decode reply (or
 stream) is the answer.
+
+The streamed path (`PDClient.stream`, what pd_latency.py times) encodes the body once and puts both
+requests on the wire from one thread before reading either reply, as the Rust router does (one JSON
+value for both, `tokio::join!` of the two sends): two requests encoded and sent by two Python
+threads wait for each other's encoding on the GIL, which the router never does. The standalone
+client (`generate_stream`) takes the same path (encode once, `send_post`, `read_stream`), so the
+two TTFTs are measured alike.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import random
 import sys
@@ -15,6 +23,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, List, Optional
+from urllib.parse import urlsplit
 
 import requests
 
@@ -91,11 +100,16 @@ class PDClient:
                     bootstrap_room=random.randint(0, 2**63 - 1))
 
     def stream(self, body: Dict) -> Dict:
-        """As mini_lb's generate_stream: the prefill request runs beside the decode stream."""
-        body = self.with_bootstrap(body)
-        sent_at = time.time()
-        pre = self.pool.submit(generate, self.prefill.url, body)
-        reply = generate_stream(self.decode.url, body)
+        """As sglang_router's PD dispatch for a streamed /generate: one body (stream on, as the
+        client sent it) to both servers, both sends made before either reply is read; prefill's
+        reply is drained beside decode's stream."""
+        start, sent_at = time.monotonic(), time.time()
+        body = self.with_bootstrap(dict(body, stream=True))
+        payload = encode(body)
+        pre_conn = send_post(self.prefill.url, payload)
+        dec_conn = send_post(self.decode.url, payload)
+        pre = self.pool.submit(read_stream, pre_conn, start)
+        reply = read_stream(dec_conn, start)
         pre_reply = pre.result()
         if "error" in pre_reply and "error" not in reply:
             reply = dict(reply, prefill_error=pre_reply["error"])
@@ -112,35 +126,63 @@ class PDClient:
         return reply
 
 
-def generate_stream(url: str, body: Dict, timeout_s: float = 300) -> Dict:
-    """Streaming /generate: time to the first token and the gaps after it, counted by
-    meta_info.completion_tokens (whether a chunk's output_ids are cumulative or not)."""
-    start, sent_at = time.monotonic(), time.time()
+def encode(body: Dict) -> bytes:
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def send_post(url: str, payload: bytes, timeout_s: float = 300):
+    """Connect and send POST /generate with an encoded JSON body; the reply is read later
+    (read_stream). A connection that fails is returned as its error, for read_stream to report."""
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout_s)
+    try:
+        conn.request("POST", "/generate", body=payload, headers={"Content-Type": "application/json"})
+    except (OSError, http.client.HTTPException) as exc:
+        conn.close()
+        return exc
+    return conn
+
+
+def read_stream(conn, start: float) -> Dict:
+    """Read a streamed /generate reply: time to the first token (from `start`, time.monotonic) and
+    the gaps after it, counted by meta_info.completion_tokens (whether a chunk's output_ids are
+    cumulative or not)."""
+    if isinstance(conn, Exception):
+        return {"error": f"{type(conn).__name__}: {conn}"}
     ttft, last_t, done, itl, first_at = None, None, 0, [], None
     try:
-        with requests.post(f"{url}/generate", json=dict(body, stream=True), timeout=timeout_s,
-                           stream=True) as r:
-            if r.status_code != 200:
-                return {"error": f"HTTP {r.status_code}: {r.text[:300]}"}
-            for line in r.iter_lines(chunk_size=None):
-                if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
-                    continue
-                chunk = json.loads(line[5:])
-                if "error" in chunk:
-                    return {"error": json.dumps(chunk["error"])[:300]}
-                # completion_tokens counts all tokens so far; else output_ids (cumulative in SGLang).
-                tokens = chunk.get("meta_info", {}).get("completion_tokens") or len(chunk.get("output_ids") or [])
-                now = time.monotonic()
-                if tokens > done:
-                    if ttft is None:
-                        ttft, first_at = now - start, time.time()
-                    else:
-                        itl.extend([(now - last_t) / (tokens - done)] * (tokens - done))
-                    last_t, done = now, tokens
-    except requests.RequestException as exc:
+        r = conn.getresponse()
+        if r.status != 200:
+            return {"error": f"HTTP {r.status}: {r.read()[:300].decode(errors='replace')}"}
+        for line in r:
+            line = line.strip()
+            if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            if "error" in chunk:
+                return {"error": json.dumps(chunk["error"])[:300]}
+            # completion_tokens counts all tokens so far; else output_ids (cumulative in SGLang).
+            tokens = chunk.get("meta_info", {}).get("completion_tokens") or len(chunk.get("output_ids") or [])
+            now = time.monotonic()
+            if tokens > done:
+                if ttft is None:
+                    ttft, first_at = now - start, time.time()
+                else:
+                    itl.extend([(now - last_t) / (tokens - done)] * (tokens - done))
+                last_t, done = now, tokens
+    except (OSError, http.client.HTTPException, ValueError) as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
-    return {"ttft_s": ttft, "itl_s": itl, "tokens": done, "e2e_s": time.monotonic() - start,
-            "sent_at": sent_at, "first_at": first_at}
+    finally:
+        conn.close()
+    return {"ttft_s": ttft, "itl_s": itl, "tokens": done, "e2e_s": time.monotonic() - start, "first_at": first_at}
+
+
+def generate_stream(url: str, body: Dict, timeout_s: float = 300) -> Dict:
+    """Streaming /generate to one server, the way PDClient.stream sends to two: encoded once, sent,
+    then read (read_stream)."""
+    start, sent_at = time.monotonic(), time.time()
+    reply = read_stream(send_post(url, encode(dict(body, stream=True)), timeout_s), start)
+    return dict(reply, sent_at=sent_at)
 
 
 def record_failure(result: Dict, name: str, servers: List["Server"], exc: Exception, tail_lines: int) -> None:
