@@ -35,10 +35,23 @@ SHAPE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_s
 # Configuration variants: pd_<mode>_threadreads reads destinations and Success on our threads only
 # (the path before issue 27's poll reads); pd_<mode>_kernelonly copies every range with softio's
 # gather kernel (no copy-engine copies for long ranges: the path before session 14).
+# pd_<mode>_cand runs both servers on the candidate tree's sglang_mori (CAND_ROOT, default the
+# device copy's cand/, as plans.sh's hotpath_ab) instead of this tree's: the same call's baseline.
 VARIANT_ENV = {
     "_threadreads": {"SGLANG_MORI_POLL_READS": "0"},
     "_kernelonly": {"SGLANG_MORI_SOFTIO_CE_MIN_BYTES": "0"},
+    "_cand": None,  # cand_env(), made when the config runs
 }
+
+
+def cand_env() -> Dict[str, str]:
+    """PYTHONPATH with the candidate's python/ first (SGLang finds our plugin through the entry
+    point `sglang_mori.plugin:register`, resolved on PYTHONPATH). A missing candidate fails the
+    config by name rather than running this tree's code under the baseline's name."""
+    cand = Path(os.environ.get("CAND_ROOT") or Path(__file__).resolve().parents[2] / "cand") / "python"
+    if not (cand / "sglang_mori" / "__init__.py").is_file():
+        raise FileNotFoundError(f"config *_cand: no candidate tree at {cand} (CAND_ROOT)")
+    return {"PYTHONPATH": f"{cand}:{os.environ.get('PYTHONPATH', '')}"}
 # Variants that add server flags to the PREFILL server only: pd_<mode>_optimistic lets SGLang run a
 # request's forward before decode's destinations arrive (optimistic prefill; layer-wise streams it
 # from the hook that sees them, docs/tuning.md).
@@ -57,7 +70,7 @@ def split_variants(mode: str):
         for suffix, extra in VARIANT_ENV.items():
             if mode.endswith(suffix):
                 mode, stripped = mode.removesuffix(suffix), True
-                env.update(extra)
+                env.update(cand_env() if extra is None else extra)
         for suffix, extra in VARIANT_PREFILL_FLAGS.items():
             if mode.endswith(suffix):
                 mode, stripped = mode.removesuffix(suffix), True

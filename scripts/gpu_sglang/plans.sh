@@ -1,7 +1,7 @@
 # Sourced by device_run.sh (wheels installed, environment set): runs side by side on a 4-GPU
 # machine, one plan per device call. Each run writes under $W; the JSONs are copied to $OUT and
 # every log travels back in $OUT/<plan>.tgz (a call returns at most 8 files).
-# Usage: device_run.sh plan plan1|plan2|plan3|tp_proof|tp_fp32_ieee|ttft8k_hotpath|ttft8k_pair (ORDER=...)|ttft8k_pollreads|ttft8k_ce
+# Usage: device_run.sh plan plan1|plan2|plan3|tp_proof|tp_fp32_ieee|ttft8k_hotpath|ttft8k_pair (ORDER=...)|ttft8k_pollreads|ttft8k_ce|ttft8k_front (ORDER=...)
 # Port bases stay in 10000-21999: below the kernel's ephemeral range (32768+ there), where any
 # outgoing connection of a server beside it (HTTP, NCCL, softio) may hold a port as its source, and
 # below SGLang's own nccl_port range (22000-29999). With bases at 37000/38000 a PD prefill server of
@@ -220,4 +220,28 @@ ttft8k_ce() {
   done
   python3 "$S/pd_latency.py" --out $W/lat --configs "${ORDER:-standalone,pd_auto_kernelonly,pd_auto}" --gpu-base 0 --trace \
     --lengths 8192 --concurrency 1 --requests-c1 12 --repeats 2 --tag latency_8k_ce --port-base 17000 > $W/lat.out 2>&1
+}
+
+# Session 16 (issue 27, where PD's 8K TTFT excess goes; two GPUs): one pair, prefill GPU 0 -> decode
+# GPU 1 (standalone on GPU 0), 8K prompts, concurrency 1, 12 requests measured twice, traced, the
+# configurations one after another in $ORDER (a second call runs the reverse). Default: standalone,
+# PD `auto` of this tree, and `pd_auto_cand`: PD `auto` with both servers importing the candidate's
+# sglang_mori (.gpu/cand/python: main's code copied there after stage.sh, the same call's
+# baseline; room_trace records which package each server imported). Without .gpu/cand that config
+# fails by name and the others still run. Every config uses this tree's client (servers.py).
+# Timing (the server logs of sessions 13-14's ttft8k_pair / ttft8k_ce calls, 2x H200): the first
+# config ends 150-200 s after the call starts (install, models, servers compiling on first start),
+# each further one 90-115 s later: three configs take at most about 420 s; a fourth would reach
+# about 530 s. LAT_S (default 470 s of pd_latency.py) interrupts it (SIGINT: the running config's
+# servers are stopped, the configs done so far are kept), so the call stays near 540 s at most.
+ttft8k_front() {
+  PLAN_JSONS="$W/lat/*.json $W/attribution.json"
+  timeout -s INT ${LAT_S:-470} python3 "$S/pd_latency.py" --out $W/lat --configs "${ORDER:-standalone,pd_auto,pd_auto_cand}" \
+    --gpu-base 0 --trace --lengths 8192 --concurrency 1 --requests-c1 12 --repeats 2 --tag latency_8k_front \
+    --port-base 17000 > $W/lat.out 2>&1
+  python3 "$S/ttft_breakdown.py" $W/lat/latency_8k_front.json --traces $W/lat/logs --shape 8192tok_c1 > $W/breakdown.out 2>&1
+  for c in pd_auto pd_auto_cand; do
+    python3 "$S/ttft_attribution.py" $W/lat/latency_8k_front.json --traces $W/lat/logs --label call --config $c \
+      --json $W/attribution.json 2>&1 | sed "s/^/[$c] /" > $W/attribution_$c.out
+  done
 }

@@ -22,6 +22,9 @@ decode   d_receiver      our receiver was made (the request entered SGLang's pre
          d_poll_success  SGLang's decode scheduler first saw Success from poll()
 both     req_stats       SGLang's own per-request timestamps (ReqTimeStats, made wall-clock) when it
                          logs them (--enable-request-time-stats-logging)
+         process         once per process, at plugin load: the sglang_mori package it imported
+                         (`sglang_mori`: its folder), so a baseline config (pd_latency.py *_cand)
+                         shows it ran the candidate's code
 
 Measurement only: the hooks time and forward, they change no argument or result.
 ttft_breakdown.py joins these with the client's timestamps.
@@ -161,5 +164,7 @@ def register() -> None:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    import sglang_mori
+    emit("process", None, pid=os.getpid(), sglang_mori=os.path.dirname(sglang_mori.__file__))
     for target, hook, kind in HOOKS:
         HookRegistry.register(target, _quiet(hook, kind), getattr(HookType, kind))

@@ -112,6 +112,8 @@ def breakdown(latency_json: Path, traces: Path, shape: str) -> Dict:
         pts = [points_for(r, events, by_room, stats) for r in reqs]
         segs = STANDALONE_SEGMENTS if config == "standalone" else PD_SEGMENTS
         out[config] = {"requests": len(pts), "segments_ms_p50": segment_medians(pts, segs)}
+        # Which sglang_mori the config's servers imported (room_trace's `process` events).
+        out[config]["sglang_mori"] = sorted({e["sglang_mori"] for e in events if e["ev"] == "process"})
         if config != "standalone":
             lw = [(p["P.prefill_finished_time"] - p["p_first_submit"]) * 1000 for p in pts
                   if "p_first_submit" in p and "P.prefill_finished_time" in p]
@@ -140,7 +142,7 @@ def main() -> None:
         print(f"== {config} ({r['requests']} requests, {args.shape})")
         for name, v in r["segments_ms_p50"].items():
             print(f"  {name:62s} {v}")
-        for k in ("first_copy_before_forward_end_ms_p50", "submits_per_request_p50", "success_deciders",
+        for k in ("sglang_mori", "first_copy_before_forward_end_ms_p50", "submits_per_request_p50", "success_deciders",
                   "last_chunk_inline", "destinations_readers", "success_readers"):
             if k in r:
                 print(f"  {k:62s} {r[k]}")

@@ -127,3 +127,38 @@ def test_room_trace_names_the_thread_that_decided_and_only_a_decision(tmp_path, 
         ("p_success", 7, "scheduler"), ("p_success", 7, "layerwise_worker")]
     assert [room_trace.decider_of(n) for n in ("mori-shard-3", "mori-completion", "MainThread")] == [
         "shard", "completion", "scheduler"]
+
+
+def test_the_sglang_mori_each_config_imported_is_listed(tmp_path):
+    """room_trace's `process` event names the package a server imported: a baseline config
+    (pd_latency.py *_cand) shows it ran the candidate's code, not this tree's."""
+    lat = write_run(tmp_path, rooms=[11], forward_ms=80.0, last_chunk_after_ms=1.0)
+    with (tmp_path / "logs" / "trace-pd_x" / "trace-1.jsonl").open("a") as f:
+        for pid in (1, 2):
+            f.write(json.dumps({"ev": "process", "room": None, "t": T0, "pid": pid,
+                                "sglang_mori": "/x/cand/python/sglang_mori"}) + "\n")
+    out = ttft_breakdown.breakdown(lat, tmp_path / "logs", "8192tok_c1")["pd_x"]
+    assert out["sglang_mori"] == ["/x/cand/python/sglang_mori"]
+    assert out["segments_ms_p50"]["TTFT"] == 100.0  # the process events join no request
+
+
+def test_room_trace_records_the_imported_sglang_mori_at_registration(tmp_path, monkeypatch):
+    import types
+
+    import room_trace
+    import sglang_mori
+
+    registered = []
+    fake = types.ModuleType("sglang.srt.plugins.hook_registry")
+    fake.HookType = types.SimpleNamespace(BEFORE="BEFORE", AFTER="AFTER", AROUND="AROUND")
+    fake.HookRegistry = types.SimpleNamespace(register=lambda target, hook, kind: registered.append(target))
+    monkeypatch.setitem(sys.modules, "sglang.srt.plugins.hook_registry", fake)
+    monkeypatch.setenv(room_trace.ENV, str(tmp_path))
+    monkeypatch.setattr(room_trace, "_file", None)
+    room_trace.register()
+    room_trace._file.close()
+    monkeypatch.setattr(room_trace, "_file", None)
+    (trace,) = tmp_path.glob("trace-*.jsonl")
+    (event,) = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert event["ev"] == "process" and event["sglang_mori"] == str(Path(sglang_mori.__file__).parent)
+    assert len(registered) == len(room_trace.HOOKS)
