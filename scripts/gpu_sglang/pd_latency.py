@@ -51,7 +51,7 @@ def cand_env() -> Dict[str, str]:
     cand = Path(os.environ.get("CAND_ROOT") or Path(__file__).resolve().parents[2] / "cand") / "python"
     if not (cand / "sglang_mori" / "__init__.py").is_file():
         raise FileNotFoundError(f"config *_cand: no candidate tree at {cand} (CAND_ROOT)")
-    return {"PYTHONPATH": f"{cand}:{os.environ.get('PYTHONPATH', '')}"}
+    return {"PYTHONPATH": ":".join(p for p in (str(cand), os.environ.get("PYTHONPATH", "")) if p)}
 # Variants that add server flags to the PREFILL server only: pd_<mode>_optimistic lets SGLang run a
 # request's forward before decode's destinations arrive (optimistic prefill; layer-wise streams it
 # from the hook that sees them, docs/tuning.md).

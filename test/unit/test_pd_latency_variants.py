@@ -41,3 +41,11 @@ def test_a_missing_candidate_fails_by_name_instead_of_running_this_tree(tmp_path
 def test_plain_modes_change_nothing():
     assert pd_latency.split_variants("auto") == ("auto", {}, [])
     assert pd_latency.split_variants("off_threadreads") == ("off", {"SGLANG_MORI_POLL_READS": "0"}, [])
+
+
+def test_cand_without_a_pythonpath_adds_no_empty_entry(tmp_path, monkeypatch):
+    (tmp_path / "python" / "sglang_mori").mkdir(parents=True)
+    (tmp_path / "python" / "sglang_mori" / "__init__.py").write_text("")
+    monkeypatch.setenv("CAND_ROOT", str(tmp_path))
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    assert pd_latency.split_variants("auto_cand")[1] == {"PYTHONPATH": str(tmp_path / "python")}
