@@ -27,6 +27,7 @@ def test_cand_combines_with_other_suffixes(tmp_path, monkeypatch):
     (tmp_path / "python" / "sglang_mori").mkdir(parents=True)
     (tmp_path / "python" / "sglang_mori" / "__init__.py").write_text("")
     monkeypatch.setenv("CAND_ROOT", str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", "/site")
     mode, env, flags = pd_latency.split_variants("auto_optimistic_cand")
     assert mode == "auto" and flags == ["--optimistic-prefill-attempts", "1"]
     assert env["PYTHONPATH"].startswith(str(tmp_path / "python") + ":")
