@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, List
 
+from client_before16 import generate_stream_requests, stream_two_threads
 from servers import PDClient, Server, generate_stream, record_failure, sampling, server_argv
 
 SHAPE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
@@ -138,7 +139,8 @@ def run_config(name: str, args, logs: Path, ports: List[int]) -> Dict:
             srv = Server(name, server_argv(args.model, ports[0], g, args.mem, dummy), env, logs, ports[0]).start()
             servers.append(srv)
             srv.wait_ready(args.start_timeout)
-            send = lambda body: generate_stream(srv.url, body)  # noqa: E731
+            sends = {"new": lambda body: generate_stream(srv.url, body),
+                     "old": lambda body: generate_stream_requests(srv.url, body)}
         else:
             # pd_<layerwise mode>[_<variant>...]: VARIANT_ENV's variables on both servers,
             # VARIANT_PREFILL_FLAGS' flags on the prefill server
@@ -156,18 +158,24 @@ def run_config(name: str, args, logs: Path, ports: List[int]) -> Dict:
             servers += [pre.start(), dec.start()]
             pre.wait_ready(args.start_timeout)
             dec.wait_ready(args.start_timeout)
-            send = PDClient(pre, dec, boot).stream
+            client = PDClient(pre, dec, boot)
+            sends = {"new": client.stream, "old": lambda body: stream_two_threads(client, body)}
         result["ready_s"] = {s.name: round(s.ready_s, 1) for s in servers}
         for tokens in args.lengths:
             for conc in args.concurrency:
                 count = args.requests_c1 if conc == 1 else args.requests_per_conc * conc
-                measure(send, workload(tokens, 2, seed=1), min(conc, 2))  # warm-up (this shape)
-                key = f"{tokens}tok_c{conc}"
+                measure(sends["new"], workload(tokens, 2, seed=1), min(conc, 2))  # warm-up (this shape)
                 for rep in range(args.repeats):
-                    rkey = key if rep == 0 else f"{key}_repeat{rep}"
-                    result[rkey] = measure(send, workload(tokens, count, seed=tokens * 100 + conc + rep), conc)
-                    brief = {k: v for k, v in result[rkey].items() if k != "per_request"}
-                    print(f"[{name}] {rkey}: {brief}", flush=True)
+                    for client_name in args.clients:  # interleaved: each repeat measures every client
+                        # the old client's measurements: <shape>_oldclient[_repeatN]
+                        key = f"{tokens}tok_c{conc}" + ("" if client_name == "new" else f"_{client_name}client")
+                        rkey = key if rep == 0 else f"{key}_repeat{rep}"
+                        # each client its own prompts (no prefix-cache hit on the other's); the new
+                        # client's seeds are the ones every earlier run used
+                        seed = tokens * 100 + conc + rep + (0 if client_name == "new" else 50_000)
+                        result[rkey] = measure(sends[client_name], workload(tokens, count, seed=seed), conc)
+                        brief = {k: v for k, v in result[rkey].items() if k != "per_request"}
+                        print(f"[{name}] {rkey}: {brief}", flush=True)
         result["metrics"] = {s.name: s.metrics() for s in servers}
     except Exception as exc:
         record_failure(result, name, servers, exc, 30)
@@ -192,10 +200,15 @@ def main() -> None:
     ap.add_argument("--port-base", type=int, default=12000)
     ap.add_argument("--repeats", type=int, default=1, help="measure each shape this many times in a row")
     ap.add_argument("--trace", action="store_true", help="per-room timestamps (room_trace.py)")
+    ap.add_argument("--clients", default="new", help="new (servers.py) and/or old (client_before16.py), "
+                    "measured in turn on the same servers: the PD front's A/B")
     ap.add_argument("--tag", default="pd_latency", help="name of the JSON written under --out")
     args = ap.parse_args()
     args.lengths = [int(x) for x in args.lengths.split(",")]
     args.concurrency = [int(x) for x in args.concurrency.split(",")]
+    args.clients = args.clients.split(",")
+    if not set(args.clients) <= {"new", "old"}:
+        ap.error(f"--clients: new and/or old, not {args.clients}")
     out = Path(args.out)
     args.model = write_model(Path(f"/tmp/llama8b-widths-{args.tag}"), args.layers)
     report: Dict = {"model": dict(SHAPE, num_hidden_layers=args.layers), "load_format": "dummy",

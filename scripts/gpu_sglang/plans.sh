@@ -228,20 +228,26 @@ ttft8k_ce() {
 # PD `auto` of this tree, and `pd_auto_cand`: PD `auto` with both servers importing the candidate's
 # sglang_mori (.gpu/cand/python: main's code copied there after stage.sh, the same call's
 # baseline; room_trace records which package each server imported). Without .gpu/cand that config
-# fails by name and the others still run. Every config uses this tree's client (servers.py).
+# fails by name and the others still run. Every config is measured with both clients in turn on the
+# same servers (CLIENTS, default new,old: servers.py's, and client_before16.py's two-thread PD front
+# and requests-based standalone client; the old client's results under 8192tok_c1_oldclient*), so
+# the call also measures what the client change does to the front.
 # Timing (the server logs of sessions 13-14's ttft8k_pair / ttft8k_ce calls, 2x H200): the first
 # config ends 150-200 s after the call starts (install, models, servers compiling on first start),
 # each further one 90-115 s later: three configs take at most about 420 s; a fourth would reach
-# about 530 s. LAT_S (default 470 s of pd_latency.py) interrupts it (SIGINT: the running config's
-# servers are stopped, the configs done so far are kept), so the call stays near 540 s at most.
+# about 530 s (both clients add about 6 s a config). LAT_S (default 470 s of pd_latency.py)
+# interrupts it (SIGINT: the running config's servers are stopped, the configs done so far are
+# kept), so the call stays near 540 s at most.
 ttft8k_front() {
-  PLAN_JSONS="$W/lat/*.json $W/attribution.json"
+  PLAN_JSONS="$W/lat/*.json $W/attribution_*.json"
   timeout -s INT ${LAT_S:-470} python3 "$S/pd_latency.py" --out $W/lat --configs "${ORDER:-standalone,pd_auto,pd_auto_cand}" \
-    --gpu-base 0 --trace --lengths 8192 --concurrency 1 --requests-c1 12 --repeats 2 --tag latency_8k_front \
-    --port-base 17000 > $W/lat.out 2>&1
+    --gpu-base 0 --trace --lengths 8192 --concurrency 1 --requests-c1 12 --repeats 2 --clients "${CLIENTS:-new,old}" \
+    --tag latency_8k_front --port-base 17000 > $W/lat.out 2>&1
   python3 "$S/ttft_breakdown.py" $W/lat/latency_8k_front.json --traces $W/lat/logs --shape 8192tok_c1 > $W/breakdown.out 2>&1
-  for c in pd_auto pd_auto_cand; do
-    python3 "$S/ttft_attribution.py" $W/lat/latency_8k_front.json --traces $W/lat/logs --label call --config $c \
-      --json $W/attribution.json 2>&1 | sed "s/^/[$c] /" > $W/attribution_$c.out
+  for shape in 8192tok_c1 8192tok_c1_oldclient; do
+    for c in pd_auto pd_auto_cand; do
+      python3 "$S/ttft_attribution.py" $W/lat/latency_8k_front.json --traces $W/lat/logs --label call --config $c \
+        --shape $shape --json $W/attribution_$shape.json 2>&1 | sed "s/^/[$c $shape] /" > $W/attribution_${c}_$shape.out
+    done
   done
 }

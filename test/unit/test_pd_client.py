@@ -136,3 +136,16 @@ def test_an_unreachable_server_is_an_error_not_an_exception(pair):
     reply = client.stream(BODY)
     assert "error" in reply and "Connection" in reply["error"]
     assert len(pre.bodies) == 1  # prefill still got its request (the router sends both)
+
+
+def test_the_clients_before_session_16_still_run_for_the_ab(pair):
+    """client_before16.py: the old PD front (two encodings, two threads; prefill not streamed) and
+    the old standalone client, kept so one GPU call can measure both fronts on the same servers."""
+    import client_before16
+
+    pre, dec, client = pair()
+    reply = client_before16.stream_two_threads(client, BODY)
+    assert reply["tokens"] == 3 and reply["first_at"] >= reply["sent_at"]
+    assert "stream" not in json.loads(pre.bodies[0]) and json.loads(dec.bodies[0])["stream"] is True
+    reply = client_before16.generate_stream_requests(dec.url, BODY)
+    assert reply["tokens"] == 3 and len(reply["itl_s"]) == 2
