@@ -39,11 +39,12 @@ def load(folder: str) -> List[dict]:
 
 def forwards(events: List[dict], min_tokens: int = 1024) -> List[Dict[str, float]]:
     """One row of steps (ms) per traced forward that a prefill request's timestamps frame."""
-    fwds = sorted((e for e in events if e["ev"] == "fwd" and e.get("tokens", 0) >= min_tokens),
+    # (a decode server's prebuilt batch has extend tokens but no attention layer: not a forward here)
+    fwds = sorted((e for e in events if e["ev"] == "fwd" and e.get("tokens", 0) >= min_tokens
+                   and e.get("gpu_attn_ms")),
                   key=lambda e: e["t_enter"])
     reqs = [e["stats"] for e in events if e["ev"] == "req_stats" and e.get("mode") != "decode"
             and "forward_entry_time" in e.get("stats", {}) and "prefill_finished_time" in e["stats"]]
-    begins = [e for e in events if e["ev"] == "p_begin_batch"]
     posts = sorted(e["t_start"] for e in events if e["ev"] == "p_submit")
     rows = []
     for f in fwds:
@@ -59,9 +60,8 @@ def forwards(events: List[dict], min_tokens: int = 1024) -> List[Dict[str, float
                "GPU end -> result processed": (done - t0) * 1e3 - f["gpu_end_ms"],
                "forward (start -> result processed)": (done - start) * 1e3,
                "on_layer CPU (sum)": f.get("on_layer_ms", 0.0)}
-        mine = [b for b in begins if start <= b["t_start"] <= t0 + 0.05]
-        if mine:
-            row["begin_batch"] = (mine[-1]["t_end"] - mine[-1]["t_start"]) * 1e3
+        if "begin_t0" in f:
+            row["begin_batch"] = (f["begin_t1"] - f["begin_t0"]) * 1e3
         attn = f["gpu_attn_ms"]
         for k, ms in enumerate(attn, 1):
             row[f"attn {k} (GPU)"] = ms

@@ -13,9 +13,12 @@ emits one `fwd` line once the batch's GPU work is done (read at the next run_bat
   gpu_end_ms        GPU time to an event recorded on the forward stream after run_batch returned
                     (the forward, sampling and the result's copy to the host)
   tokens            the batch's extend tokens
+  on_layer_ms       layer-wise only: LayerwiseSession.on_layer's CPU, summed over the forward
+  begin_t0, begin_t1  layer-wise only: wall clock around LayerwiseSession.begin_batch (our CPU in
+                    the launch path before the first kernel; it may run just before t_enter)
 
-and for layer-wise, `p_begin_batch` (t_start, t_end of LayerwiseSession.begin_batch: our CPU in
-the launch path before the first kernel) and `p_on_layer_ms` (summed on_layer CPU per batch).
+Every line is written after a later forward was launched (the CPU is then far ahead of the GPU),
+never between a forward's start and its launch.
 
 Measurement only: an event record per layer (no synchronisation, no argument or result changed);
 nothing is recorded while a stream captures a CUDA graph.
@@ -67,7 +70,8 @@ def flush_done() -> None:
         _emit("fwd", t_enter=rec["t_enter"], t_exit=rec["t_exit"], tokens=rec["tokens"],
               gpu_attn_ms=[round(base.elapsed_time(e), 3) for e in rec["attn"]],
               cpu_attn_ms=[round((t - rec["t_enter"]) * 1e3, 3) for t in rec["attn_t"]],
-              gpu_end_ms=round(base.elapsed_time(end), 3), on_layer_ms=round(rec["on_layer_s"] * 1e3, 3))
+              gpu_end_ms=round(base.elapsed_time(end), 3), on_layer_ms=round(rec["on_layer_s"] * 1e3, 3),
+              **({"begin_t0": rec["begin_t0"], "begin_t1": rec["begin_t1"]} if "begin_t0" in rec else {}))
     _pending[:] = keep[-8:]  # bounded: a batch whose event never fires is dropped, not kept forever
 
 
@@ -77,7 +81,6 @@ def around_run_batch(original, scheduler, batch, *args, **kwargs):
     if torch is None:
         return original(scheduler, batch, *args, **kwargs)
     try:
-        flush_done()
         rec = {"t_enter": time.time(), "base": _timing_event(torch), "attn": [], "attn_t": [], "end": None,
                "tokens": tokens, "on_layer_s": 0.0, "t_exit": None}
     except Exception as exc:  # noqa: BLE001 - measurement only: the forward runs untraced
@@ -91,7 +94,12 @@ def around_run_batch(original, scheduler, batch, *args, **kwargs):
         rec["t_exit"] = time.time()
         try:
             rec["end"] = _timing_event(torch, getattr(scheduler, "forward_stream", None))
+            begin = getattr(_state, "begin", None)
+            if begin is not None and begin[0] >= rec["t_enter"] - 0.05:
+                rec["begin_t0"], rec["begin_t1"] = begin
+            _state.begin = None
             _pending.append(rec)
+            flush_done()  # the earlier forwards: done by now at concurrency 1
         except Exception as exc:  # noqa: BLE001
             _emit("trace_error", hook="forward_trace", error=repr(exc))
 
@@ -125,7 +133,7 @@ def around_begin_batch(original, *args, **kwargs):
     try:
         return original(*args, **kwargs)
     finally:
-        _emit("p_begin_batch", t_start=t, t_end=time.time())
+        _state.begin = (t, time.time())  # joined to the forward's line by around_run_batch
 
 
 HOOKS = [

@@ -22,7 +22,7 @@ decode   d_receiver      our receiver was made (the request entered SGLang's pre
          d_poll_success  SGLang's decode scheduler first saw Success from poll()
 both     req_stats       SGLang's own per-request timestamps (ReqTimeStats, made wall-clock) when it
                          logs them (--enable-request-time-stats-logging)
-         fwd, p_begin_batch: per-layer GPU timing of a forward and our begin_batch, only with
+         fwd             per-layer GPU timing of a forward and our begin_batch's CPU, only with
                          SGLANG_MORI_FORWARD_TRACE=1 (forward_trace.py)
          process         once per process, at plugin load: the sglang_mori package it imported
                          (`sglang_mori`: its folder), so a baseline config (pd_latency.py *_cand)

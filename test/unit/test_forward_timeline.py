@@ -32,8 +32,7 @@ def _forward(n: int, begin_ms=None, post_lag_ms=0.2):
          "on_layer_ms": 0.05},
     ]
     if begin_ms is not None:
-        events.append({"ev": "p_begin_batch", "t": enter, "room": None, "t_start": enter,
-                       "t_end": enter + begin_ms / 1e3})
+        events[1].update(begin_t0=enter - 0.3e-3, begin_t1=enter - 0.3e-3 + begin_ms / 1e3)
         for k in (1, 4, 5, 6, 7):  # halving groups of 8 layers: posts after layers 2, 5, 6, 7, 8
             p = enter + (attn[k] + post_lag_ms) / 1e3
             events.append({"ev": "p_submit", "t": p, "room": None, "t_start": p, "t_end": p + 1e-4, "bytes": 1})
