@@ -255,10 +255,11 @@ ttft8k_front() {
 # Session 16, issue 27 (why layer-wise lengthens the prefill forward; two GPUs): ttft8k_front with
 # forward_trace.py on in every server (SGLANG_MORI_FORWARD_TRACE=1: a timing event after each
 # attention layer, our begin_batch's CPU, the launch's end), by default standalone, PD chunk-wise and
-# PD `auto` (ORDER), the new client only (CLIENTS): 3 configs in about 400 s, LAT_S (420) bounds it.
+# PD `auto`, in the order pd_auto, standalone, pd_off (ORDER; the pair that decides it first, should
+# LAT_S (420) cut the last one short), the new client only (CLIENTS): 3 configs in about 400 s.
 # forward_timeline.py then splits each config's forwards (forward_timeline.out, in the archive).
 ttft8k_fwd() {
   export SGLANG_MORI_FORWARD_TRACE=1
-  ORDER=${ORDER:-standalone,pd_off,pd_auto} CLIENTS=${CLIENTS:-new} LAT_S=${LAT_S:-420} ttft8k_front
+  ORDER=${ORDER:-pd_auto,standalone,pd_off} CLIENTS=${CLIENTS:-new} LAT_S=${LAT_S:-420} ttft8k_front
   python3 "$S/forward_timeline.py" $W/lat/logs > $W/forward_timeline.out 2>&1
 }
