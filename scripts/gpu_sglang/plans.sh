@@ -1,7 +1,7 @@
 # Sourced by device_run.sh (wheels installed, environment set): runs side by side on a 4-GPU
 # machine, one plan per device call. Each run writes under $W; the JSONs are copied to $OUT and
 # every log travels back in $OUT/<plan>.tgz (a call returns at most 8 files).
-# Usage: device_run.sh plan plan1|plan2|plan3|tp_proof|tp_fp32_ieee|ttft8k_hotpath|ttft8k_pair (ORDER=...)|ttft8k_pollreads|ttft8k_ce|ttft8k_front (ORDER=...)
+# Usage: device_run.sh plan plan1|plan2|plan3|tp_proof|tp_fp32_ieee|ttft8k_hotpath|ttft8k_pair (ORDER=...)|ttft8k_pollreads|ttft8k_ce|ttft8k_front (ORDER=...)|ttft8k_fwd (ORDER=...)
 # Port bases stay in 10000-21999: below the kernel's ephemeral range (32768+ there), where any
 # outgoing connection of a server beside it (HTTP, NCCL, softio) may hold a port as its source, and
 # below SGLang's own nccl_port range (22000-29999). With bases at 37000/38000 a PD prefill server of
@@ -250,4 +250,16 @@ ttft8k_front() {
         --shape $shape --json $W/attribution_$shape.json 2>&1 | sed "s/^/[$c $shape] /" > $W/attribution_${c}_$shape.out
     done
   done
+}
+
+# Session 16, issue 27 (why layer-wise lengthens the prefill forward; two GPUs): ttft8k_front with
+# forward_trace.py on in every server (SGLANG_MORI_FORWARD_TRACE=1: a timing event after each
+# attention layer, our begin_batch's CPU, the launch's end), by default standalone, PD chunk-wise and
+# PD `auto`, in the order pd_auto, standalone, pd_off (ORDER; the pair that decides it first, should
+# LAT_S (420) cut the last one short), the new client only (CLIENTS): 3 configs in about 400 s.
+# forward_timeline.py then splits each config's forwards (forward_timeline.out, in the archive).
+ttft8k_fwd() {
+  export SGLANG_MORI_FORWARD_TRACE=1
+  ORDER=${ORDER:-pd_auto,standalone,pd_off} CLIENTS=${CLIENTS:-new} LAT_S=${LAT_S:-420} ttft8k_front
+  python3 "$S/forward_timeline.py" $W/lat/logs > $W/forward_timeline.out 2>&1
 }

@@ -22,6 +22,8 @@ decode   d_receiver      our receiver was made (the request entered SGLang's pre
          d_poll_success  SGLang's decode scheduler first saw Success from poll()
 both     req_stats       SGLang's own per-request timestamps (ReqTimeStats, made wall-clock) when it
                          logs them (--enable-request-time-stats-logging)
+         fwd             per-layer GPU timing of a forward and our begin_batch's CPU, only with
+                         SGLANG_MORI_FORWARD_TRACE=1 (forward_trace.py)
          process         once per process, at plugin load: the sglang_mori package it imported
                          (`sglang_mori`: its folder), so a baseline config (pd_latency.py *_cand)
                          shows it ran the candidate's code
@@ -168,3 +170,8 @@ def register() -> None:
     emit("process", None, pid=os.getpid(), sglang_mori=os.path.dirname(sglang_mori.__file__))
     for target, hook, kind in HOOKS:
         HookRegistry.register(target, _quiet(hook, kind), getattr(HookType, kind))
+    if os.environ.get("SGLANG_MORI_FORWARD_TRACE") == "1":  # per-layer GPU timing (forward_trace.py)
+        import forward_trace
+
+        for target, hook in forward_trace.HOOKS:
+            HookRegistry.register(target, hook, HookType.AROUND)
