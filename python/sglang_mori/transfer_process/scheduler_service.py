@@ -6,7 +6,7 @@ of a room into SGLang's tables when SGLang polls it, with no message and no thre
 from __future__ import annotations
 
 import logging
-from typing import Callable, Dict, Optional
+from typing import Callable, Optional
 
 from sglang_mori.backend import room_status as S
 from sglang_mori.transfer_process.client import TransferProcess
@@ -22,7 +22,10 @@ class TransferProcessService:
         self.sglang = sglang  # SGLangAdapter (or the tests' fake)
         self.read_aux = read_aux
         self.owns_aux = owns_aux
-        self.applied: Dict[int, int] = {}  # room -> the child's status last applied to SGLang's tables
+        self._slots = process.slots  # room -> its status slot (the process keeps it)
+        self._status = memoryview(process.table.status)  # int8, read as Python ints
+        # per slot: the child's status last applied to SGLang's tables, plus 1 (0: none yet)
+        self._applied = bytearray(process.table.slots)
         self.published: set = set()  # rooms whose destinations SGLang has (WaitingForInput applied)
         self.handoffs = 0
 
@@ -35,18 +38,22 @@ class TransferProcessService:
         pass  # the child runs its threads since it started
 
     def stop(self) -> None:
+        self._slots = {}  # a later poll finds no room of ours; the table's memory goes away
+        self._status.release()
         self.process.close()
 
     def poll_inbox(self) -> None:
         pass  # decode's messages go to the transfer process
 
     def claim(self, room_id: int) -> Optional[str]:
-        self.applied.pop(room_id, None)
         self.published.discard(room_id)
-        return self.process.claim(room_id)
+        refused = self.process.claim(room_id)
+        slot = self._slots.get(room_id)
+        if slot is not None:
+            self._applied[slot] = 0
+        return refused
 
     def release(self, room_id: int) -> None:
-        self.applied.pop(room_id, None)
         self.published.discard(room_id)
         self.process.release(room_id)
 
@@ -70,19 +77,26 @@ class TransferProcessService:
 
     # --- SGLang's poll -------------------------------------------------------------------------
     def sync(self, room_id: int) -> None:
-        """Apply the child's status of `room_id` to SGLang's tables (called by check_status)."""
+        """Apply the child's status of `room_id` to SGLang's tables (called by check_status on every
+        poll). The common case, nothing new, is a dict lookup and two byte reads."""
+        slot = self._slots.get(room_id)
+        if slot is None:
+            return
+        status = self._status[slot]
+        if status + 1 == self._applied[slot] and self.process.dead_reason is None:
+            return
+        self._apply(room_id, slot, status)
+
+    def _apply(self, room_id: int, slot: int, status: int) -> None:
         process = self.process
-        status = process.status(room_id)
-        if status is None or status == self.applied.get(room_id):
-            if process.dead_reason is not None and status is not None and status != S.SUCCESS:
-                self._fail_dead(room_id)
-            return
         if process.dead_reason is not None and status != S.SUCCESS:
-            self._fail_dead(room_id)
+            if self._applied[slot] != S.FAILED + 1:
+                self._applied[slot] = S.FAILED + 1
+                self.sglang.fail(room_id, process.dead_reason)
             return
+        self._applied[slot] = status + 1
         if status == NO_STATUS:
             return
-        self.applied[room_id] = status
         if status == S.FAILED:
             self.sglang.fail(room_id, process.reason(room_id) or "failed in the sglang-mori transfer process")
             return
@@ -91,11 +105,6 @@ class TransferProcessService:
             self.published.add(room_id)
             self.sglang.publish_handed_destinations(room_id, replicas, prefix)
         self.sglang.set_status(room_id, status)
-
-    def _fail_dead(self, room_id: int) -> None:
-        if self.applied.get(room_id) != S.FAILED:
-            self.applied[room_id] = S.FAILED
-            self.sglang.fail(room_id, self.process.dead_reason)
 
     def debug_snapshot(self) -> dict:
         return {"prefill.transfer_process_rooms": len(self.process.slots),
