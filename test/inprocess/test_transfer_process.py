@@ -78,3 +78,88 @@ def test_private_host_memory_is_refused_with_the_buffer_named():
     private = np.zeros(4096, np.uint8)
     with pytest.raises(PoolNotImportable, match=r"KV buffer 0 .* private host memory"):
         describe([private.ctypes.data], [private.nbytes], False, -1)
+
+
+def _manager(**kw):
+    from types import SimpleNamespace
+
+    from sglang_mori.config import MoriConfig
+
+    pools = kw.pop("pools")
+    cfg = MoriConfig(transfer_process=True, layerwise=kw.pop("layerwise", "off"))
+    args = SimpleNamespace(kv_data_ptrs=[p.ctypes.data for p in pools], kv_data_lens=[p.nbytes for p in pools],
+                           state_data_ptrs=kw.pop("state", []), gpu_id=0)
+    return SimpleNamespace(mori_config=cfg, kv_args=args, pp_size=kw.pop("pp_size", 1),
+                           defer_decode_allocation=False)
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"layerwise": "on"}, "layer-wise"),
+    ({"pp_size": 2}, "pipeline parallelism"),
+    ({"state": [123]}, "state pools"),
+])
+def test_deployments_the_prototype_does_not_carry_are_refused_with_the_reason(change, words, monkeypatch):
+    from sglang_mori.backend import sglang_fields
+    from sglang_mori.backend.prefill.context_parallel import PrefillCP
+    from sglang_mori.transfer_process import startup
+
+    monkeypatch.setattr(sglang_fields, "kv_on_gpu", lambda: False)
+    from transfer_process_rig import SharedPools
+
+    shared = SharedPools()
+    try:
+        ok, imports = startup.check(_manager(pools=shared.kv), PrefillCP())
+        assert ok is None and [p.kind for p in imports] == ["shm", "shm"]
+        reason, imports = startup.check(_manager(pools=shared.kv, **change), PrefillCP())
+        assert words in reason and imports == []
+    finally:
+        shared.close()
+
+
+def test_a_manager_with_private_cpu_pools_is_refused_naming_the_buffer(monkeypatch):
+    from sglang_mori.backend import sglang_fields
+    from sglang_mori.backend.prefill.context_parallel import PrefillCP
+    from sglang_mori.transfer_process import startup
+
+    monkeypatch.setattr(sglang_fields, "kv_on_gpu", lambda: False)
+    private = [np.zeros(4096, np.uint8), np.zeros(4096, np.uint8)]
+    reason, imports = startup.check(_manager(pools=private), PrefillCP())
+    assert "KV buffer 0" in reason and "private host memory" in reason and imports == []
+
+
+SCHEDULER_THAT_DIES = """
+import os, sys
+sys.path.insert(0, {here!r})
+from transfer_process_rig import TransferProcessRig
+rig = TransferProcessRig()
+print(rig.process.process.pid, flush=True)
+sys.stdin.readline()
+os._exit(0)  # no teardown: the scheduler process dies
+"""
+
+
+def test_the_child_dies_with_the_scheduler_process():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = str(Path(__file__).resolve().parent)
+    scheduler = subprocess.Popen([sys.executable, "-c", SCHEDULER_THAT_DIES.format(here=here)],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        child = int(scheduler.stdout.readline())
+        os.kill(child, 0)  # alive while the scheduler lives
+        scheduler.stdin.write("\n")
+        scheduler.stdin.flush()
+        scheduler.wait(timeout=20)
+
+        def gone():
+            try:
+                with open(f"/proc/{child}/stat") as f:
+                    return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+            except FileNotFoundError:
+                return True
+        wait_until(gone, f"transfer process {child} to die with its scheduler", 20)
+    finally:
+        if scheduler.poll() is None:
+            scheduler.kill()
