@@ -80,17 +80,13 @@ def test_private_host_memory_is_refused_with_the_buffer_named():
         describe([private.ctypes.data], [private.nbytes], False, -1)
 
 
-def _manager(**kw):
-    from types import SimpleNamespace
-
+def _check(pools, layerwise="off", pp_size=1, state=()):
+    from sglang_mori.backend.prefill.context_parallel import PrefillCP
     from sglang_mori.config import MoriConfig
+    from sglang_mori.transfer_process import startup
 
-    pools = kw.pop("pools")
-    cfg = MoriConfig(transfer_process=True, layerwise=kw.pop("layerwise", "off"))
-    args = SimpleNamespace(kv_data_ptrs=[p.ctypes.data for p in pools], kv_data_lens=[p.nbytes for p in pools],
-                           state_data_ptrs=kw.pop("state", []), gpu_id=0)
-    return SimpleNamespace(mori_config=cfg, kv_args=args, pp_size=kw.pop("pp_size", 1),
-                           defer_decode_allocation=False)
+    return startup.check(MoriConfig(transfer_process=True, layerwise=layerwise), PrefillCP(), pp_size, False,
+                         list(state), [p.ctypes.data for p in pools], [p.nbytes for p in pools], 0)
 
 
 @pytest.mark.parametrize("change, words", [
@@ -100,17 +96,14 @@ def _manager(**kw):
 ])
 def test_deployments_the_prototype_does_not_carry_are_refused_with_the_reason(change, words, monkeypatch):
     from sglang_mori.backend import sglang_fields
-    from sglang_mori.backend.prefill.context_parallel import PrefillCP
-    from sglang_mori.transfer_process import startup
-
-    monkeypatch.setattr(sglang_fields, "kv_on_gpu", lambda: False)
     from transfer_process_rig import SharedPools
 
+    monkeypatch.setattr(sglang_fields, "kv_on_gpu", lambda: False)
     shared = SharedPools()
     try:
-        ok, imports = startup.check(_manager(pools=shared.kv), PrefillCP())
+        ok, imports = _check(shared.kv)
         assert ok is None and [p.kind for p in imports] == ["shm", "shm"]
-        reason, imports = startup.check(_manager(pools=shared.kv, **change), PrefillCP())
+        reason, imports = _check(shared.kv, **change)
         assert words in reason and imports == []
     finally:
         shared.close()
@@ -118,12 +111,10 @@ def test_deployments_the_prototype_does_not_carry_are_refused_with_the_reason(ch
 
 def test_a_manager_with_private_cpu_pools_is_refused_naming_the_buffer(monkeypatch):
     from sglang_mori.backend import sglang_fields
-    from sglang_mori.backend.prefill.context_parallel import PrefillCP
-    from sglang_mori.transfer_process import startup
 
     monkeypatch.setattr(sglang_fields, "kv_on_gpu", lambda: False)
     private = [np.zeros(4096, np.uint8), np.zeros(4096, np.uint8)]
-    reason, imports = startup.check(_manager(pools=private), PrefillCP())
+    reason, imports = _check(private)
     assert "KV buffer 0" in reason and "private host memory" in reason and imports == []
 
 

@@ -83,7 +83,9 @@ class MoriKVManager(compat.CompatKVManager):
         if handed_pools is not None:
             from sglang_mori.transfer_process import startup
 
-            self.service = startup.start(self, handed_pools, self._owns_aux(self.cp))
+            self.service = startup.start(self.mori_config, self.layout, handed_pools, self.kv_args.gpu_id,
+                                         self.local_ip, len(self.kv_args.aux_data_ptrs), self.sglang,
+                                         self._read_aux, self._owns_aux(self.cp))
             self._sync_status = self.service.sync
             self.rank_port = self.service.port  # decode's messages go to the transfer process
         elif disaggregation_mode == DisaggregationMode.PREFILL:
@@ -118,7 +120,10 @@ class MoriKVManager(compat.CompatKVManager):
         from sglang_mori.transfer_process import startup
 
         self.cp = fields.prefill_cp(self)
-        reason, pools = startup.check(self, self.cp)
+        args = self.kv_args
+        reason, pools = startup.check(self.mori_config, self.cp, int(self.pp_size or 1),
+                                      bool(getattr(self, "defer_decode_allocation", False)),
+                                      args.state_data_ptrs, args.kv_data_ptrs, args.kv_data_lens, args.gpu_id)
         if reason is None:
             return pools
         self.transfer_process_refusal = reason

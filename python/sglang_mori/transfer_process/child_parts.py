@@ -64,10 +64,10 @@ class ChildService:
         logger.warning("sglang-mori: rejected %s message on %s: %s", error.reason, origin, error.detail)
 
     def serve(self, channel) -> None:
-        receiver = handoff.Receiver(channel)
+        records = handoff.Receiver(channel)
         while True:
             try:
-                rec = receiver.next()
+                rec = records.next()
             except OSError:
                 return
             if rec is None:  # the scheduler closed its end (teardown, or it died)
