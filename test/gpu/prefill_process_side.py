@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import replace
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import numpy as np
 import zmq
@@ -27,7 +27,7 @@ from sglang_mori.transfer_process.pools import describe
 from sglang_mori.transfer_process.scheduler_service import TransferProcessService
 
 from device_pool import AUX_BYTES, DevicePool
-from prefill_side import CountingMetrics, TimedSGLang, install_sender_stand_in
+from prefill_side import CountingMetrics, PrefillSide, TimedSGLang, install_sender_stand_in
 from rig_device import ON_GPU
 
 POLL_S = 0.0005
@@ -131,8 +131,6 @@ class ProcessPrefillSide:
     def metrics_snapshot(self) -> dict:
         return {"fallbacks": {}, "layerwise_writes": 0}
 
-    def scheduler(self):
-        raise RuntimeError("layer-wise streaming stays in-process")
-
-    def batch(self, rooms: List[int], tokens: int):
-        raise RuntimeError("layer-wise streaming stays in-process")
+    # What hooks.py reads: the same stand-ins as the in-process side (send_all refuses layer-wise).
+    scheduler = PrefillSide.scheduler
+    batch = PrefillSide.batch
