@@ -52,6 +52,7 @@ def test_released_slots_are_reused_only_after_the_child_let_go(tp):
     for room in range(100, 116):  # the rig's 16 slots
         assert tp.claim(room) is None, room
     assert "all 16 status slots are in use" in tp.claim(116)
+    assert tp.sglang.status(116) == S.FAILED and "status slots" in tp.sglang.failure_reason(116)
     for room in range(100, 116):
         tp.sglang.clear(room)
         tp.service.release(room)
@@ -71,7 +72,8 @@ def test_a_child_killed_mid_transfer_fails_its_rooms_with_a_reason_and_nothing_h
     assert "transfer process" in reason and "-9" in reason, reason
     # later calls fail at once instead of blocking on the dead channel
     tp.send(3, pages=[1], last=True, start=1)
-    assert tp.claim(4) is not None
+    assert "exited with code -9" in tp.claim(4)
+    assert tp.poll(4) == S.FAILED and "exited with code -9" in tp.sglang.failure_reason(4)
 
 
 def test_private_host_memory_is_refused_with_the_buffer_named():

@@ -76,12 +76,17 @@ class TransferProcess:
         """Start the room's life in the child; the reason it must fail at once, or None."""
         if self.dead_reason is not None:
             return self.dead_reason
+        if room in self.slots:  # a life SGLang never cleared: end it before the new one
+            self.release(room)
         slot = self._take_slot()
         if slot is None:
             return f"sglang-mori transfer process: all {self.table.slots} status slots are in use"
         self.table.open_slot(slot)
         self.slots[room] = slot
-        return self._send(self.sender.claim, slot, room)
+        error = self._send(self.sender.claim, slot, room)
+        if error is not None:
+            del self.slots[room]
+        return error
 
     def chunk(self, room: int, pages, start: int, stop: int, is_last: bool, aux_index: Optional[int],
               aux: Optional[list], num_kv_tokens: Optional[int]) -> Optional[str]:

@@ -48,10 +48,11 @@ class TransferProcessService:
     def claim(self, room_id: int) -> Optional[str]:
         self.published.discard(room_id)
         refused = self.process.claim(room_id)
-        slot = self._slots.get(room_id)
-        if slot is not None:
-            self._applied[slot] = 0
-        return refused
+        if refused is not None:  # SGLang reads the reason from its failure records
+            self.sglang.fail(room_id, refused)
+            return refused
+        self._applied[self._slots[room_id]] = 0
+        return None
 
     def release(self, room_id: int) -> None:
         self.published.discard(room_id)
