@@ -69,7 +69,8 @@ def _print_process_case(args, shape: str, tokens: int, off: dict) -> None:
         return
     parts = ", ".join(f"{k} {v}" for k, v in on["scheduler_us"].items())
     print(f"  transfer process on: scheduler process {on['scheduler_total_us']} us/request = {parts} "
-          f"({on['polls_per_request']} polls/request); off: {off_total} us/request; on/off "
+          f"({on['polls_per_request']} polls/request at 1 ms, {on['us_per_poll']} us each); "
+          f"off: {off_total} us/request; on/off "
           f"{on['ratio_on_off']}; the child's CPU {on['child_cpu_us']} us/request (moved out), "
           f"{on['wall_s']} s", flush=True)
 

@@ -184,4 +184,5 @@ def run_process_case(shape_key: str, tokens: int, requests: int, window: int, to
     rows["mori-transfer-watch"] = round(threads.get("mori-transfer-watch", 0) / n / 1e3, 1)
     return {"shape": shape_key, "tokens": tokens, "pages": per, "requests": n, "window": window,
             "wall_s": round(wall, 3), "scheduler_us": rows, "scheduler_total_us": round(sum(rows.values()), 1),
-            "polls_per_request": round(driver.polls / n, 1), "child_cpu_us": round(child_ns / n / 1e3, 1)}
+            "polls_per_request": round(driver.polls / n, 1), "child_cpu_us": round(child_ns / n / 1e3, 1),
+            "us_per_poll": round(driver.calls.ns.get("prefill.poll", 0) / max(driver.polls, 1) / 1e3, 2)}
