@@ -60,18 +60,18 @@ def _print_process_case(args, shape: str, tokens: int, off: dict) -> None:
     """The same case through a transfer process; ratios against the in-process prefill total."""
     from harness.hotpath.process_pair import run_process_case
 
-    on = run_process_case(shape, tokens, args.requests, args.window, args.token_bytes)
+    on = run_process_case(shape, tokens, args.requests, args.window, args.token_bytes, engine_mode=args.engine)
     off_total = off["prefill"]["total"]["ours_us"]
     on["off_prefill_total_us"] = off_total
     on["ratio_on_off"] = round(on["scheduler_total_us"] / off_total, 3) if off_total else None
     if args.json:
         print(json.dumps({"transfer_process": on}), flush=True)
         return
-    parts = ", ".join(f"{k} {v}" for k, v in on["scheduler_us"].items())
-    print(f"  transfer process on: scheduler process {on['scheduler_total_us']} us/request = {parts} "
-          f"({on['polls_per_request']} polls/request at 1 ms, {on['us_per_poll']} us each); "
-          f"off: {off_total} us/request; on/off "
-          f"{on['ratio_on_off']}; the child's CPU {on['child_cpu_us']} us/request (moved out), "
+    parts = ", ".join(f"{k} {v}" for k, v in on["scheduler_us"].items() if k != "scheduler.poll")
+    print(f"  transfer process on: scheduler process {on['scheduler_total_us']} us/request = calls "
+          f"{on['calls_us']} ({parts}) + {on['polls_per_request']} polls x {on['sync_us_per_poll']} us "
+          f"(sync, bulk-timed; {on['metered_polls_us']} us with the per-call meter); off: {off_total} us/request; "
+          f"on/off {on['ratio_on_off']}; the child's CPU {on['child_cpu_us']} us/request (moved out), "
           f"{on['wall_s']} s", flush=True)
 
 

@@ -30,14 +30,15 @@ class TransferProcessError(RuntimeError):
 
 
 class TransferProcess:
-    def __init__(self, spec: ChildSpec, slots: int, start_timeout_s: float = START_TIMEOUT_S):
+    def __init__(self, spec: ChildSpec, slots: int, start_timeout_s: float = START_TIMEOUT_S, target=child_main):
+        """`target`: the child's entry point (benchmarks wrap it; it must be importable there)."""
         self.table = StatusTable.create(slots)
         spec.table_name, spec.table_slots, spec.parent_pid = self.table.name, slots, os.getpid()
         mine, theirs = handoff.channel_pair()
         self.sender = handoff.Sender(mine)
         self._socket = mine
         self.process = multiprocessing.get_context("spawn").Process(
-            target=child_main, args=(spec, theirs), name="sglang-mori-transfer", daemon=True)
+            target=target, args=(spec, theirs), name="sglang-mori-transfer", daemon=True)
         self.process.start()
         theirs.close()
         self.dead_reason: Optional[str] = None

@@ -60,6 +60,31 @@ class SharedPrefillPool:
             s.unlink()
 
 
+def instant_child_main(spec, channel) -> None:
+    """The transfer process with softio's writes instant (`--engine instant`), as in the parent."""
+    from sglang_mori.transfer_process.child import main
+
+    from harness.hotpath.rig import instant_writes
+
+    with instant_writes():
+        main(spec, channel)
+
+
+def sync_cost_ns(service: TransferProcessService, sglang, room: int, calls: int = 20000) -> float:
+    """One poll of a room with nothing new (the common case), timed in bulk without the per-call
+    meter: what the manager's check_status adds to SGLang's own lookup."""
+    sglang.open(room)
+    service.claim(room)
+    service.sync(room)
+    start = time.thread_time_ns()
+    for _ in range(calls):
+        service.sync(room)
+    spent = time.thread_time_ns() - start
+    sglang.clear(room)
+    service.release(room)
+    return spent / calls
+
+
 def _cpu_ns_of(pid: int) -> int:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
@@ -133,7 +158,7 @@ class ProcessDriver:
 
 
 def run_process_case(shape_key: str, tokens: int, requests: int, window: int, token_bytes: int,
-                     config: MoriConfig | None = None) -> dict:
+                     config: MoriConfig | None = None, engine_mode: str = "softio") -> dict:
     import zmq
 
     from harness.hotpath.rig import ConcludedSGLang
@@ -147,7 +172,10 @@ def run_process_case(shape_key: str, tokens: int, requests: int, window: int, to
                      kv=describe(pool.args.kv_data_ptrs, pool.args.kv_data_lens, False, -1), on_gpu=False,
                      device=-1, host="127.0.0.1", control_host="127.0.0.1", table_name="", table_slots=0,
                      parent_pid=0, aux_buffers=1)
-    process = TransferProcess(spec, slots=4096)
+    from sglang_mori.transfer_process.child import main as child_main
+
+    process = TransferProcess(spec, slots=4096,
+                              target=instant_child_main if engine_mode == "instant" else child_main)
     sglang = ConcludedSGLang()
     service = TransferProcessService(process, sglang, read_aux=lambda i: None if i is None else
                                      [pool.aux[i * AUX_BYTES:(i + 1) * AUX_BYTES].tobytes()])
@@ -173,6 +201,7 @@ def run_process_case(shape_key: str, tokens: int, requests: int, window: int, to
         wall = time.perf_counter() - start
         threads = clocks.since()
         child_ns = _cpu_ns_of(process.process.pid) - child_start
+        per_sync_ns = sync_cost_ns(service, sglang, room=1)
     finally:
         driver.to_child.close(0)
         service.stop()
@@ -182,7 +211,17 @@ def run_process_case(shape_key: str, tokens: int, requests: int, window: int, to
     n = batches * window
     rows = {"scheduler." + k.split(".", 1)[1]: round(v / n / 1e3, 1) for k, v in sorted(driver.calls.ns.items())}
     rows["mori-transfer-watch"] = round(threads.get("mori-transfer-watch", 0) / n / 1e3, 1)
+    calls = round(sum(v for k, v in rows.items() if k != "scheduler.poll"), 1)
+    polls = driver.polls / n
     return {"shape": shape_key, "tokens": tokens, "pages": per, "requests": n, "window": window,
-            "wall_s": round(wall, 3), "scheduler_us": rows, "scheduler_total_us": round(sum(rows.values()), 1),
-            "polls_per_request": round(driver.polls / n, 1), "child_cpu_us": round(child_ns / n / 1e3, 1),
-            "us_per_poll": round(driver.calls.ns.get("prefill.poll", 0) / max(driver.polls, 1) / 1e3, 2)}
+            "engine": engine_mode, "wall_s": round(wall, 3), "scheduler_us": rows,
+            # init + send + clear (+ the watcher): the calls SGLang makes once per request or chunk
+            "calls_us": calls,
+            # what sync adds to one poll of a room with nothing new, timed in bulk
+            "sync_us_per_poll": round(per_sync_ns / 1e3, 3),
+            "polls_per_request": round(polls, 1),
+            # the calls plus this run's polls at the bulk sync cost (the per-call meter's own
+            # overhead, about what a poll costs, left out)
+            "scheduler_total_us": round(calls + polls * per_sync_ns / 1e3, 1),
+            "metered_polls_us": rows.get("scheduler.poll", 0.0),
+            "child_cpu_us": round(child_ns / n / 1e3, 1)}
