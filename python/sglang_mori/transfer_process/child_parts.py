@@ -11,6 +11,7 @@ import zmq
 from sglang_mori.backend.messenger import Messenger
 from sglang_mori.backend.peers import InflightBudget, PeerRegistry
 from sglang_mori.backend.plans import KVPlanner, LocalBuffers, decode_layout
+from sglang_mori.backend.failure_reasons import ALL as FAILURE_REASONS
 from sglang_mori.backend.prefill.failures import OTHER
 from sglang_mori.backend.prefill.parts import PrefillParts
 from sglang_mori.backend.prefill.service import PrefillService
@@ -93,7 +94,9 @@ class ChildService:
             self.tables.close(room, rec.slot)
             self.aux.drop_room(room)
         elif rec.kind == handoff.FAIL:
-            svc.fail(room, rec.reason, rec.label or OTHER)
+            # the scheduler's label, kept only if it is one of ours (metrics count the rest as other)
+            label = rec.label if rec.label in FAILURE_REASONS else OTHER
+            svc.fail(room, rec.reason, label)
 
     def close(self) -> None:
         self.service.stop()

@@ -32,7 +32,7 @@ _FIELDS = (
 _HEADER = 64  # int64 words: [0] the child's control port, [1] ready flag
 
 
-def _size(slots: int) -> int:
+def _table_bytes(slots: int) -> int:
     return _HEADER * 8 + sum(np.dtype(dt).itemsize * n * slots for _, dt, n in _FIELDS)
 
 
@@ -49,7 +49,7 @@ class StatusTable:
 
     @classmethod
     def create(cls, slots: int = DEFAULT_SLOTS) -> "StatusTable":
-        shm = shared_memory.SharedMemory(create=True, size=_size(slots))
+        shm = shared_memory.SharedMemory(create=True, size=_table_bytes(slots))
         table = cls(shm, shm.buf, slots)
         table.status[:] = NO_STATUS
         table.released[:] = 1
@@ -61,7 +61,7 @@ class StatusTable:
         # with multiprocessing's resource tracker a second time (Python 3.11 has no track=False).
         fd = os.open(f"/dev/shm/{name.lstrip('/')}", os.O_RDWR)
         try:
-            buf = mmap.mmap(fd, _size(slots))
+            buf = mmap.mmap(fd, _table_bytes(slots))
         finally:
             os.close(fd)
         table = cls(None, buf, slots)
