@@ -60,6 +60,11 @@ def main(spec: ChildSpec, channel) -> None:
     """Entry point of the spawned process."""
     _die_with_parent(spec.parent_pid)
     logging.basicConfig(level=spec.log_level, format="%(asctime)s transfer-process %(levelname)s %(message)s")
+    if spec.on_gpu:
+        try:  # loads the CUDA runtime torch ships, which softio's cuda_runtime finds among our mappings
+            import torch  # noqa: F401
+        except ImportError:
+            pass
     from sglang_mori.transfer_process.child_parts import ChildService
 
     service = ChildService(spec)
