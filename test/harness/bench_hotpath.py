@@ -102,14 +102,18 @@ def run(args) -> int:
                           engine_mode=args.engine, steps=args.steps)
         if args.json:
             print(json.dumps(result), flush=True)
-            continue
-        print(f"[{args.engine}] {shape} {tokens} tokens ({result['pages']} pages), {result['requests']} requests, "
-              f"window {result['window']}, {result['wall_s']} s", flush=True)
-        print(_row(result, "prefill"))
-        print(_row(result, "decode"))
-        print(f"  softio's own threads: {result['softio_threads_us']} us/request", flush=True)
+        else:
+            _print_case(args, shape, tokens, result)
         if args.transfer_process:
             _print_process_case(args, shape, int(tokens), result)
-        for row in result.get("steps", ()):
-            print(f"    {row['thread']:<20} {row['step']:<40} {row['us']:>8} us/request  ({row['calls']} calls)")
     return 0
+
+
+def _print_case(args, shape: str, tokens: str, result: dict) -> None:
+    print(f"[{args.engine}] {shape} {tokens} tokens ({result['pages']} pages), {result['requests']} requests, "
+          f"window {result['window']}, {result['wall_s']} s", flush=True)
+    print(_row(result, "prefill"))
+    print(_row(result, "decode"))
+    print(f"  softio's own threads: {result['softio_threads_us']} us/request", flush=True)
+    for row in result.get("steps", ()):
+        print(f"    {row['thread']:<20} {row['step']:<40} {row['us']:>8} us/request  ({row['calls']} calls)")
