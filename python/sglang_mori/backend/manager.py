@@ -46,6 +46,10 @@ class MoriKVManager(compat.CompatKVManager):
     kv_status_msg_carries_reason = True
     # The statuses at which check_status reads our socket first (set once the service runs).
     _inbox_waits: tuple = ()
+    # SGLANG_MORI_TRANSFER_PROCESS: the status sync check_status runs first, and why the switch
+    # was refused (None: not refused, or off)
+    _sync_status = None
+    transfer_process_refusal: Optional[str] = None
 
     def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode, server_args,
                  is_mla_backend: Optional[bool] = False):
@@ -57,7 +61,6 @@ class MoriKVManager(compat.CompatKVManager):
         # waits until we know which port to advertise (register_to_bootstrap below).
         self._registration_waits = (self.mori_config.transfer_process
                                     and disaggregation_mode == DisaggregationMode.PREFILL)
-        self.transfer_process_refusal: Optional[str] = None
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         self.role = disaggregation_mode.value
         compat.check_manager(self, self.role)
@@ -69,7 +72,6 @@ class MoriKVManager(compat.CompatKVManager):
         self.layout = local_layout(fields.kv_args_view(args), self.attn_tp_size, self.attn_tp_rank,
                                    bool(is_mla_backend), self.dcp_size, self.dcp_rank)
         self.sglang = SGLangAdapter(self)
-        self._sync_status = None  # the transfer process's status sync, run by check_status
         handed_pools = self._transfer_process_pools() if self._registration_waits else None
         if handed_pools is None:
             self.engine = self._start_engine()
