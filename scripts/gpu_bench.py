@@ -146,6 +146,9 @@ def run_link(args, results: list) -> None:
 def send_due(rig, bg, rate: float, start: float, sent: int, live: list) -> int:
     """Open and send the background requests due by now at `rate`; release the concluded ones.
     Returns the new count sent."""
+    poll = getattr(rig.prefill, "poll", None)  # a transfer process's statuses come by polls
+    if poll is not None:
+        poll()
     due = int((time.perf_counter() - start) * rate) - sent
     if due > 0:
         rooms = rig.next_rooms(due)
@@ -240,6 +243,7 @@ def run_interference(args, results: list) -> None:
                     sent += n
                 engine_cpu = engine_meter.since_reset()
             decode_cpu = rig.ask("cpu")
+            child_cpu_s = getattr(rig.prefill, "child_cpu_s", None)
             builtin_point = None
             if args.builtin:
                 from builtin_load import BuiltinPatternLoad
@@ -284,6 +288,8 @@ def run_interference(args, results: list) -> None:
                 "decode_step_ms": {"alone": median(steps_alone), "loaded": median(steps_loaded)},
                 "decode_requests_sent": sent_d,
             }
+            if child_cpu_s is not None:  # the transfer process's CPU since it started, warm-ups included
+                point["transfer_process_cpu_ms_per_request"] = round(child_cpu_s() * 1e3 / max(sent + sent_d, 1), 3)
             point["decode_slowdown_pct"] = 100.0 * (point["decode_step_ms"]["loaded"] /
                                                     point["decode_step_ms"]["alone"] - 1.0)
             point["slowdown_pct"] = 100.0 * (point["forward_ms"]["loaded"] / point["forward_ms"]["alone"] - 1.0)
@@ -325,8 +331,13 @@ def main() -> int:
     ap.add_argument("--link-tokens", default="1024,8192,32768")
     ap.add_argument("--link-requests", type=int, default=4, help="requests of a burst (GB/s per second)")
     ap.add_argument("--blocks", default="default", help="gather kernel grids to measure (link part): blocks x threads,... or 'default'")
+    ap.add_argument("--transfer-process", action="store_true",
+                    help="the prefill side hands its transfers to a transfer process "
+                         "(SGLANG_MORI_TRANSFER_PROCESS=on, test/gpu/prefill_process_side.py; chunk-wise only)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
+    if args.transfer_process:
+        os.environ["SGLANG_MORI_TRANSFER_PROCESS"] = "on"
     import faulthandler
 
     faulthandler.enable()

@@ -240,6 +240,14 @@ KNOBS: Tuple[Knob, ...] = (
          "about log2(layers)+2 writes per room and forward, one layer's KV left after it); "
          "n >= 1: a write every n layers.",
          lambda text: _parse_int(text, 1, 1024, also=(0,)), "0 (halving) or 1..1024"),
+    Knob("SGLANG_MORI_TRANSFER_PROCESS", "transfer_process", "bool", False,
+         "Prototype (issue 28), prefill only: one child process per rank owns the transfer engine "
+         "and runs the transfer threads, so SGLang's scheduler process keeps only its calls into us "
+         "(one hand-off record per chunk, statuses read from shared memory). The KV pools must be "
+         "importable there (CUDA IPC, or CPU pools in /dev/shm): start-up fails with the reason "
+         "otherwise, as it does with layer-wise streaming, context parallelism, KV sharding, PP or "
+         "SGLang's prefill_complete allocation (docs/design.md, \"A transfer process\"). Off: "
+         "everything runs in the scheduler's process.", boolean, _BOOL_SPELLINGS),
 )
 
 # --- the config ---------------------------------------------------------------------------
@@ -269,6 +277,7 @@ class MoriConfig:
     layerwise_min_tokens: int = 256
     layerwise_min_batch_tokens: int = 8192
     layerwise_group: int = 0
+    transfer_process: bool = False
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> "MoriConfig":

@@ -83,7 +83,10 @@ class GpuPD:
         tp = len(self.prefill_devices)
         # SGLang's receiver: with MLA and prefill TP > decode TP only the first rank writes
         self.dummies = [self.shape.is_mla and r > 0 for r in range(tp)]
-        self.config = config or MoriConfig(engine="soft", transfer_timeout_ms=30000)
+        # SGLANG_MORI_TRANSFER_PROCESS=on (gpu_bench.py --transfer-process): the prefill side
+        # hands its transfers to a transfer process (prefill_process_side.py)
+        self.config = config or MoriConfig(engine="soft", transfer_timeout_ms=30000,
+                                           transfer_process=MoriConfig.from_env(os.environ).transfer_process)
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         config_kwargs = {k: getattr(self.config, k) for k in ("transfer_timeout_ms", "peer_fail_fast_s")}
@@ -98,8 +101,11 @@ class GpuPD:
             registration = self._recv(timeout=120)
             self.registration = protocol.decode(registration)  # decode's Register (its MemoryDescs)
             for rank, device in enumerate(self.prefill_devices):
-                side = PrefillSide(self.shape.sliced(tp), page_size, pages, self.config, group_size,
-                                   device=device, tp_rank=rank)
+                side_class = PrefillSide
+                if self.config.transfer_process:
+                    from prefill_process_side import ProcessPrefillSide as side_class
+                side = side_class(self.shape.sliced(tp), page_size, pages, self.config, group_size,
+                                  device=device, tp_rank=rank)
                 self.prefills.append(side)
                 side.start(registration)
             self.prefill = self.prefills[0]

@@ -32,6 +32,10 @@ def add_arguments(p) -> None:
     p.add_argument("--ipc", action="store_true",
                    help="instead: the scheduler's cost of handing one chunk message to another process "
                         "(harness/hotpath/ipc.py: ZMQ ipc://, AF_UNIX SOCK_SEQPACKET, a shared-memory ring)")
+    p.add_argument("--transfer-process", action="store_true",
+                   help="also: each case again with the prefill transfer process (SGLANG_MORI_TRANSFER_PROCESS=on; "
+                        "harness/hotpath/process_pair.py), the scheduler process's Python per request against "
+                        "the in-process total of the same run")
     p.add_argument("--json", action="store_true", help="print one JSON object per case")
     p.add_argument("--backend-root", default="",
                    help="count another checkout's backend (its python/ folder) with this harness: a "
@@ -50,6 +54,25 @@ def _row(result: dict, side: str) -> str:
              for name, v in rows.items() if name != "total"]
     total = rows["total"]
     return f"  {side}: ours {total['ours_us']} us/request (engine {total['engine_us']}) = " + ", ".join(parts)
+
+
+def _print_process_case(args, shape: str, tokens: int, off: dict) -> None:
+    """The same case through a transfer process; ratios against the in-process prefill total."""
+    from harness.hotpath.process_pair import run_process_case
+
+    on = run_process_case(shape, tokens, args.requests, args.window, args.token_bytes, engine_mode=args.engine)
+    off_total = off["prefill"]["total"]["ours_us"]
+    on["off_prefill_total_us"] = off_total
+    on["ratio_on_off"] = round(on["scheduler_total_us"] / off_total, 3) if off_total else None
+    if args.json:
+        print(json.dumps({"transfer_process": on}), flush=True)
+        return
+    parts = ", ".join(f"{k} {v}" for k, v in on["scheduler_us"].items() if k != "scheduler.poll")
+    print(f"  transfer process on: scheduler process {on['scheduler_total_us']} us/request = calls "
+          f"{on['calls_us']} ({parts}) + {on['polls_per_request']} polls x {on['sync_us_per_poll']} us "
+          f"(sync, bulk-timed; {on['metered_polls_us']} us with the per-call meter); off: {off_total} us/request; "
+          f"on/off {on['ratio_on_off']}; the child's CPU {on['child_cpu_us']} us/request (moved out), "
+          f"{on['wall_s']} s", flush=True)
 
 
 def run(args) -> int:
@@ -79,12 +102,18 @@ def run(args) -> int:
                           engine_mode=args.engine, steps=args.steps)
         if args.json:
             print(json.dumps(result), flush=True)
-            continue
-        print(f"[{args.engine}] {shape} {tokens} tokens ({result['pages']} pages), {result['requests']} requests, "
-              f"window {result['window']}, {result['wall_s']} s", flush=True)
-        print(_row(result, "prefill"))
-        print(_row(result, "decode"))
-        print(f"  softio's own threads: {result['softio_threads_us']} us/request", flush=True)
-        for row in result.get("steps", ()):
-            print(f"    {row['thread']:<20} {row['step']:<40} {row['us']:>8} us/request  ({row['calls']} calls)")
+        else:
+            _print_case(args, shape, tokens, result)
+        if args.transfer_process:
+            _print_process_case(args, shape, int(tokens), result)
     return 0
+
+
+def _print_case(args, shape: str, tokens: str, result: dict) -> None:
+    print(f"[{args.engine}] {shape} {tokens} tokens ({result['pages']} pages), {result['requests']} requests, "
+          f"window {result['window']}, {result['wall_s']} s", flush=True)
+    print(_row(result, "prefill"))
+    print(_row(result, "decode"))
+    print(f"  softio's own threads: {result['softio_threads_us']} us/request", flush=True)
+    for row in result.get("steps", ()):
+        print(f"    {row['thread']:<20} {row['step']:<40} {row['us']:>8} us/request  ({row['calls']} calls)")

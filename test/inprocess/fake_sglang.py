@@ -134,3 +134,10 @@ class FakeSGLang:
 
     def note_abort_ack(self, room, prefill_rank, generation):
         self.abort_acks_noted.append((room, prefill_rank, generation))
+
+    def publish_handed_destinations(self, room, replicas, prefix):
+        """The scheduler's side of the transfer process: the child published the room's
+        destinations (their count and decode's prefix length) in the status table."""
+        with self.lock:
+            self.transfer_infos[room] = {"transfer-process": (replicas, prefix)}
+        self.set_status(room, S.WAITING_FOR_INPUT)

@@ -46,6 +46,10 @@ class MoriKVManager(compat.CompatKVManager):
     kv_status_msg_carries_reason = True
     # The statuses at which check_status reads our socket first (set once the service runs).
     _inbox_waits: tuple = ()
+    # SGLANG_MORI_TRANSFER_PROCESS: the status sync check_status runs first, and why the switch
+    # was refused (None: not refused, or off)
+    _sync_status = None
+    transfer_process_refusal: Optional[str] = None
 
     def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode, server_args,
                  is_mla_backend: Optional[bool] = False):
@@ -53,6 +57,10 @@ class MoriKVManager(compat.CompatKVManager):
         self.mori_config = MoriConfig.from_env()
         for warning in mori_env_overrides(self.mori_config, os.environ):
             logger.warning("sglang-mori: %s", warning)
+        # A transfer process serves decode's messages on its own port: bootstrap registration
+        # waits until we know which port to advertise (register_to_bootstrap below).
+        self._registration_waits = (self.mori_config.transfer_process
+                                    and disaggregation_mode == DisaggregationMode.PREFILL)
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         self.role = disaggregation_mode.value
         compat.check_manager(self, self.role)
@@ -63,12 +71,26 @@ class MoriKVManager(compat.CompatKVManager):
         )
         self.layout = local_layout(fields.kv_args_view(args), self.attn_tp_size, self.attn_tp_rank,
                                    bool(is_mla_backend), self.dcp_size, self.dcp_rank)
-        self.engine = self._start_engine()
-        self.buffers = self._register_buffers()
-        self.messenger = Messenger(compat.zmq_context(self))
         self.sglang = SGLangAdapter(self)
+        handed_pools = self._transfer_process_pools() if self._registration_waits else None
+        if handed_pools is None:
+            self.engine = self._start_engine()
+            self.buffers = self._register_buffers()
+        else:  # the transfer process owns the engine and the registrations
+            self.engine, self.buffers = None, None
+            EngineSettings.for_gpu(self.kv_args.ib_device, self.kv_args.gpu_id, xgmi=self.mori_config.xgmi,
+                                   resolve=fields.ib_devices_for_gpu).apply()  # inherited by the child
+        self.messenger = Messenger(compat.zmq_context(self))
         self.layerwise = None  # the layer-wise session (prefill, SGLANG_MORI_LAYERWISE on/auto)
-        if disaggregation_mode == DisaggregationMode.PREFILL:
+        if handed_pools is not None:
+            from sglang_mori.transfer_process import startup
+
+            self.service = startup.start(self.mori_config, self.layout, handed_pools, self.kv_args.gpu_id,
+                                         self.local_ip, len(self.kv_args.aux_data_ptrs), self.sglang,
+                                         self._read_aux, self._owns_aux(self.cp))
+            self._sync_status = self.service.sync
+            self.rank_port = self.service.port  # decode's messages go to the transfer process
+        elif disaggregation_mode == DisaggregationMode.PREFILL:
             self.service = self._build_prefill()
         else:
             self.service = self._build_decode()
@@ -79,12 +101,38 @@ class MoriKVManager(compat.CompatKVManager):
                                  else DECODE_INBOX_WAITS)
         if self.layerwise is not None:
             self.layerwise.start()
+        if self._registration_waits:
+            self._registration_waits = False
+            self.register_to_bootstrap()
         if self.mori_config.gc_freeze:
             from sglang_mori.gc_tuning import freeze_startup_heap
 
             freeze_startup_heap(f"{self.role} tp{self.attn_tp_rank}")
 
     # --- assembly --------------------------------------------------------------------------
+    def register_to_bootstrap(self):
+        """SGLang registers this prefill rank while its manager is built; with a transfer process
+        that waits until the process's control port is known (and happens once either way)."""
+        if not self._registration_waits:
+            super().register_to_bootstrap()
+
+    def _transfer_process_pools(self):
+        """How the transfer process maps the KV pools, or None (refused: logged, and kept in
+        `transfer_process_refusal`) to keep the transfers in this process."""
+        from sglang_mori.transfer_process import startup
+
+        self.cp = fields.prefill_cp(self)
+        args = self.kv_args
+        reason, pools = startup.check(self.mori_config, self.cp, int(self.pp_size or 1),
+                                      bool(getattr(self, "defer_decode_allocation", False)),
+                                      args.state_data_ptrs, args.kv_data_ptrs, args.kv_data_lens, args.gpu_id)
+        if reason is None:
+            return pools
+        self.transfer_process_refusal = reason
+        logger.warning("sglang-mori prefill tp%d: SGLANG_MORI_TRANSFER_PROCESS=on refused: %s; transfers stay "
+                       "in the scheduler's process", self.attn_tp_rank, reason)
+        return None
+
     def _build_prefill(self):
         from sglang_mori.backend.prefill.parts import PrefillParts
         from sglang_mori.backend.prefill.service import PrefillService
@@ -207,6 +255,8 @@ class MoriKVManager(compat.CompatKVManager):
         the other side's message (prefill: decode's destinations; decode: prefill's Success or
         Failed) first has the socket read on this thread (inbox.py), so the message's effect is
         seen in this poll rather than after our reading thread wins the GIL."""
+        if self._sync_status is not None:
+            self._sync_status(bootstrap_room)
         status = super().check_status(bootstrap_room)
         if status in self._inbox_waits:
             self.service.poll_inbox()
@@ -269,6 +319,8 @@ class MoriKVManager(compat.CompatKVManager):
         # (debug_snapshot raised TypeError on every PP prefill rank).
         out = compat.table_sizes(self)
         out.update(self.service.debug_snapshot())
+        if self.transfer_process_refusal is not None:
+            out["prefill.transfer_process_refused"] = 1
         if hasattr(self, "reachability"):
             out["decode.unreachable_bootstrap_addrs"] = len(self.reachability)
         return out
@@ -290,5 +342,6 @@ class MoriKVManager(compat.CompatKVManager):
             compat.zmq_context(self).destroy(linger=0)
         except Exception as exc:
             logger.warning("sglang-mori: destroying the ZMQ context failed: %s", exc)
-        self.engine.close()
+        if self.engine is not None:
+            self.engine.close()
         logger.info("sglang-mori %s tp%d: torn down", self.role, self.attn_tp_rank)

@@ -8,11 +8,15 @@ methods (test/inprocess/fake_sglang.py).
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Dict, Optional
 
 from sglang_mori.backend import room_status
 from sglang_mori.backend import sglang_compat as compat
 from sglang_mori.backend.prefill.rooms import decode_prefix_len
+
+# The one entry of a room's transfer_infos when the transfer process holds its destinations.
+HANDED_DESTINATIONS = "sglang-mori-transfer-process"
 
 
 class SGLangAdapter:
@@ -73,6 +77,18 @@ class SGLangAdapter:
         mgr.transfer_infos[room] = dict(targets)
         mgr.resolve_kv_replica_factor(mgr.transfer_infos[room])
         mgr.req_to_decode_prefix_len[room] = decode_prefix_len(targets.values())
+        mgr.update_status(room, room_status.WAITING_FOR_INPUT)
+
+    def publish_handed_destinations(self, room: int, replicas: int, prefix: int) -> None:
+        """The transfer process knows the room's destinations (SGLANG_MORI_TRANSFER_PROCESS): SGLang
+        gets what it reads of them here, their count (the MLA replica factor) and decode's prefix
+        length. The entry is a dummy, so SGLang's own status notifications skip it: the transfer
+        process tells decode itself."""
+        mgr = self._mgr
+        mgr.transfer_infos[room] = {HANDED_DESTINATIONS: SimpleNamespace(required_dst_info_num=replicas,
+                                                                         is_dummy=True)}
+        mgr.resolve_kv_replica_factor(mgr.transfer_infos[room])
+        mgr.req_to_decode_prefix_len[room] = prefix
         mgr.update_status(room, room_status.WAITING_FOR_INPUT)
 
     def check_peer_aux_buffer_count(self, peer: str, count: int) -> None:

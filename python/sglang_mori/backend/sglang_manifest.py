@@ -66,6 +66,7 @@ MEMBERS: Dict[str, Tuple[str, ...]] = {
         "register_deferred_ack_target", "apply_prefill_status", "note_abort_ack", "register_deferred_abort_room",
         "send_kv_status_message", "try_ensure_parallel_info", "prepare_send_state_indices",
         "parse_kv_status_message", "build_receiver_registration_message", "build_receiver_metadata_message",
+        "register_to_bootstrap", "defer_decode_allocation",
         # capability flags we set
         "supports_deferred_decode_kv_release", "supports_role_switch", "reports_transfer_latency",
         "kv_status_msg_carries_reason",

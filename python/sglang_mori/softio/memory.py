@@ -11,11 +11,14 @@ softio's device path (device_path.py); host frames into it are refused.
 from __future__ import annotations
 
 import ctypes
+import logging
 import threading
 
 from . import cuda_runtime
 from .descriptors import MemoryDesc
 from .enums import MemoryLocationType
+
+logger = logging.getLogger(__name__)
 
 
 class Region:
@@ -60,7 +63,14 @@ class LocalMemory:
                     # would be posted from the wrong device's stream. Fail at start-up, by name.
                     raise RuntimeError(f"register_memory: memory at {ptr:#x} is on GPU {device} but was "
                                        f"registered as device {device_id}")
-                handle, offset = runtime.export(ptr, device)
+                try:
+                    handle, offset = runtime.export(ptr, device)
+                except cuda_runtime.CudaError as exc:
+                    # Memory this process imported (a transfer process maps the scheduler's pool
+                    # with CUDA IPC) may not be exportable again. It is only ever the local side
+                    # of our writes, so it is registered without a handle: a peer cannot open it.
+                    logger.warning("softio: GPU memory at %#x registered without an IPC handle: %s", ptr, exc)
+                    handle = None
         with self._lock:
             mem_id = self._next_id
             self._next_id = (self._next_id + 1) & 0xFFFFFFFF

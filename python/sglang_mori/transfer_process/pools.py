@@ -1,0 +1,122 @@
+"""What the transfer process needs to map the scheduler's KV pools, and the mapping itself.
+
+The manager knows the pools only as SGLang's `kv_args` pointers and lengths. The least invasive
+import works from those alone, with no change to SGLang:
+- device memory: a CUDA IPC handle of the allocation holding the pointer, plus the offset in it
+  (softio's cuda_runtime, the calls torch's CUDA IPC makes; on ROCm the same pair of HIP calls);
+- host memory: the file backing the mapping that holds the pointer, when it is a shared-memory
+  file under /dev/shm (found in /proc/self/maps), mapped again in the child at the same offset.
+Anything else (private host memory, a pool spanning two mappings) cannot be imported: `describe`
+raises PoolNotImportable naming the buffer, and the manager refuses the switch at start-up.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+from dataclasses import dataclass
+from typing import List, Sequence
+
+SHM_DIR = "/dev/shm/"
+
+
+class PoolNotImportable(RuntimeError):
+    """A KV buffer the transfer process could not map."""
+
+
+@dataclass(frozen=True)
+class PoolImport:
+    kind: str  # "shm" or "cuda"
+    size: int
+    path: str = ""  # shm: the backing file
+    file_offset: int = 0  # shm: the pointer's offset in that file
+    handle: bytes = b""  # cuda: IPC handle of the allocation
+    offset: int = 0  # cuda: the pointer's offset in the allocation
+    device: int = -1
+
+
+def _mapping_of(ptr: int, size: int, maps_text: str):
+    """(path, file offset of ptr) of the /proc/self/maps line holding [ptr, ptr + size), or None."""
+    for line in maps_text.splitlines():
+        fields = line.split(None, 5)
+        start, end = (int(x, 16) for x in fields[0].split("-"))
+        if start <= ptr < end:
+            if ptr + size > end:
+                return None
+            path = fields[5].strip() if len(fields) > 5 else ""
+            return path, int(fields[2], 16) + (ptr - start)
+    return None
+
+
+def describe(ptrs: Sequence[int], sizes: Sequence[int], on_gpu: bool, device: int,
+             what: str = "KV buffer") -> List[PoolImport]:
+    """How the child maps each buffer; PoolNotImportable for the first that cannot be."""
+    if on_gpu:
+        from sglang_mori.softio import cuda_runtime
+
+        runtime = cuda_runtime.load()
+        if runtime is None:
+            raise PoolNotImportable(f"{what}s are GPU memory but no CUDA runtime is loaded to export them")
+        out = []
+        for i, (ptr, size) in enumerate(zip(ptrs, sizes)):
+            try:
+                handle, offset = runtime.export(int(ptr), device)
+            except Exception as exc:  # e.g. a virtual-memory allocation (expandable segments)
+                raise PoolNotImportable(f"{what} {i} at {int(ptr):#x}: no CUDA IPC handle ({exc})") from None
+            out.append(PoolImport("cuda", int(size), handle=handle, offset=offset, device=device))
+        return out
+    with open("/proc/self/maps") as f:
+        maps_text = f.read()
+    out = []
+    for i, (ptr, size) in enumerate(zip(ptrs, sizes)):
+        found = _mapping_of(int(ptr), int(size), maps_text)
+        if found is None or not found[0].startswith(SHM_DIR) or found[0].endswith("(deleted)"):
+            where = "in no single mapping" if found is None else f"in {found[0] or 'anonymous memory'}"
+            raise PoolNotImportable(
+                f"{what} {i} at {int(ptr):#x} ({int(size)} bytes) is private host memory ({where}): "
+                "the transfer process can map only shared-memory files under /dev/shm")
+        out.append(PoolImport("shm", int(size), path=found[0], file_offset=found[1]))
+    return out
+
+
+class ImportedPools:
+    """The child's mappings of the scheduler's buffers; `ptrs` line up with the descriptions."""
+
+    def __init__(self, imports: Sequence[PoolImport]):
+        self._maps: list = []
+        self._cuda: list = []
+        self.ptrs: List[int] = [self._map(p) for p in imports]
+
+    def _map(self, p: PoolImport) -> int:
+        if p.kind == "cuda":  # written for the NVIDIA rig; not run on a GPU yet
+            from sglang_mori.softio import cuda_runtime
+
+            runtime = cuda_runtime.load()
+            if runtime is None:
+                raise PoolNotImportable("the transfer process has no CUDA runtime to open the pools")
+            base = runtime.open(p.handle, p.device)
+            self._cuda.append((runtime, p.handle, p.device))
+            return base + p.offset
+        page = mmap.ALLOCATIONGRANULARITY
+        aligned = p.file_offset - p.file_offset % page
+        fd = os.open(p.path, os.O_RDWR)
+        try:
+            m = mmap.mmap(fd, p.size + (p.file_offset - aligned), offset=aligned)
+        finally:
+            os.close(fd)
+        self._maps.append(m)
+        return ctypes.addressof(ctypes.c_char.from_buffer(m)) + (p.file_offset - aligned)
+
+    def close(self) -> None:
+        for runtime, handle, device in self._cuda:
+            runtime.close(handle, device)
+        self._cuda.clear()
+        # A mapping with a live ctypes export cannot close; the process exit unmaps it.
+        for m in self._maps:
+            try:
+                m.close()
+            except BufferError:
+                pass
+        self._maps.clear()
+
