@@ -1,7 +1,7 @@
 # Sourced by device_run.sh (wheels installed, environment set): runs side by side on a 4-GPU
 # machine, one plan per device call. Each run writes under $W; the JSONs are copied to $OUT and
 # every log travels back in $OUT/<plan>.tgz (a call returns at most 8 files).
-# Usage: device_run.sh plan plan1|plan2|plan3|tp_proof|tp_fp32_ieee|ttft8k_hotpath|ttft8k_pair (ORDER=...)|ttft8k_pollreads|ttft8k_ce|ttft8k_front (ORDER=...)|ttft8k_fwd (ORDER=...)
+# Usage: device_run.sh plan plan1|plan2|plan3|tp_proof|tp_fp32_ieee|ttft8k_hotpath|ttft8k_pair (ORDER=...)|ttft8k_pollreads|ttft8k_ce|ttft8k_front (ORDER=...)|ttft8k_fwd (ORDER=...)|s16_final
 # Port bases stay in 10000-21999: below the kernel's ephemeral range (32768+ there), where any
 # outgoing connection of a server beside it (HTTP, NCCL, softio) may hold a port as its source, and
 # below SGLang's own nccl_port range (22000-29999). With bases at 37000/38000 a PD prefill server of
@@ -262,4 +262,32 @@ ttft8k_fwd() {
   export SGLANG_MORI_FORWARD_TRACE=1
   ORDER=${ORDER:-pd_auto,standalone,pd_off} CLIENTS=${CLIENTS:-new} LAT_S=${LAT_S:-420} ttft8k_front
   python3 "$S/forward_timeline.py" $W/lat/logs > $W/forward_timeline.out 2>&1
+}
+
+# Session 16, the last call of a 2-GPU machine (one pair): the GPU test of the non-blocking page-row
+# read (bb27), the 8K concurrency-1 TTFT of standalone and PD `auto` with the forward trace, then
+# issue 28's interference A/B of the transfer-process prototype (switch off / on, same call, same card,
+# 48 GB/s pacing as the issue's run) and `bench hotpath --transfer-process` on this host's CPU. Each part
+# is bounded, and the rig parts write into $OUT as they finish (a call cut at the budget keeps them).
+s16_final() {
+  PLAN_JSONS="$W/lat/*.json"
+  mkdir -p $W/rig
+  SGLANG_MORI_GPU_TESTS=1 timeout 60 python3 -m pytest -q "$ROOT/test/gpu/test_layerwise_page_reads_device.py" \
+    -p no:cacheprovider > $W/gputest.out 2>&1; cp $W/gputest.out "$OUT/"
+  export SGLANG_MORI_FORWARD_TRACE=1
+  timeout -s INT ${LAT_S:-230} python3 "$S/pd_latency.py" --out $W/lat --configs "${ORDER:-standalone,pd_auto}" \
+    --gpu-base 0 --trace --lengths 8192 --concurrency 1 --requests-c1 12 --repeats 2 \
+    --tag latency_8k_final --port-base 17000 > $W/lat.out 2>&1
+  unset SGLANG_MORI_FORWARD_TRACE
+  cp $W/lat/*.json "$OUT/" 2>/dev/null
+  python3 "$S/forward_timeline.py" $W/lat/logs > $W/forward_timeline.out 2>&1; cp $W/forward_timeline.out "$OUT/"
+  python3 "$S/ttft_attribution.py" $W/lat/latency_8k_final.json --traces $W/lat/logs --label call --config pd_auto \
+    --shape 8192tok_c1 --json $W/attribution.json > $W/attribution.out 2>&1; cp $W/attribution.* "$OUT/" 2>/dev/null
+  for v in off on; do
+    local tp=""; [ $v = on ] && tp=--transfer-process
+    SGLANG_MORI_SOFTIO_LINK_GBPS=48 timeout ${INTERF_S:-100} python3 "$ROOT/scripts/gpu_bench.py" --parts interference \
+      --rounds 3 --seconds 4 $tp --json "$OUT/interf_$v.json" > "$OUT/interf_$v.txt" 2>&1
+  done
+  timeout 60 python3 "$ROOT/scripts/bench_backend.py" hotpath --engine instant --requests 96 --transfer-process --json \
+    > "$OUT/hotpath_tp.jsonl" 2> "$OUT/hotpath_tp.err"
 }
