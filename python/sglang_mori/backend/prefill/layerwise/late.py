@@ -2,7 +2,7 @@
 
 SGLang's optimistic prefill (`--optimistic-prefill-attempts`) runs a request whose decode has not
 sent its destinations yet (`req.pending_bootstrap`). `begin_batch` publishes such a request as
-waiting (`LateRoom`, the read of its source pages queued before the forward). It joins the batch's streams once
+waiting (`LateRoom`, its source pages read before the forward). It joins the batch's streams once
 its room is READY *and* SGLang's status reads WaitingForInput (`LateJoins.try_join`):
 
 - at a layer hook (the scheduler thread, while it launches the forward): a catch-up of the groups
@@ -40,9 +40,10 @@ import threading
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
+import numpy as np
+
 from sglang_mori.backend import room_status
-from sglang_mori.backend.prefill.layerwise.page_reads import SourcePages, read_source_pages
-from sglang_mori.backend.prefill.layerwise.ranges import stream_range
+from sglang_mori.backend.prefill.layerwise.ranges import source_pages, stream_range
 from sglang_mori.backend.prefill.layerwise.worker import LayerBatch, RoomStream
 from sglang_mori.backend.prefill.rooms import Phase, PrefillRoom, decode_prefix_len
 
@@ -58,8 +59,7 @@ class LateRoom:
     life: PrefillRoom
     page_size: int
     tok_lo: int  # the first token of `src_pages`: the widest range the forward may stream
-    # Queued before the forward (on a GPU a device read mid-forward would sync), resolved by the worker.
-    src_pages: SourcePages
+    src_pages: np.ndarray  # read before the forward (on a GPU a device read mid-forward would sync)
     batch: Optional[LayerBatch] = None
 
     @property
@@ -93,8 +93,8 @@ class LateJoins:
                            page_size=page_size, decode_prefix_len=0, already_sent=0)
         if rng is None:
             return None  # no whole page completes in this pass: nothing to stream either way
-        waiting.append(LateRoom(rq, life, page_size, rng.tok_lo, read_source_pages(rq.row, rng.tok_lo, rng.tok_hi,
-                                                                                     page_size)))
+        waiting.append(LateRoom(rq, life, page_size, rng.tok_lo, source_pages(rq.row, rng.tok_lo, rng.tok_hi,
+                                                                                page_size)))
         return None
 
     def forget_concluded(self) -> None:
@@ -207,7 +207,7 @@ class LateJoins:
                            page_size=page_size, decode_prefix_len=prefix, already_sent=sent)
         if rng is None:
             return ""  # decode holds every page this pass completes
-        src = late.src_pages.sub((rng.tok_lo - late.tok_lo) // page_size, (rng.tok_hi - late.tok_lo) // page_size)
+        src = late.src_pages[(rng.tok_lo - late.tok_lo) // page_size:(rng.tok_hi - late.tok_lo) // page_size]
         stream = RoomStream(rq.room, life, rng, src)
         with self.s.effects.transition() as fx:
             # The batch token, without Transferring: SGLang polls this request until finalize_bootstrap.

@@ -25,8 +25,6 @@ from typing import FrozenSet, List, Optional, Tuple
 
 import numpy as np
 
-from sglang_mori.backend.prefill.layerwise.page_reads import SourcePages
-
 
 @dataclass(frozen=True)
 class StreamRange:
@@ -83,12 +81,8 @@ class Segment:
     page_lo: int  # in index_slice space
     page_hi: int
     buffers: FrozenSet[int]  # KV buffers (local indices) streamed for these pages
-    pages: SourcePages  # prefill pages they were streamed from (page_reads.py: maybe still on their way)
+    src_pages: np.ndarray  # prefill pages they were streamed from
     tok_lo: int
-
-    @property
-    def src_pages(self) -> np.ndarray:
-        return self.pages.resolve()
 
 
 class Coverage:
@@ -97,9 +91,7 @@ class Coverage:
     def __init__(self):
         self.segments: List[Segment] = []
 
-    def add(self, rng: StreamRange, buffers, src_pages) -> None:
-        """`src_pages`: an array or a `SourcePages`, kept unresolved (end_batch adds it right after
-        the forward's launch, when a device copy may not have landed yet)."""
+    def add(self, rng: StreamRange, buffers, src_pages: np.ndarray) -> None:
         buffers = frozenset(buffers)
         if not buffers or rng.num_pages == 0:
             return
@@ -107,7 +99,7 @@ class Coverage:
         for seg in self.segments:
             if seg.page_lo < s.stop and s.start < seg.page_hi:
                 raise ValueError(f"pages {s.start}..{s.stop} overlap streamed pages {seg.page_lo}..{seg.page_hi}")
-        self.segments.append(Segment(s.start, s.stop, buffers, SourcePages.of(src_pages), rng.tok_lo))
+        self.segments.append(Segment(s.start, s.stop, buffers, np.asarray(src_pages, dtype=np.int64), rng.tok_lo))
         self.segments.sort(key=lambda g: g.page_lo)
 
     def remainder(self, index_slice: slice, num_buffers: int) -> List[Tuple[int, int, Buffers]]:

@@ -35,7 +35,6 @@ from typing import Dict, List, Optional
 from sglang_mori.backend.prefill.failures import CHECKPOINT_HAZARD_TIMEOUT, TIMEOUT
 from sglang_mori.backend.prefill.layerwise.late import TAKES_WRITES, LateJoins
 from sglang_mori.backend.prefill.layerwise.mapping import LayerBufferMap
-from sglang_mori.backend.prefill.layerwise.page_reads import read_source_pages
 from sglang_mori.backend.prefill.layerwise.planner import selected_chunk
 from sglang_mori.backend.prefill.layerwise.ranges import Coverage, source_pages, stream_range
 from sglang_mori.backend.prefill.layerwise.worker import LayerBatch, LayerWorker, RoomStream
@@ -192,8 +191,7 @@ class LayerwiseSession:
                            page_size=page_size, decode_prefix_len=rq.decode_prefix_len, already_sent=sent)
         if rng is None:
             return None  # no whole page completes in this pass: nothing to stream, nothing to fall back
-        # No blocking device read before the forward's launch: the worker resolves them (page_reads.py).
-        src = read_source_pages(rq.row, rng.tok_lo, rng.tok_hi, page_size)
+        src = source_pages(rq.row, rng.tok_lo, rng.tok_hi, page_size)
         with self.effects.transition() as fx:
             # The batch token (worker._end gives it back).
             if life.concluded or not p.rooms.begin_submit(life, fx):
@@ -278,7 +276,7 @@ class LayerwiseSession:
     def add_coverage(self, stream, covered: frozenset) -> None:
         """The stream's layers `send()` skips (registry lock held)."""
         try:
-            stream.life.layerwise.coverage.add(stream.rng, covered, stream.pages)
+            stream.life.layerwise.coverage.add(stream.rng, covered, stream.src_pages)
         except ValueError:  # not expected; then send() simply writes these pages again
             logger.exception("sglang-mori: room %s: layer-wise coverage", stream.room)
 

@@ -27,7 +27,6 @@ from typing import Dict, FrozenSet, List, Optional, Tuple
 import numpy as np
 
 from sglang_mori.backend.prefill.failures import OTHER
-from sglang_mori.backend.prefill.layerwise.page_reads import SourcePages
 from sglang_mori.backend.prefill.layerwise.planner import LayerChunk
 from sglang_mori.backend.prefill.layerwise.ranges import StreamRange
 from sglang_mori.backend.prefill.rooms import PrefillRoom
@@ -35,7 +34,6 @@ from sglang_mori.backend.prefill.rooms import PrefillRoom
 logger = logging.getLogger(__name__)
 
 MAX_QUEUED_ITEMS = 65536
-_NO_PAGES = np.empty(0, dtype=np.int64)  # a LayerChunk's pages are its stream's
 
 
 @dataclass(eq=False)
@@ -45,18 +43,13 @@ class RoomStream:
     room: int
     life: PrefillRoom
     rng: StreamRange
-    pages: SourcePages  # maybe still on their way from the device: resolved by the worker (page_reads.py)
+    src_pages: np.ndarray
     plans: Dict[str, object] = field(default_factory=dict)  # peer engine key -> full TransferPlan
     announced: bool = False  # TransferStarted sent for this batch (with its first group)
 
     @property
     def dst_slice(self) -> slice:
         return self.rng.dst_slice
-
-    @property
-    def src_pages(self) -> np.ndarray:
-        """The prefill pages; the first call may wait for their device copy (never the scheduler's)."""
-        return self.pages.resolve()
 
 
 @dataclass(eq=False)
@@ -153,10 +146,7 @@ class LayerWorker:
             if life.concluded or not p.rooms.begin_submit(life, fx):
                 return 0
             targets = life.live_targets()
-        # The pages come from `stream` when the write is planned, after the layer's event was
-        # waited for: a device copy of them (page_reads.py) was queued before the forward, so it
-        # has landed by then and the wait for it costs nothing.
-        chunk = LayerChunk(room=stream.room, kv_indices=_NO_PAGES, index_slice=stream.dst_slice,
+        chunk = LayerChunk(room=stream.room, kv_indices=stream.src_pages, index_slice=stream.dst_slice,
                            is_last=False, aux_index=None, state_indices=None, wait_event=event,
                            stream=stream, buffers=buffers, announce=not stream.announced)
         stream.announced = True
