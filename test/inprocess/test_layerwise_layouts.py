@@ -135,8 +135,14 @@ def assert_landed(rig, req):
 
 def assert_success_aux(rig, req):
     for p in rig.prefills:
-        done = [m for m in p.messenger.of_type(protocol.RoomStatus, req.room) if m.aux is not None]
-        assert len(done) == len(rig.writing_decodes(p)), done
+        def sent():
+            return [m for m in p.messenger.of_type(protocol.RoomStatus, req.room) if m.aux is not None]
+        # SGLang's status turns Success just before the message to decode leaves (effects.py), so
+        # wait_success can return while the message is still being sent: wait for it, bounded.
+        want = len(rig.writing_decodes(p))
+        rig.wait(lambda: len(sent()) >= want, f"room {req.room}'s Success message(s) to decode")
+        done = sent()
+        assert len(done) == want, done
         assert all(m.aux == [p.aux[0:16].tobytes()] for m in done)
 
 
