@@ -34,7 +34,7 @@ import statistics
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from ttft_breakdown import load_traces, points_for
+from ttft_breakdown import config_events, points_for
 
 # (step, from, to, owner); consecutive, so a request's steps add up to its TTFT.
 PD_STEPS = [
@@ -74,11 +74,7 @@ def measurements(latency_json: Path, traces: Path, shape: str) -> Dict[str, Dict
         keys = [k for k in res if k == shape or k.startswith(f"{shape}_repeat")]
         if not keys:
             continue
-        events = load_traces(traces / f"trace-{config}")
-        by_room: Dict = {}
-        for e in events:
-            by_room.setdefault(e.get("room"), []).append(e)
-        stats = [e for e in events if e["ev"] == "req_stats"]
+        events, by_room, stats = config_events(traces, config)
         out[config] = {k: [points_for(r, events, by_room, stats) for r in res[k]["per_request"]
                            if r.get("first_at")] for k in keys}
     return out

@@ -97,17 +97,22 @@ def segment_medians(points: List[Dict], segments) -> Dict[str, Optional[float]]:
     return out
 
 
+def config_events(traces: Path, config: str):
+    """One configuration's trace events, the same grouped by room, and SGLang's per-request stats."""
+    events = load_traces(traces / f"trace-{config}")
+    by_room: Dict = {}
+    for e in events:
+        by_room.setdefault(e.get("room"), []).append(e)
+    return events, by_room, [e for e in events if e["ev"] == "req_stats"]
+
+
 def breakdown(latency_json: Path, traces: Path, shape: str) -> Dict:
     report = json.loads(latency_json.read_text())
     out = {}
     for config, res in report["configs"].items():
         if shape not in res:
             continue
-        events = load_traces(traces / f"trace-{config}")
-        by_room: Dict = {}
-        for e in events:
-            by_room.setdefault(e.get("room"), []).append(e)
-        stats = [e for e in events if e["ev"] == "req_stats"]
+        events, by_room, stats = config_events(traces, config)
         reqs = [r for r in res[shape]["per_request"] if r.get("first_at")]
         pts = [points_for(r, events, by_room, stats) for r in reqs]
         segs = STANDALONE_SEGMENTS if config == "standalone" else PD_SEGMENTS

@@ -29,6 +29,7 @@ from sglang_mori.transfer_process.scheduler_service import TransferProcessServic
 
 from harness.hotpath.meter import CallMeter, ThreadClocks
 from harness.hotpath.rig import AUX_BYTES, AUX_SLOTS, SHAPES, PDPair
+from harness.hotpath.run import Driver
 
 POLL_S = 0.001  # SGLang polls every room once per scheduler loop; a busy loop is about this often
 WAIT_S = 120.0
@@ -92,6 +93,8 @@ def _cpu_ns_of(pid: int) -> int:
 
 
 class ProcessDriver:
+    draw_window = Driver.draw_window  # the same rooms and pages as the in-process driver's
+
     def __init__(self, pair: PDPair, service: TransferProcessService, sglang, tokens: int, window: int):
         self.pair, self.service, self.sglang = pair, service, sglang
         self.calls = CallMeter()
@@ -122,11 +125,7 @@ class ProcessDriver:
 
     def batch(self) -> None:
         p, c = self.pair, self.calls
-        rooms = list(range(self.next_room, self.next_room + self.window))
-        self.next_room += self.window
-        total = self.per * self.window
-        src = self.rng.permutation(total).reshape(self.window, self.per)
-        dst = self.rng.permutation(total).reshape(self.window, self.per)
+        rooms, src, dst = self.draw_window()
         attempts = {}
         for i, room in enumerate(rooms):
             p.decode_sglang.open(room)

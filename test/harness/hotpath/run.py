@@ -33,14 +33,19 @@ class Driver:
         self.rng = np.random.default_rng(seed)
         self.next_room = 1000
 
-    def batch(self) -> None:
-        """`window` requests at once, each one chunk (SGLang's last send with every page and aux)."""
-        p, c = self.pair, self.calls
+    def draw_window(self):
+        """The next window's rooms, and each request's prefill and decode pages (shuffled, disjoint)."""
         rooms = list(range(self.next_room, self.next_room + self.window))
         self.next_room += self.window
         total = self.per * self.window
         src = self.rng.permutation(total).reshape(self.window, self.per)
         dst = self.rng.permutation(total).reshape(self.window, self.per)
+        return rooms, src, dst
+
+    def batch(self) -> None:
+        """`window` requests at once, each one chunk (SGLang's last send with every page and aux)."""
+        p, c = self.pair, self.calls
+        rooms, src, dst = self.draw_window()
         attempts = {}
         for i, room in enumerate(rooms):
             p.decode_sglang.open(room)  # SGLang's receiver init opens the room
