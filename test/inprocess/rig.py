@@ -19,6 +19,7 @@ from typing import Optional
 import numpy as np
 
 import sglang_mori.softio as io
+from sglang_mori import protocol
 from sglang_mori.backend.decode.service import AuxSlots, DecodeIdentity, DecodeParts, DecodeService
 from sglang_mori.backend.peers import InflightBudget, PeerRegistry
 from sglang_mori.backend.plans import KVPlanner, LocalBuffers, local_layout
@@ -211,6 +212,13 @@ class PrefillRig:
 
     def wait_status(self, room: int, status: int):
         return self.wait(lambda: self.sglang.status(room) == status, f"room {room} status {status}")
+
+    def success_message(self, room: int):
+        """The one RoomStatus message decode was sent for `room`. SGLang's status turns Success just
+        before that message leaves (effects.py), so wait for it, bounded, after wait_status."""
+        self.wait(lambda: self.messenger.of_type(protocol.RoomStatus, room), f"room {room}'s status message to decode")
+        (done,) = self.messenger.of_type(protocol.RoomStatus, room)
+        return done
 
     def wait_idle(self):
         """Every room drained and forgotten, no write in flight, nothing queued."""

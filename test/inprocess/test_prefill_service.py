@@ -28,7 +28,7 @@ def test_bytes_land_then_success_with_aux(rig):
     for b in range(2):
         assert [rig.decode.page(b, p) for p in (10, 11, 12)] == [rig.prefill.page(b, p) for p in (0, 1, 5)]
     assert rig.service.p.peers.get(rig.decode.engine.key).open_pairs  # opened by the first write
-    (done,) = rig.messenger.of_type(protocol.RoomStatus, 1)
+    done = rig.success_message(1)
     assert done.status == S.SUCCESS and done.aux == [rig.prefill.aux[48:64].tobytes()]
     assert len(rig.messenger.of_type(protocol.TransferStarted, 1)) == 2  # one per chunk
     rig.clear(1)
@@ -44,7 +44,7 @@ def test_decode_status_applies_aux_before_success():
         rig.claim(4)
         rig.send(4, pages=[2], last=True, aux_index=1)
         rig.wait_status(4, S.SUCCESS)
-        (done,) = rig.messenger.of_type(protocol.RoomStatus, 4)
+        done = rig.success_message(4)
         rig.decode_service.on_status(done)  # what decode's status thread does with it
         assert rig.decode_sglang.status(4) == S.SUCCESS
         assert rig.decode.aux[5 * 16:6 * 16].tobytes() == rig.prefill.aux[16:32].tobytes()
@@ -335,7 +335,7 @@ def test_a_rank_that_does_not_own_aux_sends_success_without_it():
         rig.claim(1)
         rig.send(1, pages=[0], last=True, aux_index=3)
         rig.wait_status(1, S.SUCCESS)
-        (done,) = rig.messenger.of_type(protocol.RoomStatus, 1)
+        done = rig.success_message(1)
         assert done.status == S.SUCCESS and done.aux is None
         rig.decode_service.on_status(done)
         assert rig.decode.aux[32:48].tobytes() == bytes(16)  # decode's slot untouched
