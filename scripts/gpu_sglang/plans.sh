@@ -297,22 +297,26 @@ s16_final() {
 
 # Session 17 (issue 28: what is left of the forward's slowdown with the transfer process): on ONE GPU
 # (GPU, default 0), the interference part at both loads (50/s x 1K, 200/s x 128; 48 GB/s pacing),
-# in-process then with the transfer process, each beside a copies-only load (test/gpu/copy_load.py:
-# the same copies at the same rate from a spawned process with none of our Python; COPIES=process,thread
-# adds them from a thread of the forward's process), forward and decode windows interleaved over 3
-# rounds of 4 s. ROUTE=memcpy (or kernel) sets softio's device copy route for every engine of the run
-# (default: the gather kernel). Each mode is bounded by INTERF_S (default 170 s; SIGINT keeps the
-# points done). Returns s17_interf.tgz (logs, JSONs) and s17_summary.txt (one line per point, also
-# printed: run_plan tails $W/s17.out).
+# in-process then with the transfer process, forward and decode windows interleaved over 3 rounds of
+# 4 s, beside copies-only loads (test/gpu/copy_load.py: the same copies at the same rate with none of
+# our Python): from a spawned process (its own CUDA context, as the transfer process) in both modes,
+# and in the in-process mode also from a thread of the forward's process (the forward's context: the
+# copies' SM and memory traffic without the context switching). COPIES=... sets the list for both
+# modes. ROUTE=memcpy (or kernel) sets softio's device copy route for every engine of the run
+# (default: the gather kernel). Each mode is bounded by INTERF_S (default 180 s; SIGINT keeps the
+# points done; expected about 150 s in-process, 120 s with the transfer process). Returns
+# s17_interf.tgz (logs, JSONs) and s17_summary.txt (one line per point, also printed: run_plan tails
+# $W/s17.out).
 s17_interf() {
   PLAN_JSONS="$W/s17_summary.txt"
   mkdir -p $W/interf
   local route=""; [ -n "${ROUTE:-}" ] && route="--device-copy $ROUTE"
   for v in off on; do
-    local tp=""; [ $v = on ] && tp=--transfer-process
+    local tp="" copies=${COPIES:-process,thread}
+    [ $v = on ] && tp=--transfer-process copies=${COPIES:-process}
     local t0=$(date +%s)
-    CUDA_VISIBLE_DEVICES=${GPU:-0} SGLANG_MORI_SOFTIO_LINK_GBPS=48 timeout -s INT -k 15 ${INTERF_S:-170} \
-      python3 "$ROOT/scripts/gpu_bench.py" --parts interference --rounds 3 --seconds 4 --copies "${COPIES:-process}" \
+    CUDA_VISIBLE_DEVICES=${GPU:-0} SGLANG_MORI_SOFTIO_LINK_GBPS=48 timeout -s INT -k 15 ${INTERF_S:-180} \
+      python3 "$ROOT/scripts/gpu_bench.py" --parts interference --rounds 3 --seconds 4 --copies "$copies" \
       $route $tp --json $W/interf/interf_$v.json > $W/interf/interf_$v.log 2>&1
     echo "transfer_process=$v rc=$? $(( $(date +%s) - t0 )) s" >> $W/s17.out
     grep "^interference\|^  built-in\|Error\|rror:" $W/interf/interf_$v.log | tail -6 >> $W/s17.out
