@@ -297,8 +297,8 @@ s16_final() {
 
 # Session 17 (issue 28: what is left of the forward's slowdown with the transfer process): on ONE GPU
 # (GPU, default 0), the interference part at both loads (50/s x 1K, 200/s x 128; 48 GB/s pacing),
-# in-process then with the transfer process, forward and decode windows interleaved over 3 rounds of
-# 4 s, beside copies-only loads (test/gpu/copy_load.py: the same copies at the same rate with none of
+# in-process then with the transfer process, forward windows (4 s) and decode windows (1000 steps)
+# interleaved over 3 rounds, beside copies-only loads (test/gpu/copy_load.py: the same copies at the same rate with none of
 # our Python): from a spawned process (its own CUDA context, as the transfer process) in both modes,
 # and in the in-process mode also from a thread of the forward's process (the forward's context: the
 # copies' SM and memory traffic without the context switching). COPIES=... sets the list for both
@@ -316,7 +316,7 @@ s17_interf() {
     [ $v = on ] && tp=--transfer-process copies=${COPIES:-process}
     local t0=$(date +%s)
     CUDA_VISIBLE_DEVICES=${GPU:-0} SGLANG_MORI_SOFTIO_LINK_GBPS=48 timeout -s INT -k 15 ${INTERF_S:-180} \
-      python3 "$ROOT/scripts/gpu_bench.py" --parts interference --rounds 3 --seconds 4 --copies "$copies" \
+      python3 "$ROOT/scripts/gpu_bench.py" --parts interference --rounds 3 --seconds 4 --decode-steps 1000 --copies "$copies" \
       $route $tp --json $W/interf/interf_$v.json > $W/interf/interf_$v.log 2>&1
     echo "transfer_process=$v rc=$? $(( $(date +%s) - t0 )) s" >> $W/s17.out
     grep "^interference\|^  built-in\|Error\|rror:" $W/interf/interf_$v.log | tail -6 >> $W/s17.out

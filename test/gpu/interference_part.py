@@ -187,22 +187,18 @@ class Part:
 
     def decode_window(self, steps: int, kind: str):
         """The decode process's step loop (`steps` steps) beside `kind`'s load, the load started
-        LEAD_S before the steps and kept up until they end: (step times in ms, requests sent)."""
+        LEAD_S before the steps and kept up until they end: (step times in ms, requests sent).
+        Every kind runs the same loop here (the same polls of the decode process), only the load
+        differs."""
         rig = self.rig
-        if kind == "alone":
-            rig.ask("steps_start", steps)
-            return rig.ask("steps_result", 120, timeout=150), 0
         copies = self.copy_loads.get(kind)
         if copies is not None:
             copies.start(self.rate)
-            time.sleep(LEAD_S)
-            rig.ask("steps_start", steps)
-            times = rig.ask("steps_result", 120, timeout=150)
-            return times, copies.stop()
         live, sent, started, last_check = [], 0, False, 0.0
         start = time.perf_counter()
         while True:
-            sent = send_due(rig, self.bg, self.rate, start, sent, live)
+            if kind == "ours":
+                sent = send_due(rig, self.bg, self.rate, start, sent, live)
             now = time.perf_counter()
             if not started and now - start >= LEAD_S:
                 rig.ask("steps_start", steps)
@@ -214,6 +210,8 @@ class Part:
             time.sleep(0.002)
         times = rig.ask("steps_result", 120, timeout=150)
         drain(rig, live)
+        if copies is not None:
+            sent = copies.stop()
         return times, sent
 
 
