@@ -10,7 +10,9 @@ Parts (--parts, comma-separated):
   cost          forward time with layer-wise off and on, at each token count and batch size;
                 also the transfer tail (forward end -> last byte landed) of both modes
   interference  the forward's slowdown (prefill) and the decode step's (decode) while chunk-wise
-                transfers run in the background at fixed request rates; CPU per thread role
+                transfers run in the background at fixed request rates, beside the same copies
+                with none of our Python (--copies), windows interleaved over --rounds; CPU per
+                thread role (test/gpu/interference_part.py)
   link          two GPUs (decode on --decode-device): GB/s of one request and of a burst at
                 --link-tokens, ours against a plain copy and the built-in's engine calls
                 (test/gpu/link_bench.py), for each gather grid in --blocks
@@ -143,173 +145,6 @@ def run_link(args, results: list) -> None:
                           f"[{time.time() - t0:.0f}s]", flush=True)
 
 
-def send_due(rig, bg, rate: float, start: float, sent: int, live: list) -> int:
-    """Open and send the background requests due by now at `rate`; release the concluded ones.
-    Returns the new count sent."""
-    poll = getattr(rig.prefill, "poll", None)  # a transfer process's statuses come by polls
-    if poll is not None:
-        poll()
-    due = int((time.perf_counter() - start) * rate) - sent
-    if due > 0:
-        rooms = rig.next_rooms(due)
-        rig.open_rooms(bg, rooms, [k % bg.count for k in range(len(rooms))])
-        for k, room in enumerate(rooms):
-            rig.prefill.send_all(room, bg.src[k % bg.count])
-        live += rooms
-        sent += due
-    done = [r for r in live if r in rig.prefill.sglang.concluded_at]
-    if done:
-        for r in done:
-            rig.prefill.release(r)
-        rig.ask("clear", done)
-        gone = set(done)
-        live[:] = [r for r in live if r not in gone]
-    return sent
-
-
-def drain(rig, live: list) -> None:
-    if live:
-        rig.prefill.sglang.wait_concluded(live, 60)
-        for r in live:
-            rig.prefill.release(r)
-        rig.ask("clear", live)
-        live.clear()
-
-
-def forwards_free_load(rig, bg, rate: float, seconds: float):
-    """The background load alone for `seconds` (the prefill runs no forward)."""
-    live, sent = [], 0
-    start = time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        sent = send_due(rig, bg, rate, start, sent, live)
-        time.sleep(0.002)
-    drain(rig, live)
-    return None, sent
-
-
-def run_interference(args, results: list) -> None:
-    import numpy as np
-    from pd_rig import GpuPD, Requests
-    from engine_meter import metered_engine
-    from thread_roles import ThreadCpu
-
-    fwd_tokens = args.fwd_tokens
-    for spec in args.loads.split(","):
-        rate, bg_tokens = (int(x) for x in spec.split("x"))
-        page = 64
-        fwd = Requests(page, fwd_tokens, 1, 0, np.random.default_rng(1))
-        bg = Requests(page, bg_tokens, 16, fwd.pages, np.random.default_rng(2))
-        pages = fwd.pages + bg.pages
-        with GpuPD("mla", page, pages) as rig:
-            import rig_device
-            import torch
-
-            model, pool = rig.model, rig.prefill.pool
-            slots = torch.as_tensor(fwd.row(0), device=rig_device.DEVICE)
-            x = model.inputs(fwd_tokens, 0)
-
-            def forwards(seconds: float, load, builtin=None):
-                """Forwards back to back; with `load`, background requests sent between them
-                (ours through the service, or `builtin`'s pattern from its own thread)."""
-                times, sent, live = [], 0, []
-                start = time.perf_counter()
-                while time.perf_counter() - start < seconds:
-                    if builtin is not None:
-                        sent = builtin.due(rate, start, sent)
-                    elif load:
-                        sent = send_due(rig, bg, rate, start, sent, live)
-                    t0 = time.perf_counter()
-                    model.forward(x, pool, slots, hooked=False)
-                    rig_device.synchronize()
-                    times.append((time.perf_counter() - t0) * 1e3)
-                if builtin is not None:
-                    builtin.drain()
-                drain(rig, live)
-                return times, sent
-
-            forwards(1.0, False)  # warm-up
-            # Alone and loaded windows alternate (--rounds): this rig's launch-bound forward drifts
-            # by tens of percent between minutes, so a ratio needs its two sides interleaved.
-            base, loaded, sent, prefill_cpu = [], [], 0, {}
-            rig.ask("cpu_reset")
-            with metered_engine() as engine_meter:
-                for _ in range(args.rounds):
-                    base += forwards(args.seconds, False)[0]
-                    meter = ThreadCpu()
-                    times, n = forwards(args.seconds, True)
-                    for key, value in meter.since().items():
-                        prefill_cpu[key] = prefill_cpu.get(key, 0.0) + value
-                    loaded += times
-                    sent += n
-                engine_cpu = engine_meter.since_reset()
-            decode_cpu = rig.ask("cpu")
-            child_cpu_s = getattr(rig.prefill, "child_cpu_s", None)
-            builtin_point = None
-            if args.builtin:
-                from builtin_load import BuiltinPatternLoad
-
-                load = BuiltinPatternLoad(rig, bg)
-                try:
-                    forwards(1.0, True, load)  # warm-up of its pattern
-                    meter_b = ThreadCpu()
-                    loaded_b, sent_b = forwards(args.seconds, True, load)
-                    cpu_b = meter_b.since()
-                finally:
-                    load.close()
-                builtin_point = {
-                    "forward_ms": median(loaded_b), "requests_sent": sent_b, "failures": load.failures,
-                    "slowdown_pct": 100.0 * (median(loaded_b) / median(base) - 1.0),
-                    "prefill_cpu_ms_per_request": {k: round(v * 1e3 / max(sent_b, 1), 3) for k, v in
-                                                   sorted(cpu_b.items(), key=lambda kv: -kv[1])[:6]},
-                }
-            # decode: its step loop alone, then while the prefill sends at the same rate (no prefill
-            # forward meanwhile); the decode process receives the KV and its status thread works
-            steps_alone = rig.ask("steps", args.decode_steps, timeout=120)
-            rig.ask("steps_start", args.decode_steps)
-            window = median(steps_alone) * args.decode_steps / 1e3
-            _, sent_d = forwards_free_load(rig, bg, rate, window)
-            steps_loaded = rig.ask("steps_result", 120, timeout=150)
-            point = {
-                "shape": rig.shape.name, "rate_per_s": rate, "bg_tokens": bg_tokens, "fwd_tokens": fwd_tokens,
-                "forward_ms": {"alone": median(base), "loaded": median(loaded)},
-                "requests_sent": sent, "seconds": args.seconds,
-                "prefill_cpu_ms_per_request": {k: round(v * 1e3 / max(sent, 1), 3) for k, v in
-                                               sorted(prefill_cpu.items(), key=lambda kv: -kv[1])[:10]},
-                # Of each role's CPU above, the part spent inside softio's IOEngine calls (on
-                # MORI-IO those are C++ that release the GIL); the rest is ours.
-                "prefill_engine_call_cpu_ms_per_request": {k: round(v * 1e3 / max(sent, 1), 3)
-                                                           for k, v in sorted(engine_cpu.items())},
-                "prefill_ours_cpu_ms_per_request": {
-                    k: round((v - engine_cpu.get(k, 0.0)) * 1e3 / max(sent, 1), 3)
-                    for k, v in prefill_cpu.items() if k.startswith("mori-")},
-                "rounds": args.rounds,
-                "decode_cpu_ms_per_request": {k: round(v * 1e3 / max(sent, 1), 3) for k, v in
-                                              sorted(decode_cpu.items(), key=lambda kv: -kv[1])[:8]},
-                "decode_step_ms": {"alone": median(steps_alone), "loaded": median(steps_loaded)},
-                "decode_requests_sent": sent_d,
-            }
-            if child_cpu_s is not None:  # the transfer process's CPU since it started, warm-ups included
-                point["transfer_process_cpu_ms_per_request"] = round(child_cpu_s() * 1e3 / max(sent + sent_d, 1), 3)
-            point["decode_slowdown_pct"] = 100.0 * (point["decode_step_ms"]["loaded"] /
-                                                    point["decode_step_ms"]["alone"] - 1.0)
-            point["slowdown_pct"] = 100.0 * (point["forward_ms"]["loaded"] / point["forward_ms"]["alone"] - 1.0)
-            if builtin_point is not None:
-                point["builtin_pattern"] = builtin_point
-            results.append(point)
-            args.save()
-            print(f"interference {rate}/s x {bg_tokens} tok (fwd {fwd_tokens} tok): fwd alone "
-                  f"{point['forward_ms']['alone']:.2f} loaded {point['forward_ms']['loaded']:.2f} ms "
-                  f"({point['slowdown_pct']:+.1f}%), {sent} requests; decode step {point['decode_step_ms']['alone']:.2f} -> "
-                  f"{point['decode_step_ms']['loaded']:.2f} ms ({point['decode_slowdown_pct']:+.1f}%); prefill CPU/request "
-                  f"{point['prefill_cpu_ms_per_request']}; inside engine calls {point['prefill_engine_call_cpu_ms_per_request']}; "
-                  f"ours {point['prefill_ours_cpu_ms_per_request']}", flush=True)
-            if builtin_point is not None:
-                print(f"  built-in pattern, same load: fwd loaded {builtin_point['forward_ms']:.2f} ms "
-                      f"({builtin_point['slowdown_pct']:+.1f}%), {builtin_point['requests_sent']} requests, "
-                      f"{builtin_point['failures']} failed; CPU/request {builtin_point['prefill_cpu_ms_per_request']}",
-                      flush=True)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default="cost,interference")
@@ -323,8 +158,15 @@ def main() -> int:
     ap.add_argument("--fwd-tokens", type=int, default=512)
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--rounds", type=int, default=3,
-                    help="interference: alone/loaded window pairs, interleaved (each --seconds long)")
-    ap.add_argument("--decode-steps", type=int, default=300)
+                    help="interference: rounds of one window of each kind (alone, ours, copies...), in rotated order (each --seconds long)")
+    ap.add_argument("--decode-steps", type=int, default=300, help="interference: decode steps of one window")
+    ap.add_argument("--copies", default="process",
+                    help="interference: copies-only loads beside 'ours' (test/gpu/copy_load.py), comma-separated: "
+                         "process (a spawned process: its own CUDA context), thread (a thread of the forward's "
+                         "process), off")
+    ap.add_argument("--device-copy", choices=("kernel", "memcpy"), default="",
+                    help="softio's device copy route for every engine of the run (sets "
+                         "SGLANG_MORI_SOFTIO_DEVICE_COPY): the gather kernel or the copy engines")
     ap.add_argument("--builtin", action="store_true",
                     help="interference: also the same load in SGLang's built-in mori's pattern (test/gpu/builtin_load.py)")
     ap.add_argument("--decode-device", type=int, default=0, help="decode's GPU (1: across two GPUs)")
@@ -338,6 +180,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.transfer_process:
         os.environ["SGLANG_MORI_TRANSFER_PROCESS"] = "on"
+    if args.device_copy:  # before any engine exists; spawned children inherit it
+        os.environ["SGLANG_MORI_SOFTIO_DEVICE_COPY"] = args.device_copy
     import faulthandler
 
     faulthandler.enable()
@@ -353,7 +197,8 @@ def main() -> int:
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if rig_device.ON_GPU else []
     meta = {"device": gpus[0] if gpus else "cpu (rig check only)", "gpus": gpus, "torch": torch.__version__,
             "cuda_runtime": rt.version if rt else None,
-            "link_gbps": os.environ.get("SGLANG_MORI_SOFTIO_LINK_GBPS", ""), "args": dict(vars(args)), "results": []}
+            "link_gbps": os.environ.get("SGLANG_MORI_SOFTIO_LINK_GBPS", ""),
+            "device_copy": os.environ.get("SGLANG_MORI_SOFTIO_DEVICE_COPY", "kernel"), "args": dict(vars(args)), "results": []}
     print(f"device: {meta['device']} torch {meta['torch']} runtime {meta['cuda_runtime']} "
           f"link {meta['link_gbps'] or 'unpaced'} GB/s", flush=True)
     def save():
@@ -367,6 +212,8 @@ def main() -> int:
         if "cost" in parts:
             run_cost(args, meta["results"])
         if "interference" in parts:
+            from interference_part import run_interference
+
             run_interference(args, meta["results"])
         if "link" in parts:
             run_link(args, meta["results"])

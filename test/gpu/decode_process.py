@@ -92,6 +92,8 @@ def serve(conn, shape_key: str, page_size: int, pages: int, config_kwargs: dict,
             elif cmd == "steps_start":  # a step loop beside the command loop (transfers arrive meanwhile)
                 step.start(int(arg))
                 conn.send(None)
+            elif cmd == "steps_done":  # has the step loop beside the command loop ended?
+                conn.send(step.done())
             elif cmd == "steps_result":
                 conn.send(step.result(float(arg or 120)))
             elif cmd == "cpu_reset":
@@ -138,6 +140,9 @@ class _DecodeStep:
         self._out = []
         self._thread = threading.Thread(target=lambda: self._out.extend(self.run(steps)), name="decode-steps")
         self._thread.start()
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
 
     def result(self, timeout_s: float) -> list:
         self._thread.join(timeout_s)

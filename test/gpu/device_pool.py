@@ -5,6 +5,7 @@ on a softio engine whose GPU registrations take the device path."""
 from __future__ import annotations
 
 import hashlib
+from multiprocessing import shared_memory
 from types import SimpleNamespace
 
 import numpy as np
@@ -25,12 +26,21 @@ class DevicePool:
     """`shape` is this rank's share (Shape.sliced); `device` is the GPU, passed to the engine's
     registration as SGLang passes its `gpu_id`."""
 
-    def __init__(self, role: str, shape: Shape, page_size: int, pages: int, device: int = 0, tp_rank: int = 0):
+    def __init__(self, role: str, shape: Shape, page_size: int, pages: int, device: int = 0, tp_rank: int = 0,
+                 shared: bool = False):
+        """`shared`: on the CPU mode, the KV in /dev/shm files, which a transfer process can map
+        (private memory it cannot: transfer_process/pools.py); device memory is always importable."""
         self.shape, self.page_size, self.pages, self.device = shape, page_size, pages, device
         self.tp_rank = tp_rank
         self.item_len = page_size * shape.token_bytes
-        self.kv = [torch.zeros(pages * self.item_len, dtype=torch.uint8, device=torch_device(device))
-                   for _ in range(shape.buffers)]
+        self.shm = []
+        if shared and not ON_GPU:
+            self.shm = [shared_memory.SharedMemory(create=True, size=pages * self.item_len)
+                        for _ in range(shape.buffers)]
+            self.kv = [torch.frombuffer(s.buf, dtype=torch.uint8) for s in self.shm]  # zero-filled files
+        else:
+            self.kv = [torch.zeros(pages * self.item_len, dtype=torch.uint8, device=torch_device(device))
+                       for _ in range(shape.buffers)]
         self.aux = np.zeros(AUX_SLOTS * AUX_BYTES, np.uint8)
         self.engine = TransferEngine(io, role=role, host="127.0.0.1", qp_per_transfer=2, post_batch_size=-1,
                                      num_workers=1)
@@ -73,3 +83,5 @@ class DevicePool:
 
     def close(self) -> None:
         self.engine.deregister_all()
+        for s in self.shm:
+            s.unlink()  # the mapping stays valid for whoever still holds it; the name goes

@@ -4,8 +4,8 @@ owns a softio engine and runs the prefill service. This process keeps what SGLan
 the claim at sender init, one hand-off per send(), polls that read the status table, the release.
 
 Same interface as prefill_side.PrefillSide for chunk-wise loads (cost and interference parts);
-layer-wise streaming stays in-process and is refused here. Written for the NVIDIA rig; on this
-project's CPU hosts the rig's CPU mode keeps its pools in private memory, which the child cannot map.
+layer-wise streaming stays in-process and is refused here. Written for the NVIDIA rig; the rig's
+CPU mode (rig_device) puts this side's pools in /dev/shm files so that the child maps them there.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class ProcessPrefillSide:
     def __init__(self, shape, page_size: int, pages: int, config: MoriConfig, group_size: int = 0,
                  device: int = 0, tp_rank: int = 0):
         self.shape, self.page_size, self.device, self.tp_rank = shape, page_size, device, tp_rank
-        self.pool = DevicePool("prefill", shape, page_size, pages, device=device, tp_rank=tp_rank)
+        self.pool = DevicePool("prefill", shape, page_size, pages, device=device, tp_rank=tp_rank, shared=True)
         self.sglang = PolledSGLang(prefill_rank=tp_rank)
         self.sglang.poll = self.poll
         self.metrics = CountingMetrics()
