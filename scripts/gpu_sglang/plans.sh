@@ -311,12 +311,14 @@ s17_interf() {
   PLAN_JSONS="$W/s17_summary.txt"
   mkdir -p $W/interf
   local route=""; [ -n "${ROUTE:-}" ] && route="--device-copy $ROUTE"
-  for v in off on; do
+  # MODES / ROUNDS / SECONDS_W / DSTEPS / LOADS: short windows, many rounds resolve a few percent
+  # where 4 s windows drift by tens of percent between rounds on this launch-bound forward.
+  for v in ${MODES:-off on}; do
     local tp="" copies=${COPIES:-process,thread}
     [ $v = on ] && tp=--transfer-process copies=${COPIES:-process}
     local t0=$(date +%s)
     CUDA_VISIBLE_DEVICES=${GPU:-0} SGLANG_MORI_SOFTIO_LINK_GBPS=48 timeout -s INT -k 15 ${INTERF_S:-180} \
-      python3 "$ROOT/scripts/gpu_bench.py" --parts interference --rounds 3 --seconds 4 --decode-steps 1000 --copies "$copies" \
+      python3 "$ROOT/scripts/gpu_bench.py" --parts interference --rounds ${ROUNDS:-3} --seconds ${SECONDS_W:-4} --decode-steps ${DSTEPS:-1000} --copies "$copies" --loads ${LOADS:-50x1024,200x128} \
       $route $tp --json $W/interf/interf_$v.json > $W/interf/interf_$v.log 2>&1
     echo "transfer_process=$v rc=$? $(( $(date +%s) - t0 )) s" >> $W/s17.out
     grep "^interference\|^  built-in\|Error\|rror:" $W/interf/interf_$v.log | tail -6 >> $W/s17.out

@@ -79,8 +79,8 @@ class Windows:
 
 class SideCalls:
     """CPU seconds (thread_time) of the calls the scheduler's thread makes into the prefill side:
-    open (the sender's claim), send_all (SGLang's send), poll (its statuses; the transfer process
-    only) and release, each wrapped on the side object. Of the forward's process, these are what
+    open (the sender's claim), send_all (SGLang's send), poll (its statuses, once per loop; the
+    transfer process only) and release, each wrapped on the side object. Of the forward's process, these are what
     the main thread runs per request; its CPU by role cannot say it, since the thread spins in the
     forward's synchronize whenever it is not running them."""
 
@@ -92,9 +92,8 @@ class SideCalls:
         self._depth = 0  # a send_all from inside a poll is counted once, in the poll
         for name in self.names:
             setattr(side, name, self._timed(name, getattr(side, name)))
-        sglang = getattr(side, "sglang", None)
-        if "poll" in self.names and getattr(sglang, "poll", None) is not None:
-            sglang.poll = side.poll  # its waits poll through the side: timed as well
+        # The stand-in's waits (drain at a window's end) keep polling the untimed poll: they are the
+        # harness waiting, not scheduler loops; SGLang polls each room once per loop (send_due).
 
     def _timed(self, name: str, call):
         def timed(*args, **kwargs):
