@@ -63,6 +63,7 @@ class TransferProcess:
                 raise TransferProcessError(f"the transfer process could not start: {failure}")
             if wait_for_sentinels([self.process.sentinel], timeout=0.05):
                 failure = self.table.startup_failure()  # published just before it exited
+                self.process.join(timeout=5.0)  # the sentinel fires before the exit code is collected
                 code = self.process.exitcode
                 self.close()
                 raise TransferProcessError(

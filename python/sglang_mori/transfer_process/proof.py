@@ -96,6 +96,7 @@ def prove(engine, make_engine, pool_descs: Sequence, pool_ptrs: Sequence[int], p
                                             "that arrived differ from the pool's")
     finally:
         if peer is not None:
+            engine.ignore_failures_of(peer)  # closing it below breaks our connections to it
             engine.remove_peer(peer)
         target_engine.close()
         if buffer is not None:
