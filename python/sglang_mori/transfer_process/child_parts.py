@@ -36,7 +36,7 @@ class ChildService:
         self.table = StatusTable.attach(spec.table_name, spec.table_slots)
         self.pools = self.engine = None
         try:
-            self._start(spec)
+            self._build(spec)
         except Exception as exc:  # a crash instead (e.g. in the GPU runtime) shows as the exit code
             reason = f"{type(exc).__name__}: {exc}" if not isinstance(exc, RegistrationNotProven) else str(exc)
             self.table.publish_startup_failure(reason)
@@ -54,7 +54,7 @@ class ChildService:
                     "registered and proven; start-up used %.0f ms of CPU", os.getpid(), spec.config.engine,
                     spec.host, self.port, len(spec.kv), self.startup_cpu_s * 1e3)
 
-    def _start(self, spec: ChildSpec) -> None:
+    def _build(self, spec: ChildSpec) -> None:
         cfg = spec.config
         self.pools = ImportedPools(spec.kv)
 
