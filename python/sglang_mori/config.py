@@ -244,10 +244,12 @@ KNOBS: Tuple[Knob, ...] = (
          "Prototype (issue 28), prefill only: one child process per rank owns the transfer engine "
          "and runs the transfer threads, so SGLang's scheduler process keeps only its calls into us "
          "(one hand-off record per chunk, statuses read from shared memory). The KV pools must be "
-         "importable there (CUDA IPC, or CPU pools in /dev/shm): start-up fails with the reason "
-         "otherwise, as it does with layer-wise streaming, context parallelism, KV sharding, PP or "
-         "SGLang's prefill_complete allocation (docs/design.md, \"A transfer process\"). Off: "
-         "everything runs in the scheduler's process.", boolean, _BOOL_SPELLINGS),
+         "importable there (CUDA or HIP IPC, or CPU pools in /dev/shm) and the child must prove at "
+         "start-up that its engine can post from them (a probe write from every pool, bytes "
+         "checked); otherwise, and with layer-wise streaming, context parallelism, KV sharding, PP "
+         "or SGLang's prefill_complete allocation, the switch is refused with the reason in a "
+         "warning and the transfers stay in the scheduler's process (docs/design.md, \"A transfer "
+         "process\"). Off: everything runs in the scheduler's process.", boolean, _BOOL_SPELLINGS),
 )
 
 # --- the config ---------------------------------------------------------------------------

@@ -60,16 +60,21 @@ class SharedPools:
             s.unlink()
 
 
+def child_spec(pools: SharedPools, config: MoriConfig = None) -> ChildSpec:
+    """The child's start-up description for prefill pools in /dev/shm, on softio at 127.0.0.1."""
+    config = config or MoriConfig(engine="soft", transfer_shards=1, transfer_timeout_ms=5000)
+    layout = local_layout(pools.args, 1, 0, False)
+    return ChildSpec(config=config, layout=encode_layout(layout),
+                     kv=describe(pools.args.kv_data_ptrs, pools.args.kv_data_lens, False, -1),
+                     on_gpu=False, device=-1, host="127.0.0.1", control_host="127.0.0.1",
+                     table_name="", table_slots=0, parent_pid=0)
+
+
 class TransferProcessRig:
     def __init__(self, config: MoriConfig = None):
         self.config = config or MoriConfig(engine="soft", transfer_shards=1, transfer_timeout_ms=5000)
         self.pools = SharedPools()
-        layout = local_layout(self.pools.args, 1, 0, False)
-        spec = ChildSpec(config=self.config, layout=encode_layout(layout),
-                         kv=describe(self.pools.args.kv_data_ptrs, self.pools.args.kv_data_lens, False, -1),
-                         on_gpu=False, device=-1, host="127.0.0.1", control_host="127.0.0.1",
-                         table_name="", table_slots=0, parent_pid=0)
-        self.process = TransferProcess(spec, slots=16)
+        self.process = TransferProcess(child_spec(self.pools, self.config), slots=16)
         self.sglang = FakeSGLang()
         self.service = TransferProcessService(
             self.process, self.sglang,

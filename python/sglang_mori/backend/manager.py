@@ -73,21 +73,16 @@ class MoriKVManager(compat.CompatKVManager):
                                    bool(is_mla_backend), self.dcp_size, self.dcp_rank)
         self.sglang = SGLangAdapter(self)
         handed_pools = self._transfer_process_pools() if self._registration_waits else None
-        if handed_pools is None:
+        process_service = self._start_transfer_process(handed_pools) if handed_pools is not None else None
+        if process_service is None:
             self.engine = self._start_engine()
             self.buffers = self._register_buffers()
         else:  # the transfer process owns the engine and the registrations
             self.engine, self.buffers = None, None
-            EngineSettings.for_gpu(self.kv_args.ib_device, self.kv_args.gpu_id, xgmi=self.mori_config.xgmi,
-                                   resolve=fields.ib_devices_for_gpu).apply()  # inherited by the child
         self.messenger = Messenger(compat.zmq_context(self))
         self.layerwise = None  # the layer-wise session (prefill, SGLANG_MORI_LAYERWISE on/auto)
-        if handed_pools is not None:
-            from sglang_mori.transfer_process import startup
-
-            self.service = startup.start(self.mori_config, self.layout, handed_pools, self.kv_args.gpu_id,
-                                         self.local_ip, len(self.kv_args.aux_data_ptrs), self.sglang,
-                                         self._read_aux, self._owns_aux(self.cp))
+        if process_service is not None:
+            self.service = process_service
             self._sync_status = self.service.sync
             self.rank_port = self.service.port  # decode's messages go to the transfer process
         elif disaggregation_mode == DisaggregationMode.PREFILL:
@@ -128,10 +123,30 @@ class MoriKVManager(compat.CompatKVManager):
                                       args.state_data_ptrs, args.kv_data_ptrs, args.kv_data_lens, args.gpu_id)
         if reason is None:
             return pools
+        self._refuse_transfer_process(reason)
+        return None
+
+    def _start_transfer_process(self, pools):
+        """This rank's transfer process (its service), or None: it could not map, register or prove
+        its pools, or died starting (the reason becomes `transfer_process_refusal`, logged, and the
+        transfers stay in this process; a half-working child never serves traffic)."""
+        from sglang_mori.transfer_process import startup
+        from sglang_mori.transfer_process.client import TransferProcessError
+
+        EngineSettings.for_gpu(self.kv_args.ib_device, self.kv_args.gpu_id, xgmi=self.mori_config.xgmi,
+                               resolve=fields.ib_devices_for_gpu).apply()  # inherited by the child
+        try:
+            return startup.start(self.mori_config, self.layout, pools, self.kv_args.gpu_id, self.local_ip,
+                                 len(self.kv_args.aux_data_ptrs), self.sglang, self._read_aux,
+                                 self._owns_aux(self.cp))
+        except TransferProcessError as exc:
+            self._refuse_transfer_process(str(exc))
+            return None
+
+    def _refuse_transfer_process(self, reason: str) -> None:
         self.transfer_process_refusal = reason
         logger.warning("sglang-mori prefill tp%d: SGLANG_MORI_TRANSFER_PROCESS=on refused: %s; transfers stay "
                        "in the scheduler's process", self.attn_tp_rank, reason)
-        return None
 
     def _build_prefill(self):
         from sglang_mori.backend.prefill.parts import PrefillParts

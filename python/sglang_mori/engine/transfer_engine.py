@@ -343,6 +343,7 @@ class TransferEngine:
         self._peers: dict[str, object] = {}
         self._setup_lock = threading.Lock()  # registration is not thread-safe in MORI (§1.10)
         self.has_peer_failure_events = hasattr(self.engine, "pop_peer_failure")
+        self._ignored_failures: set = set()  # engine keys gone on purpose (ignore_failures_of)
         self.clock = time.monotonic
 
     def use_clock(self, clock) -> None:
@@ -418,8 +419,15 @@ class TransferEngine:
             event = self.engine.pop_peer_failure()
             if event is None:
                 break
-            events.append(PeerFailure.from_event(event))
+            failure = PeerFailure.from_event(event)
+            if failure.engine_key not in self._ignored_failures:
+                events.append(failure)
         return events
+
+    def ignore_failures_of(self, key: str) -> None:
+        """`key`'s connections end on purpose (the transfer process's start-up proof closes its
+        probe engine): their failure is nobody's news."""
+        self._ignored_failures.add(key)
 
     @property
     def can_fence(self) -> bool:

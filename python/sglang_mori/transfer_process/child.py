@@ -61,17 +61,37 @@ def main(spec: ChildSpec, channel) -> None:
     _die_with_parent(spec.parent_pid)
     logging.basicConfig(level=spec.log_level, format="%(asctime)s transfer-process %(levelname)s %(message)s")
     if spec.on_gpu:
-        try:  # loads the CUDA runtime torch ships, which softio's cuda_runtime finds among our mappings
+        try:  # loads the GPU runtime torch ships, which cuda_runtime / device_runtime find among our mappings
             import torch  # noqa: F401
         except ImportError:
             pass
-    from sglang_mori.transfer_process.child_parts import ChildService
+        _block_on_gpu_waits(spec.device)
+    from sglang_mori.transfer_process.child_parts import ChildService, StartupFailed
 
-    service = ChildService(spec)
+    try:
+        service = ChildService(spec)
+    except StartupFailed as exc:  # published in the status table: the scheduler names it and stays in-process
+        logger.error("sglang-mori transfer process pid %d could not start: %s", os.getpid(), exc)
+        return
     try:
         service.serve(channel)
     finally:
         service.close()
+
+
+def _block_on_gpu_waits(device: int) -> None:
+    """Before anything creates this process's GPU context: waits block instead of spinning a core
+    (device_runtime.py says why). Not fatal: the child still works, at a core's cost."""
+    from sglang_mori.transfer_process import device_runtime
+
+    runtime = device_runtime.load()
+    try:
+        if runtime is None:
+            raise device_runtime.DeviceRuntimeError("no CUDA or HIP runtime loaded")
+        runtime.block_on_waits(device)
+    except (device_runtime.DeviceRuntimeError, OSError, AttributeError) as exc:
+        logger.warning("sglang-mori transfer process: GPU waits will spin a core (could not ask for blocking "
+                       "waits: %s)", exc)
 
 
 class AuxStore:

@@ -17,30 +17,64 @@ from sglang_mori.backend.prefill.parts import PrefillParts
 from sglang_mori.backend.prefill.service import PrefillService
 from sglang_mori.engine import TransferEngine, load_io_module
 from sglang_mori.metrics import NullTransferMetrics
-from sglang_mori.transfer_process import handoff
+from sglang_mori.transfer_process import cpu_report, handoff, proof
 from sglang_mori.transfer_process.child import AuxStore, ChildSpec
 from sglang_mori.transfer_process.child_tables import ChildTables
 from sglang_mori.transfer_process.pools import ImportedPools
+from sglang_mori.transfer_process.proof import RegistrationNotProven
 from sglang_mori.transfer_process.status_table import StatusTable
 
 logger = logging.getLogger(__name__)
 
 
+class StartupFailed(RuntimeError):
+    """The child could not start; the reason is in the status table for the scheduler."""
+
+
 class ChildService:
     def __init__(self, spec: ChildSpec):
-        cfg = spec.config
         self.table = StatusTable.attach(spec.table_name, spec.table_slots)
+        self.pools = self.engine = None
+        try:
+            self._build(spec)
+        except Exception as exc:  # a crash instead (e.g. in the GPU runtime) shows as the exit code
+            reason = f"{type(exc).__name__}: {exc}" if not isinstance(exc, RegistrationNotProven) else str(exc)
+            self.table.publish_startup_failure(reason)
+            for part in (self.engine, self.pools):
+                try:
+                    if part is not None:
+                        part.close()
+                except Exception:  # best effort: the process ends next
+                    pass
+            raise StartupFailed(reason) from exc
+        self.startup_cpu_s = cpu_report.process_cpu_s("self")
+        self.ready_threads = cpu_report.threads_cpu_s()
+        self.table.publish_port(self.port)
+        logger.info("sglang-mori transfer process pid %d: engine %s on %s, control port %d, %d KV buffers "
+                    "registered and proven; start-up used %.0f ms of CPU", os.getpid(), spec.config.engine,
+                    spec.host, self.port, len(spec.kv), self.startup_cpu_s * 1e3)
+
+    def _build(self, spec: ChildSpec) -> None:
+        cfg = spec.config
         self.pools = ImportedPools(spec.kv)
-        self.engine = TransferEngine(
-            load_io_module(cfg.engine), role="prefill", host=spec.host, qp_per_transfer=cfg.qp_per_transfer,
-            post_batch_size=cfg.post_batch_size, num_workers=cfg.num_workers,
-            enable_notification=cfg.enable_notification,
-        )
+
+        def make_engine(role="prefill"):
+            return TransferEngine(
+                load_io_module(cfg.engine), role=role, host=spec.host, qp_per_transfer=cfg.qp_per_transfer,
+                post_batch_size=cfg.post_batch_size, num_workers=cfg.num_workers,
+                enable_notification=cfg.enable_notification,
+            )
+
+        self.engine = make_engine()
         buffers = LocalBuffers(
             kv=[self.engine.register(ptr, p.size, spec.device, spec.on_gpu) for ptr, p in zip(self.pools.ptrs, spec.kv)],
             aux=[],  # aux bytes ride on the last chunk's record, then on Success
             state=[],
         )
+        # Before any traffic: the engine posts from every imported pool (proof.py says why).
+        proof.prove(self.engine, lambda: make_engine("prefill-proof"), buffers.kv, self.pools.ptrs,
+                    [p.size for p in spec.kv], spec.on_gpu, spec.device,
+                    self.pools.runtime if spec.on_gpu else None)
         self.zmq = zmq.Context()
         self.control = self.zmq.socket(zmq.PULL)
         self.port = self.control.bind_to_random_port(f"tcp://{spec.control_host}")
@@ -56,9 +90,6 @@ class ChildService:
         )
         self.service = PrefillService(parts, self._reject)
         self.service.start()
-        self.table.publish_port(self.port)
-        logger.info("sglang-mori transfer process pid %d: engine %s on %s, control port %d, %d KV buffers",
-                    os.getpid(), cfg.engine, spec.host, self.port, len(buffers.kv))
 
     @staticmethod
     def _reject(error, origin: str) -> None:
@@ -99,6 +130,9 @@ class ChildService:
             svc.fail(room, rec.reason, label)
 
     def close(self) -> None:
+        used = cpu_report.since(self.ready_threads, cpu_report.threads_cpu_s())
+        logger.info("sglang-mori transfer process pid %d: CPU since ready, by thread: %s", os.getpid(),
+                    cpu_report.describe(used))
         self.service.stop()
         self.messenger.close()
         self.control.close(linger=0)

@@ -26,7 +26,8 @@ START_TIMEOUT_S = 120.0
 
 
 class TransferProcessError(RuntimeError):
-    """The transfer process did not start."""
+    """The transfer process did not start (it failed to map, register or prove its pools, or died):
+    the manager keeps its transfers in-process with this as the refusal."""
 
 
 class TransferProcess:
@@ -56,11 +57,18 @@ class TransferProcess:
             port = self.table.ready_port()
             if port is not None:
                 return port
+            failure = self.table.startup_failure()
+            if failure is not None:  # it exits by itself after publishing it
+                self.close()
+                raise TransferProcessError(f"the transfer process could not start: {failure}")
             if wait_for_sentinels([self.process.sentinel], timeout=0.05):
+                failure = self.table.startup_failure()  # published just before it exited
+                self.process.join(timeout=5.0)  # the sentinel fires before the exit code is collected
+                code = self.process.exitcode
                 self.close()
                 raise TransferProcessError(
-                    f"the transfer process exited with code {self.process.exitcode} during start-up "
-                    "(its log says why)")
+                    f"the transfer process could not start: {failure}" if failure is not None else
+                    f"the transfer process exited with code {code} during start-up (its log says why)")
         self.close()
         raise TransferProcessError(f"the transfer process did not start within {timeout_s:.0f} s")
 

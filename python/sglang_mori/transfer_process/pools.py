@@ -27,12 +27,12 @@ class PoolNotImportable(RuntimeError):
 
 @dataclass(frozen=True)
 class PoolImport:
-    kind: str  # "shm" or "cuda"
+    kind: str  # "shm", "cuda" or "hip"
     size: int
     path: str = ""  # shm: the backing file
     file_offset: int = 0  # shm: the pointer's offset in that file
-    handle: bytes = b""  # cuda: IPC handle of the allocation
-    offset: int = 0  # cuda: the pointer's offset in the allocation
+    handle: bytes = b""  # cuda, hip: IPC handle of the allocation
+    offset: int = 0  # cuda, hip: the pointer's offset in the allocation
     device: int = -1
 
 
@@ -54,17 +54,21 @@ def describe(ptrs: Sequence[int], sizes: Sequence[int], on_gpu: bool, device: in
     """How the child maps each buffer; PoolNotImportable for the first that cannot be."""
     if on_gpu:
         from sglang_mori.softio import cuda_runtime
+        from sglang_mori.transfer_process import device_runtime
 
-        runtime = cuda_runtime.load()
+        kind, runtime = "cuda", cuda_runtime.load()
+        if runtime is None:  # ROCm: the same calls under HIP's names (MORI-IO's XGMI does the same)
+            hip = device_runtime.load()
+            kind, runtime = ("hip", hip) if hip is not None and hip.flavour == "hip" else (kind, None)
         if runtime is None:
-            raise PoolNotImportable(f"{what}s are GPU memory but no CUDA runtime is loaded to export them")
+            raise PoolNotImportable(f"{what}s are GPU memory but no CUDA or HIP runtime is loaded to export them")
         out = []
         for i, (ptr, size) in enumerate(zip(ptrs, sizes)):
             try:
                 handle, offset = runtime.export(int(ptr), device)
             except Exception as exc:  # e.g. a virtual-memory allocation (expandable segments)
-                raise PoolNotImportable(f"{what} {i} at {int(ptr):#x}: no CUDA IPC handle ({exc})") from None
-            out.append(PoolImport("cuda", int(size), handle=handle, offset=offset, device=device))
+                raise PoolNotImportable(f"{what} {i} at {int(ptr):#x}: no {kind.upper()} IPC handle ({exc})") from None
+            out.append(PoolImport(kind, int(size), handle=handle, offset=offset, device=device))
         return out
     with open("/proc/self/maps") as f:
         maps_text = f.read()
@@ -86,9 +90,22 @@ class ImportedPools:
     def __init__(self, imports: Sequence[PoolImport]):
         self._maps: list = []
         self._cuda: list = []
+        self._hip: list = []
+        # the GPU runtime's own calls (device_runtime.py), for the start-up proof and HIP imports
+        self.runtime = None
+        if any(p.kind in ("cuda", "hip") for p in imports):
+            from sglang_mori.transfer_process import device_runtime
+
+            self.runtime = device_runtime.load()
+            if self.runtime is None:
+                raise PoolNotImportable("the transfer process has no CUDA or HIP runtime to open the pools")
         self.ptrs: List[int] = [self._map(p) for p in imports]
 
     def _map(self, p: PoolImport) -> int:
+        if p.kind == "hip":  # written for MORI-IO on AMD (test/manual/test_transfer_process_amd.py); not run yet
+            base = self.runtime.open(p.handle, p.device)
+            self._hip.append((base, p.device))
+            return base + p.offset
         if p.kind == "cuda":  # written for the NVIDIA rig; not run on a GPU yet
             from sglang_mori.softio import cuda_runtime
 
@@ -112,6 +129,9 @@ class ImportedPools:
         for runtime, handle, device in self._cuda:
             runtime.close(handle, device)
         self._cuda.clear()
+        for base, device in self._hip:
+            self.runtime.close(base, device)
+        self._hip.clear()
         # A mapping with a live ctypes export cannot close; the process exit unmaps it.
         for m in self._maps:
             try:

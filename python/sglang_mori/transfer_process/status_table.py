@@ -29,7 +29,8 @@ _FIELDS = (
     ("prefix", np.int64, 1),  # decode_prefix_len
     ("reason", np.uint8, REASON_BYTES),
 )
-_HEADER = 64  # int64 words: [0] the child's control port, [1] ready flag
+_HEADER = 64  # int64 words: [0] the child's control port, [1] ready flag, [2] start-up failed flag,
+_STARTUP_REASON_WORD = 8  # words 8.. hold the start-up failure's reason (UTF-8, NUL-terminated)
 
 
 def _table_bytes(slots: int) -> int:
@@ -77,6 +78,15 @@ class StatusTable:
         self.header[0] = port
         self.header[1] = 1
 
+    def publish_startup_failure(self, reason: str) -> None:
+        """The child could not start (its pools, its engine, the registration proof): the reason
+        first, then the flag the scheduler waits on."""
+        area = self.header[_STARTUP_REASON_WORD:].view(np.uint8)
+        raw = reason.encode("utf-8", "replace")[:len(area) - 1]
+        area[:len(raw)] = np.frombuffer(raw, np.uint8)
+        area[len(raw)] = 0
+        self.header[2] = 1
+
     def write(self, slot: int, status: int, reason: Optional[str] = None, replicas: int = 0,
               prefix: int = 0) -> None:
         if reason is not None:
@@ -94,6 +104,12 @@ class StatusTable:
     # --- the scheduler's side ----------------------------------------------------------------
     def ready_port(self) -> Optional[int]:
         return int(self.header[0]) if self.header[1] else None
+
+    def startup_failure(self) -> Optional[str]:
+        if not self.header[2]:
+            return None
+        raw = self.header[_STARTUP_REASON_WORD:].view(np.uint8).tobytes()
+        return raw.split(b"\0", 1)[0].decode("utf-8", "replace")
 
     def open_slot(self, slot: int) -> None:
         self.status[slot] = NO_STATUS

@@ -67,8 +67,31 @@ def instant_child_main(spec, channel) -> None:
 
     from harness.hotpath.rig import instant_writes
 
-    with instant_writes():
+    with instant_writes() as instant:
+        _proof_moves_real_bytes(instant)
         main(spec, channel)
+
+
+def _proof_moves_real_bytes(instant) -> None:
+    """The child's start-up proof checks the bytes its probe write moved, which instant writes
+    never move: it runs with softio's own batch_write (a backend without the proof has nothing
+    to wrap)."""
+    try:
+        from sglang_mori.transfer_process import proof
+    except ImportError:
+        return
+    from sglang_mori.softio.engine import IOEngine
+
+    prove = proof.prove
+
+    def prove_for_real(*args, **kwargs):
+        fake, IOEngine.batch_write = IOEngine.batch_write, instant._original
+        try:
+            return prove(*args, **kwargs)
+        finally:
+            IOEngine.batch_write = fake
+
+    proof.prove = prove_for_real
 
 
 def sync_cost_ns(service: TransferProcessService, sglang, room: int, calls: int = 20000) -> float:
