@@ -116,7 +116,8 @@ def run_link(args, results: list) -> None:
         page = int(page)
         pages = max(pages_for(t, page) for t in tokens) * args.link_requests
         with GpuPD(shape_key, page, pages, decode_device=args.decode_device) as rig:
-            dev = device_engine(rig)
+            # through a transfer process the copies are the child's: its default grid only
+            dev = None if args.transfer_process else device_engine(rig)
             copier = dev.copier if dev else None
             grids = [(0, 0) if g == "default" else tuple(int(x) for x in g.split("x")) for g in args.blocks.split(",")]
             defaults = (copier.blocks, copier.peer_blocks, copier.threads) if copier is not None else None
@@ -134,13 +135,14 @@ def run_link(args, results: list) -> None:
                                  devices=[rig.prefill.device, rig.decode_device])
                     results.append(point)
                     args.save()
-                    print(f"link {rig.shape.name} p{page} {t:>6} tok grid {blocks:>3}x{threads}: plain "
-                          f"{point['plain_copy']['gbps']:6.1f} GB/s; ours {point['ours']['gbps']:6.1f} "
-                          f"({point['ours']['vs_plain_copy']:.2f}x), burst {point['ours']['gbps_per_s']:6.1f}, "
-                          f"kernel {point.get('kernel', {}).get('gbps', 0.0):6.1f}; "
-                          f"ours_calls {point['ours_calls']['gbps']:6.1f}; builtin_calls "
-                          f"{point['builtin_calls']['gbps']:6.1f} GB/s; ops {point['ours']['ops']} "
-                          f"[{time.time() - t0:.0f}s]", flush=True)
+                    ours = point["ours"]
+                    print(f"link {rig.shape.name} p{page} {t:>6} tok {'tp' if args.transfer_process else 'in'} "
+                          f"grid {blocks:>3}x{threads}: plain {point['plain_copy']['gbps']:6.1f} GB/s; ours "
+                          f"{ours['gbps']:6.1f} ({ours['vs_plain_copy']:.2f}x), burst {ours['gbps_per_s']:6.1f} "
+                          f"({ours['per_s_vs_plain_copy']:.2f}x), kernel {point.get('kernel', {}).get('gbps', 0.0):6.1f}; "
+                          f"ours_calls {point.get('ours_calls', {}).get('gbps', 0.0):6.1f}; builtin_calls "
+                          f"{point.get('builtin_calls', {}).get('gbps', 0.0):6.1f} GB/s; ops {ours['ops']}; "
+                          f"phases ms {ours.get('phases_ms', {})} [{time.time() - t0:.0f}s]", flush=True)
 
 
 def send_due(rig, bg, rate: float, start: float, sent: int, live: list) -> int:

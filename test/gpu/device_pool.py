@@ -5,6 +5,8 @@ on a softio engine whose GPU registrations take the device path."""
 from __future__ import annotations
 
 import hashlib
+import os
+import tempfile
 from types import SimpleNamespace
 
 import numpy as np
@@ -25,12 +27,19 @@ class DevicePool:
     """`shape` is this rank's share (Shape.sliced); `device` is the GPU, passed to the engine's
     registration as SGLang passes its `gpu_id`."""
 
-    def __init__(self, role: str, shape: Shape, page_size: int, pages: int, device: int = 0, tp_rank: int = 0):
+    def __init__(self, role: str, shape: Shape, page_size: int, pages: int, device: int = 0, tp_rank: int = 0,
+                 host_shared: bool = False):
+        """`host_shared`: on the CPU check (no GPU), the KV buffers are files under /dev/shm, which
+        a transfer process can map (transfer_process/pools.py); on a GPU it changes nothing."""
         self.shape, self.page_size, self.pages, self.device = shape, page_size, pages, device
         self.tp_rank = tp_rank
         self.item_len = page_size * shape.token_bytes
-        self.kv = [torch.zeros(pages * self.item_len, dtype=torch.uint8, device=torch_device(device))
-                   for _ in range(shape.buffers)]
+        self._shm_paths: list = []
+        if host_shared and not ON_GPU:
+            self.kv = [self._shared_buffer(pages * self.item_len) for _ in range(shape.buffers)]
+        else:
+            self.kv = [torch.zeros(pages * self.item_len, dtype=torch.uint8, device=torch_device(device))
+                       for _ in range(shape.buffers)]
         self.aux = np.zeros(AUX_SLOTS * AUX_BYTES, np.uint8)
         self.engine = TransferEngine(io, role=role, host="127.0.0.1", qp_per_transfer=2, post_batch_size=-1,
                                      num_workers=1)
@@ -71,5 +80,17 @@ class DevicePool:
     def page_mismatches(self, pages, expected_digests) -> int:
         return sum(self.digest([p]) != d for p, d in zip(pages, expected_digests))
 
+    def _shared_buffer(self, nbytes: int) -> torch.Tensor:
+        fd, path = tempfile.mkstemp(prefix="gpu-rig-kv-", dir="/dev/shm")
+        os.close(fd)
+        self._shm_paths.append(path)
+        return torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="w+", shape=(nbytes,)))
+
     def close(self) -> None:
         self.engine.deregister_all()
+        for path in self._shm_paths:  # the mappings live on until the tensors go; the names go now
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        self._shm_paths.clear()

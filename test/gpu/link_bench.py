@@ -19,6 +19,13 @@ with decode_device=1), pages scattered on both sides, it measures:
   (SGLang does not install on the GPU host), which only flatters it.
 
 `ops` counts, per request, the engine calls, the (local, remote) pairs and the copy ranges.
+`phases` splits a lone request's `ours` (in-process, on a GPU) at the device engine: send() to the
+copies' submit, the submit itself (range table, launch), submit to the batch's event seen done
+(the copy, and the wait for it), and that to the room's Success (completion, aux, status).
+
+Through a transfer process (gpu_bench.py --transfer-process) the engine lives in the child: only
+the plain copy and `ours` are measured, `ours` from send() to the Success read by the scheduler's
+poll, every LINK_POLL_S here (SGLang's scheduler polls once per loop, back to back when idle).
 """
 
 from __future__ import annotations
@@ -30,9 +37,14 @@ import numpy as np
 import torch
 
 import sglang_mori.softio as io
+from sglang_mori.backend import room_status as S
+from sglang_mori.softio import device_path
 
 from pd_rig import GpuPD, Requests
 from rig_device import ON_GPU, torch_device
+
+
+LINK_POLL_S = 0.0001
 
 
 def median(xs):
@@ -113,15 +125,79 @@ def plain_copy_s(rig: GpuPD, nbytes: int, iters: int) -> list:
     return times
 
 
-def ours_s(rig: GpuPD, reqs: Requests, rows: list) -> float:
-    """Send the requests of `rows` back to back; seconds until the last room's Success."""
+def in_transfer_process(rig: GpuPD) -> bool:
+    return getattr(rig.prefill, "poll", None) is not None
+
+
+def wait_sendable(rig: GpuPD, rooms: list, timeout_s: float = 30.0) -> None:
+    """SGLang sends a room only once it is WaitingForInput: through a transfer process decode's
+    metadata reaches the child first, and the scheduler learns it from its polls."""
+    poll = getattr(rig.prefill, "poll", None)
+    if poll is None:
+        return
+    end = time.monotonic() + timeout_s
+    while any(rig.prefill.sglang.status(r) == S.BOOTSTRAPPING for r in rooms):
+        if time.monotonic() > end:
+            raise TimeoutError(f"rooms {rooms[:3]} still bootstrapping after {timeout_s} s")
+        poll()
+        time.sleep(0.0002)
+
+
+class PhaseClock:
+    """Stamps of the device engine's submits and completions while `ours` runs (one thread each:
+    the shard's submit, the engine's completion thread), for `phases`."""
+
+    def __init__(self, dev):
+        self.dev = dev
+        self.submits: list = []  # (start, end)
+        self.done: list = []
+        self._original = None
+
+    def __enter__(self):
+        dev, original = self.dev, self.dev.submit
+        stamps = self.submits
+
+        def submit(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                stamps.append((start, time.perf_counter()))
+        dev.submit = submit
+        self._original = device_path.succeed_all
+        done, succeed = self.done, self._original
+
+        def succeed_all(statuses):
+            done.append(time.perf_counter())
+            succeed(statuses)
+        device_path.succeed_all = succeed_all
+        return self
+
+    def __exit__(self, *exc):
+        del self.dev.submit  # the class's method again
+        device_path.succeed_all = self._original
+
+    def clear(self) -> None:
+        self.submits.clear()
+        self.done.clear()
+
+
+def ours_s(rig: GpuPD, reqs: Requests, rows: list, phases: list | None = None, clock: PhaseClock | None = None) -> float:
+    """Send the requests of `rows` back to back; seconds until the last room's Success. With
+    `clock` (one request, one device batch), its phases are appended to `phases` (ms)."""
     rooms = rig.next_rooms(len(rows))
     rig.open_rooms(reqs, rooms, rows)
+    wait_sendable(rig, rooms)
+    if clock is not None:
+        clock.clear()
     t0 = time.perf_counter()
     for room, row in zip(rooms, rows):
         rig.prefill.send_all(room, reqs.src[row])
     done = rig.prefill.sglang.wait_concluded(rooms, 120)
     t = max(done.values()) - t0
+    if clock is not None and phases is not None and len(clock.submits) == 1 and len(clock.done) == 1:
+        (s0, s1), d, end = clock.submits[0], clock.done[0], max(done.values())
+        phases.append({"to_submit": s0 - t0, "submit": s1 - s0, "copy_wait": d - s1, "to_success": end - d})
     failed = [room for room in rooms if rig.prefill.failure(room)]
     rig.release(rooms)
     if failed:
@@ -180,15 +256,32 @@ def link_point(rig: GpuPD, tokens: int, count: int, iters: int, seed: int) -> di
     copy = plain_copy_s(rig, req_bytes, iters)
     out["plain_copy"] = {"s": median(copy), "gbps": gb / median(copy)}
 
-    dev = device_engine(rig)
+    process = in_transfer_process(rig)
+    out["transfer_process"] = process
+    if process:
+        side.sglang.poll_s = LINK_POLL_S
+        out["poll_s"] = LINK_POLL_S
+    dev = None if process else device_engine(rig)
     ours_s(rig, reqs, [0])  # warm-up: plans, peer, kernel
     before = (dev.batches, dev.ranges) if dev else (0, 0)
-    single = [ours_s(rig, reqs, [i % count]) for i in range(iters)]
+    phases: list = []
+    if dev is not None:
+        with PhaseClock(dev) as clock:
+            single = [ours_s(rig, reqs, [i % count], phases, clock) for i in range(iters)]
+    else:
+        single = [ours_s(rig, reqs, [i % count]) for i in range(iters)]
     batches, ranges = (dev.batches - before[0], dev.ranges - before[1]) if dev else (0, 0)
     burst = [ours_s(rig, reqs, list(range(count))) for _ in range(max(2, iters // 2))]
     out["ours"] = {"s": median(single), "gbps": gb / median(single),
                    "burst_s": median(burst), "gbps_per_s": gb * count / median(burst),
                    "ops": {"device_calls": batches / iters, "ranges": ranges / iters}}
+    if phases:
+        out["ours"]["phases_ms"] = {k: round(1e3 * median([p[k] for p in phases]), 3) for k in phases[0]}
+    base = out["plain_copy"]["gbps"]
+    if process:  # the engine is the child's: no engine calls or kernel from here
+        out["ours"]["vs_plain_copy"] = out["ours"]["gbps"] / base
+        out["ours"]["per_s_vs_plain_copy"] = out["ours"]["gbps_per_s"] / base
+        return out
 
     calls = [EngineCalls(rig, reqs, i) for i in range(count)]
     if dev is not None and dev.copier is not None:
@@ -203,7 +296,6 @@ def link_point(rig: GpuPD, tokens: int, count: int, iters: int, seed: int) -> di
                         "burst_s": median(burst), "gbps_per_s": gb * count / median(burst),
                         "ops": {"engine_calls": calls[0].calls(pattern), "pairs": len(calls[0].local),
                                 "ranges": len(calls[0].sz) * len(calls[0].local)}}
-    base = out["plain_copy"]["gbps"]
     if "kernel" in out:
         out["kernel"]["vs_plain_copy"] = out["kernel"]["gbps"] / base
     for key in ("ours", "ours_calls", "builtin_calls"):

@@ -4,8 +4,8 @@ owns a softio engine and runs the prefill service. This process keeps what SGLan
 the claim at sender init, one hand-off per send(), polls that read the status table, the release.
 
 Same interface as prefill_side.PrefillSide for chunk-wise loads (cost and interference parts);
-layer-wise streaming stays in-process and is refused here. Written for the NVIDIA rig; on this
-project's CPU hosts the rig's CPU mode keeps its pools in private memory, which the child cannot map.
+layer-wise streaming stays in-process and is refused here. Written for the NVIDIA rig; the rig's CPU
+check (SGLANG_MORI_GPU_RIG_DEVICE=cpu) keeps this side's pool in /dev/shm files, which the child maps.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ class PolledSGLang(TimedSGLang):
     """TimedSGLang whose statuses arrive only through polls (the side's `poll`), as SGLang's do."""
 
     poll = None  # set by the side
+    poll_s = POLL_S  # the pause between two polls while waiting (the link part polls tighter)
 
     def wait_concluded(self, rooms, timeout_s: float) -> Dict[int, float]:
         end = time.monotonic() + timeout_s
@@ -45,7 +46,7 @@ class PolledSGLang(TimedSGLang):
                 missing = [r for r in rooms if r not in self.concluded_at]
                 raise TimeoutError(f"rooms {missing[:5]} did not conclude in {timeout_s} s")
             self.poll()
-            time.sleep(POLL_S)
+            time.sleep(self.poll_s)
         return {r: self.concluded_at[r] for r in rooms}
 
 
@@ -53,7 +54,7 @@ class ProcessPrefillSide:
     def __init__(self, shape, page_size: int, pages: int, config: MoriConfig, group_size: int = 0,
                  device: int = 0, tp_rank: int = 0):
         self.shape, self.page_size, self.device, self.tp_rank = shape, page_size, device, tp_rank
-        self.pool = DevicePool("prefill", shape, page_size, pages, device=device, tp_rank=tp_rank)
+        self.pool = DevicePool("prefill", shape, page_size, pages, device=device, tp_rank=tp_rank, host_shared=True)
         self.sglang = PolledSGLang(prefill_rank=tp_rank)
         self.sglang.poll = self.poll
         self.metrics = CountingMetrics()
