@@ -336,8 +336,13 @@ def main() -> int:
     ap.add_argument("--transfer-process", action="store_true",
                     help="the prefill side hands its transfers to a transfer process "
                          "(SGLANG_MORI_TRANSFER_PROCESS=on, test/gpu/prefill_process_side.py; chunk-wise only)")
+    ap.add_argument("--backend-root", default="",
+                    help="import sglang_mori from this python/ folder instead (another checkout's backend under "
+                         "this rig: a same-call baseline); the decode and transfer processes inherit it")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
+    if args.backend_root:
+        sys.path.insert(0, str(Path(args.backend_root).resolve()))
     if args.transfer_process:
         os.environ["SGLANG_MORI_TRANSFER_PROCESS"] = "on"
     import faulthandler
@@ -355,9 +360,10 @@ def main() -> int:
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if rig_device.ON_GPU else []
     meta = {"device": gpus[0] if gpus else "cpu (rig check only)", "gpus": gpus, "torch": torch.__version__,
             "cuda_runtime": rt.version if rt else None,
-            "link_gbps": os.environ.get("SGLANG_MORI_SOFTIO_LINK_GBPS", ""), "args": dict(vars(args)), "results": []}
+            "link_gbps": os.environ.get("SGLANG_MORI_SOFTIO_LINK_GBPS", ""), "args": dict(vars(args)),
+            "backend": str(Path(sys.modules["sglang_mori"].__file__).parent), "results": []}
     print(f"device: {meta['device']} torch {meta['torch']} runtime {meta['cuda_runtime']} "
-          f"link {meta['link_gbps'] or 'unpaced'} GB/s", flush=True)
+          f"link {meta['link_gbps'] or 'unpaced'} GB/s; backend {meta['backend']}", flush=True)
     def save():
         meta["memcpy_batch_api"] = bool(rt and rt.batch_calls)
         if args.json:
