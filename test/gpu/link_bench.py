@@ -45,6 +45,7 @@ from rig_device import ON_GPU, torch_device
 
 
 LINK_POLL_S = 0.0001
+SUBMITS = ("submit", "submit_shared")  # the device engine's entries (submit_shared: since issue 28's link work)
 
 
 def median(xs):
@@ -154,16 +155,19 @@ class PhaseClock:
         self._original = None
 
     def __enter__(self):
-        dev, original = self.dev, self.dev.submit
         stamps = self.submits
+        for name in SUBMITS:
+            original = getattr(self.dev, name, None)
+            if original is None:  # an engine from before submit_shared (a baseline's backend)
+                continue
 
-        def submit(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                stamps.append((start, time.perf_counter()))
-        dev.submit = submit
+            def submit(*args, _original=original, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return _original(*args, **kwargs)
+                finally:
+                    stamps.append((start, time.perf_counter()))
+            setattr(self.dev, name, submit)
         self._original = device_path.succeed_all
         done, succeed = self.done, self._original
 
@@ -174,7 +178,8 @@ class PhaseClock:
         return self
 
     def __exit__(self, *exc):
-        del self.dev.submit  # the class's method again
+        for name in SUBMITS:
+            self.dev.__dict__.pop(name, None)  # the class's methods again
         device_path.succeed_all = self._original
 
     def clear(self) -> None:
@@ -206,19 +211,28 @@ def ours_s(rig: GpuPD, reqs: Requests, rows: list, phases: list | None = None, c
 
 
 def captured_batch(dev, post):
-    """(dsts, srcs, sizes) of the device batch that `post()` submits to `dev`."""
+    """(dsts, srcs, sizes, to_peer) of the device batch that `post()` submits to `dev` (a table of
+    shared ranges flattened)."""
     seen = []
     original = dev.submit
+    original_shared = getattr(dev, "submit_shared", None)
 
     def capture(dsts, srcs, sizes, statuses, to_peer=False, holds=()):
         seen.append((dsts, srcs, sizes, to_peer))
         return original(dsts, srcs, sizes, statuses, to_peer, holds)
 
+    def capture_shared(dst_base, src_base, dst_off, src_off, sizes, statuses, to_peer=False, holds=()):
+        seen.append((*device_path.expand_shared(dst_base, src_base, dst_off, src_off, sizes), to_peer))
+        return original_shared(dst_base, src_base, dst_off, src_off, sizes, statuses, to_peer, holds)
+
     dev.submit = capture
+    if original_shared is not None:
+        dev.submit_shared = capture_shared
     try:
         post()
     finally:
-        del dev.submit  # the class's method again
+        for name in SUBMITS:
+            dev.__dict__.pop(name, None)  # the class's methods again
     return seen[-1]
 
 

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from sglang_mori.softio import device_path
-from sglang_mori.softio.device_gather import CE_MIN_ENV, ce_min_bytes, split_long
+from sglang_mori.softio.device_gather import CE_MIN_ENV, ce_min_bytes, fill_shared_table, split_long
 from sglang_mori.softio.status import TransferStatus, start_all
 
 MIB = 1 << 20
@@ -46,6 +46,14 @@ class RecordingCopier:
 
     def copy(self, dsts, srcs, sizes, stream, to_peer=False):
         self.log.append(("kernel", dsts.tolist(), srcs.tolist(), sizes.tolist(), stream))
+        return "table"
+
+    def copy_shared(self, dst_base, src_base, dst_off, src_off, sizes, stream, to_peer=False):
+        # the kernel's table as GatherCopier writes it, read back as the flat copies it holds
+        n = len(dst_base) * len(sizes)
+        host = np.zeros(3 * n, dtype=np.uint64)
+        fill_shared_table(host, dst_base, src_base, dst_off, src_off, sizes)
+        self.log.append(("kernel", host[:n].tolist(), host[n:2 * n].tolist(), host[2 * n:].tolist(), stream))
         return "table"
 
 
@@ -123,3 +131,68 @@ def test_split_long_partitions_the_ranges_keeping_their_order(ranges, threshold)
     assert list(zip(ld.tolist(), ls.tolist(), ln.tolist())) == [r for r, x in zip(ranges, is_long) if x]
     assert list(zip(sd.tolist(), ss.tolist(), sn.tolist())) == [r for r, x in zip(ranges, is_long) if not x]
     assert all(a.dtype == np.uint64 for a in (ld, ls, ln, sd, ss, sn))
+
+
+def _shared_case(draw_ranges, pairs):
+    rng = np.random.default_rng(len(draw_ranges) * 31 + pairs)
+    dst_base = rng.integers(0, 1 << 40, pairs).astype(np.uint64)
+    src_base = rng.integers(0, 1 << 40, pairs).astype(np.uint64)
+    cols = np.array(draw_ranges, dtype=np.uint64).reshape(-1, 3)
+    return dst_base, src_base, cols[:, 0], cols[:, 1], cols[:, 2]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 1 << 40), st.integers(0, 1 << 40), st.integers(1, 4 * MIB)),
+                min_size=1, max_size=30), st.integers(1, 8))
+def test_a_shared_table_makes_the_calls_of_its_flat_table_in_the_same_order(ranges, pairs):
+    """submit_shared (every pair the same ranges of its own regions) enqueues exactly what submit
+    enqueues for the flattened table: the same copy-engine copies and kernel table, pair by pair,
+    and the same counters."""
+    dst_base, src_base, do, so, sz = _shared_case(ranges, pairs)
+    logs = []
+    for shared in (False, True):
+        rt = RecordingRuntime()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(device_path, "make_copier", lambda device: RecordingCopier(rt.log))
+            mp.delenv(CE_MIN_ENV, raising=False)
+            eng = device_path.DeviceEngine(rt, 0, "test")
+        status = TransferStatus()
+        start_all([status])
+        try:
+            if shared:
+                eng.submit_shared(dst_base, src_base, do, so, sz, [status], to_peer=True)
+            else:
+                eng.submit(*device_path.expand_shared(dst_base, src_base, do, so, sz), [status], to_peer=True)
+            assert status.WaitFor(5000) == status.Code() and status.Succeeded()
+        finally:
+            eng.close()
+        logs.append((rt.log, eng.ce_ranges, eng.ranges, eng.bytes))
+    assert logs[0] == logs[1]
+    assert logs[1][2] == pairs * len(ranges) and logs[1][3] == pairs * int(sz.sum())
+
+
+def test_fill_shared_table_writes_every_pair_then_the_sizes():
+    host = np.zeros(3 * 6, dtype=np.uint64)
+    fill_shared_table(host, u64([1000, 2000]), u64([50, 60]), u64([0, 10, 20]), u64([1, 2, 3]), u64([4, 5, 6]))
+    assert host.tolist() == [1000, 1010, 1020, 2000, 2010, 2020, 51, 52, 53, 61, 62, 63, 4, 5, 6, 4, 5, 6]
+
+
+def test_a_shared_batch_whose_copy_raises_fails_its_statuses_and_gives_its_holds_back_after_its_event(engine):
+    eng, rt = engine
+    ended = []
+
+    class Hold:
+        def end(self):
+            ended.append(True)
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("launch failed")
+
+    eng.copier.copy_shared = boom
+    status = TransferStatus()
+    start_all([status])
+    eng.submit_shared(u64([0]), u64([0]), u64([0, 8]), u64([0, 8]), u64([4, 4]), [status], True, (Hold(),))
+    status.WaitFor(5000)
+    assert status.Failed() and "launch failed" in status.Message()
+    assert ended == [True]
+    assert [entry[0] for entry in rt.log] == ["record"]  # the event behind whatever was queued

@@ -109,14 +109,8 @@ def _post(route: _Route, lo: np.ndarray, ro: np.ndarray, sz: np.ndarray, statuse
                 hold.end()
             return False  # released: the general path fails those pairs one by one
         taken.append(mapping)
-    try:
-        dsts = (route.remote_base[:, None] + ro).reshape(-1).view(np.uint64)
-        srcs = (route.local_ptr[:, None] + lo).reshape(-1).view(np.uint64)
-        table_sizes = np.tile(sz, len(route.local_ptr)).view(np.uint64)
-    except BaseException:
-        for hold in taken:
-            hold.end()
-        raise
     start_all(statuses)
-    route.engine.submit(dsts, srcs, table_sizes, list(statuses), route.to_peer, tuple(taken))
+    # The table is built by the engine, for all pairs at once, where its copies read it.
+    route.engine.submit_shared(route.remote_base, route.local_ptr, ro, lo, sz, list(statuses), route.to_peer,
+                               tuple(taken))
     return True
