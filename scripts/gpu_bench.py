@@ -142,7 +142,8 @@ def run_link(args, results: list) -> None:
                           f"({ours['per_s_vs_plain_copy']:.2f}x), kernel {point.get('kernel', {}).get('gbps', 0.0):6.1f}; "
                           f"ours_calls {point.get('ours_calls', {}).get('gbps', 0.0):6.1f}; builtin_calls "
                           f"{point.get('builtin_calls', {}).get('gbps', 0.0):6.1f} GB/s; ops {ours['ops']}; "
-                          f"phases ms {ours.get('phases_ms', {})} [{time.time() - t0:.0f}s]", flush=True)
+                          f"phases ms {ours.get('phases_ms', {})}, burst {ours.get('burst_phases_ms', {})} [{time.time() - t0:.0f}s]",
+                          flush=True)
 
 
 def send_due(rig, bg, rate: float, start: float, sent: int, live: list) -> int:

@@ -17,10 +17,12 @@ def line(label: str, point: dict) -> str:
     kernel = point.get("kernel", {}).get("gbps")
     phases = ours.get("phases_ms") or {}
     split = "/".join(f"{phases[k]:.2f}" for k in ("to_submit", "submit", "copy_wait", "to_success") if k in phases)
+    burst = ours.get("burst_phases_ms") or {}
+    idle = f", burst stream idle {burst['stream_idle']:.2f} ms" if "stream_idle" in burst else ""
     return (f"{label:<12} {point['shape'].split('-')[-1]:<3} {point['tokens']:>6}: plain {plain:5.0f} GB/s, ours "
             f"{ours['vs_plain_copy']:.2f}x ({ours['s'] * 1e3:.2f} ms), burst {ours['per_s_vs_plain_copy']:.2f}x"
             + (f", kernel {kernel / plain:.2f}x" if kernel else "")
-            + (f", phases {split} ms" if split else ""))
+            + (f", phases {split} ms" if split else "") + idle)
 
 
 def main(paths) -> int:

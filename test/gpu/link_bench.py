@@ -21,7 +21,10 @@ with decode_device=1), pages scattered on both sides, it measures:
 `ops` counts, per request, the engine calls, the (local, remote) pairs and the copy ranges.
 `phases` splits a lone request's `ours` (in-process, on a GPU) at the device engine: send() to the
 copies' submit, the submit itself (range table, launch), submit to the batch's event seen done
-(the copy, and the wait for it), and that to the room's Success (completion, aux, status).
+(the copy, and the wait for it), and that to the room's Success (completion, aux, status);
+`burst_phases` of a burst: send() to the first submit, the time the stream may have waited for a
+next request's submit (a submit ending after the previous batch was seen done; a lower bound), and
+the last batch seen done to the last Success.
 
 Through a transfer process (gpu_bench.py --transfer-process) the engine lives in the child: only
 the plain copy and `ours` are measured, `ours` from send() to the Success read by the scheduler's
@@ -200,9 +203,15 @@ def ours_s(rig: GpuPD, reqs: Requests, rows: list, phases: list | None = None, c
         rig.prefill.send_all(room, reqs.src[row])
     done = rig.prefill.sglang.wait_concluded(rooms, 120)
     t = max(done.values()) - t0
-    if clock is not None and phases is not None and len(clock.submits) == 1 and len(clock.done) == 1:
-        (s0, s1), d, end = clock.submits[0], clock.done[0], max(done.values())
-        phases.append({"to_submit": s0 - t0, "submit": s1 - s0, "copy_wait": d - s1, "to_success": end - d})
+    if clock is not None and phases is not None and len(clock.submits) == len(clock.done) == len(rows):
+        end = max(done.values())
+        if len(rows) == 1:
+            (s0, s1), d = clock.submits[0], clock.done[0]
+            phases.append({"to_submit": s0 - t0, "submit": s1 - s0, "copy_wait": d - s1, "to_success": end - d})
+        else:  # a burst: is the stream ever left waiting for the next request's submit?
+            submits, seen = sorted(clock.submits), sorted(clock.done)
+            idle = sum(max(0.0, submits[k][1] - seen[k - 1]) for k in range(1, len(rows)))
+            phases.append({"to_first_submit": submits[0][0] - t0, "stream_idle": idle, "to_last_success": end - seen[-1]})
     failed = [room for room in rooms if rig.prefill.failure(room)]
     rig.release(rooms)
     if failed:
@@ -285,12 +294,18 @@ def link_point(rig: GpuPD, tokens: int, count: int, iters: int, seed: int) -> di
     else:
         single = [ours_s(rig, reqs, [i % count]) for i in range(iters)]
     batches, ranges = (dev.batches - before[0], dev.ranges - before[1]) if dev else (0, 0)
-    burst = [ours_s(rig, reqs, list(range(count))) for _ in range(max(2, iters // 2))]
+    burst_phases: list = []
+    if dev is not None:
+        with PhaseClock(dev) as clock:
+            burst = [ours_s(rig, reqs, list(range(count)), burst_phases, clock) for _ in range(max(2, iters // 2))]
+    else:
+        burst = [ours_s(rig, reqs, list(range(count))) for _ in range(max(2, iters // 2))]
     out["ours"] = {"s": median(single), "gbps": gb / median(single),
                    "burst_s": median(burst), "gbps_per_s": gb * count / median(burst),
                    "ops": {"device_calls": batches / iters, "ranges": ranges / iters}}
-    if phases:
-        out["ours"]["phases_ms"] = {k: round(1e3 * median([p[k] for p in phases]), 3) for k in phases[0]}
+    for key, found in (("phases_ms", phases), ("burst_phases_ms", burst_phases)):
+        if found:
+            out["ours"][key] = {k: round(1e3 * median([p[k] for p in found]), 3) for k in found[0]}
     base = out["plain_copy"]["gbps"]
     if process:  # the engine is the child's: no engine calls or kernel from here
         out["ours"]["vs_plain_copy"] = out["ours"]["gbps"] / base
