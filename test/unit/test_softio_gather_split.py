@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from sglang_mori.softio.device_gather import PIECE_BYTES, split_ranges
+from types import SimpleNamespace
+
+from sglang_mori.softio.device_gather import MIN_PINNED_BYTES, PIECE_BYTES, GatherCopier, pinned_bytes, split_ranges
 
 
 def replay(dsts, srcs, sizes, src_buf: bytes, dst_len: int) -> bytes:
@@ -73,3 +75,31 @@ def test_mismatched_dtypes_do_not_turn_into_floats():
 
 if __name__ == "__main__":
     pytest.main([__file__])
+
+
+@given(st.integers(0, 1 << 34))
+def test_a_pinned_class_holds_the_table_in_at_most_twice_its_bytes(nbytes):
+    size = pinned_bytes(nbytes)
+    assert size >= nbytes and size & (size - 1) == 0 and size >= MIN_PINNED_BYTES
+    assert size < 2 * max(nbytes, MIN_PINNED_BYTES)
+
+
+def test_tables_of_nearby_lengths_ask_the_pinned_pool_for_one_size():
+    """CuPy's pool reuses a freed pinned buffer only for the same request size: tables whose
+    lengths differ by a few runs must ask for the same one."""
+    asked = []
+
+    def alloc_pinned_memory(nbytes):
+        asked.append(nbytes)
+        return bytearray(nbytes)
+
+    copier = object.__new__(GatherCopier)
+    copier.cupy = SimpleNamespace(cuda=SimpleNamespace(alloc_pinned_memory=alloc_pinned_memory))
+    copier._launch = lambda host, pinned, n, stream, to_peer: host
+    tables = []
+    for runs in (120, 123, 128):  # a 61-layer chunk of 128 pages, its runs merged differently
+        base = np.arange(61, dtype=np.uint64) << np.uint64(32)
+        offsets = np.arange(runs, dtype=np.uint64) * np.uint64(73728)
+        tables.append(copier.copy_shared(base, base + np.uint64(7), offsets, offsets, offsets * 0 + np.uint64(4096), 0))
+    assert len(set(asked)) == 1 and asked[0] >= 3 * 8 * 61 * 128
+    assert [len(t) for t in tables] == [3 * 61 * r for r in (120, 123, 128)]  # each table its own length

@@ -55,6 +55,7 @@ THREADS = 512
 # 128 KiB keeps the paged shapes' pages (MLA page 64: 72 KiB) whole and is a multiple of 16 bytes,
 # so aligned ranges stay aligned piece by piece.
 PIECE_BYTES = 128 << 10
+MIN_PINNED_BYTES = 64 << 10  # the smallest staging buffer class (pinned_bytes)
 CE_MIN_ENV = "SGLANG_MORI_SOFTIO_CE_MIN_BYTES"
 CE_MIN_BYTES = 1 << 20
 
@@ -119,8 +120,7 @@ class GatherCopier:
         device and its pinned host copy), which the caller keeps until the batch's event fired."""
         dsts, srcs, sizes = split_ranges(dsts, srcs, sizes)
         n = len(sizes)
-        pinned = self.cupy.cuda.alloc_pinned_memory(3 * n * 8)
-        host = np.frombuffer(pinned, np.uint64, 3 * n)
+        pinned, host = self._staging(n)
         host[:n], host[n:2 * n], host[2 * n:] = dsts, srcs, sizes
         return self._launch(host, pinned, n, stream, to_peer)
 
@@ -131,10 +131,15 @@ class GatherCopier:
         it is uploaded from (fill_shared_table), instead of being flattened first and copied there."""
         dst_off, src_off, sizes = split_ranges(dst_off, src_off, sizes)
         n = len(dst_base) * len(sizes)
-        pinned = self.cupy.cuda.alloc_pinned_memory(3 * n * 8)
-        host = np.frombuffer(pinned, np.uint64, 3 * n)
+        pinned, host = self._staging(n)
         fill_shared_table(host, dst_base, src_base, dst_off, src_off, sizes)
         return self._launch(host, pinned, n, stream, to_peer)
+
+    def _staging(self, n: int):
+        """(pinned buffer, its first 3n uint64) for a table of n ranges, from CuPy's pinned pool
+        in a size class (pinned_bytes) so that a freed buffer serves the next table."""
+        pinned = self.cupy.cuda.alloc_pinned_memory(pinned_bytes(3 * n * 8))
+        return pinned, np.frombuffer(pinned, np.uint64, 3 * n)
 
     def _launch(self, host: np.ndarray, pinned, n: int, stream: int, to_peer: bool):
         cupy = self.cupy
@@ -149,6 +154,16 @@ class GatherCopier:
                 table.set(host, stream=s)  # from pinned memory: asynchronous, ordered before the kernel
                 self.kernel((blocks,), (self.threads,), (table, np.int64(n)))
         return table, pinned
+
+
+def pinned_bytes(nbytes: int) -> int:
+    """The pinned staging buffer asked for a table of `nbytes`: the next power of two, at least
+    MIN_PINNED_BYTES. CuPy's pinned pool gives a freed buffer back only for a request of its exact
+    (512-byte rounded) size, and a plan's table length follows its pages' runs, so asking for the
+    table's own size made a table of a length not seen before pay a fresh cudaHostAlloc (page
+    locking, far slower than the table's copy) on the way to its launch; with classes, a handful of
+    buffers serve every length, at most twice the bytes each."""
+    return max(MIN_PINNED_BYTES, 1 << max(0, nbytes - 1).bit_length())
 
 
 def fill_shared_table(host: np.ndarray, dst_base: np.ndarray, src_base: np.ndarray, dst_off: np.ndarray,
