@@ -22,6 +22,7 @@ def line(label: str, point: dict) -> str:
     return (f"{label:<12} {point['shape'].split('-')[-1]:<3} {point['tokens']:>6}: plain {plain:5.0f} GB/s, ours "
             f"{ours['vs_plain_copy']:.2f}x ({ours['s'] * 1e3:.2f} ms), burst {ours['per_s_vs_plain_copy']:.2f}x"
             + (f", kernel {kernel / plain:.2f}x" if kernel else "")
+            + (f" (shared {point['kernel_shared']['vs_plain_copy']:.2f}x)" if "kernel_shared" in point else "")
             + (f", phases {split} ms" if split else "") + idle)
 
 

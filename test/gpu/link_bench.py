@@ -82,7 +82,14 @@ class EngineCalls:
         self.lo, self.ro, self.sz = (s * item).tolist(), (d * item).tolist(), (n * item).tolist()
 
     def post(self, pattern: str) -> list:
+        """`ours_arrays`: ours_calls with one numpy array per column shared by every pair, as the
+        backend's plans pass them (softio's fast device route)."""
         e, buffers = self.engine, range(len(self.local))
+        if pattern == "ours_arrays":
+            lo, ro, sz = (np.asarray(c, dtype=np.int64) for c in (self.lo, self.ro, self.sz))
+            n = len(self.local)
+            return e.batch_write(self.local, [lo] * n, self.remote, [ro] * n, [sz] * n,
+                                 [e.allocate_transfer_uid() for _ in buffers])
         if pattern == "builtin_calls":
             statuses = []
             for b in buffers:
@@ -219,10 +226,11 @@ def ours_s(rig: GpuPD, reqs: Requests, rows: list, phases: list | None = None, c
     return t
 
 
-def captured_batch(dev, post):
+def captured_batch(dev, post, shared: list | None = None):
     """(dsts, srcs, sizes, to_peer) of the device batch that `post()` submits to `dev` (a table of
-    shared ranges flattened)."""
+    shared ranges flattened); with `shared`, a list that receives submit_shared's arguments."""
     seen = []
+    shared = [] if shared is None else shared
     original = dev.submit
     original_shared = getattr(dev, "submit_shared", None)
 
@@ -232,6 +240,7 @@ def captured_batch(dev, post):
 
     def capture_shared(dst_base, src_base, dst_off, src_off, sizes, statuses, to_peer=False, holds=()):
         seen.append((*device_path.expand_shared(dst_base, src_base, dst_off, src_off, sizes), to_peer))
+        shared.append((dst_base, src_base, dst_off, src_off, sizes, to_peer))
         return original_shared(dst_base, src_base, dst_off, src_off, sizes, statuses, to_peer, holds)
 
     dev.submit = capture
@@ -254,6 +263,24 @@ def kernel_s(dev, table, iters: int) -> list:
         torch.cuda.synchronize(dev.device)
         t0 = time.perf_counter()
         keep = dev.copier.copy(dsts, srcs, sizes, dev.stream, to_peer)
+        torch.cuda.synchronize(dev.device)
+        if i:
+            times.append(time.perf_counter() - t0)
+        del keep
+    return times
+
+
+def kernel_shared_s(dev, batch, iters: int) -> list:
+    """`kernel_s` of the shared kernel on its compact table (what `ours` launches since issue 28's
+    link work), from the arguments submit_shared was given."""
+    times = []
+    db, sb, do, so, sz, to_peer = batch
+    db, sb, do, so, sz = (np.asarray(a, dtype=np.int64).view(np.uint64) for a in (db, sb, do, so, sz))
+    for i in range(iters + 1):
+        dev.rt.use_device(dev.device)
+        torch.cuda.synchronize(dev.device)
+        t0 = time.perf_counter()
+        keep = dev.copier.copy_shared(db, sb, do, so, sz, dev.stream, to_peer)
         torch.cuda.synchronize(dev.device)
         if i:
             times.append(time.perf_counter() - t0)
@@ -314,9 +341,13 @@ def link_point(rig: GpuPD, tokens: int, count: int, iters: int, seed: int) -> di
 
     calls = [EngineCalls(rig, reqs, i) for i in range(count)]
     if dev is not None and dev.copier is not None:
-        table = captured_batch(dev, lambda: EngineCalls.wait(calls[0].post("ours_calls")))
+        shared: list = []
+        table = captured_batch(dev, lambda: EngineCalls.wait(calls[0].post("ours_arrays")), shared)
         k = kernel_s(dev, table, iters)
         out["kernel"] = {"s": median(k), "gbps": gb / median(k), "ranges": len(table[2])}
+        if shared and hasattr(dev.copier, "copy_shared"):
+            k = kernel_shared_s(dev, shared[-1], iters)
+            out["kernel_shared"] = {"s": median(k), "gbps": gb / median(k), "vs_plain_copy": gb / median(k) / base}
     for pattern in ("ours_calls", "builtin_calls"):
         calls_s(calls[:1], pattern)  # warm-up
         single = [calls_s([calls[i % count]], pattern) for i in range(iters)]

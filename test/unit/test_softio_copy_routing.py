@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from sglang_mori.softio import device_path
-from sglang_mori.softio.device_gather import CE_MIN_ENV, ce_min_bytes, fill_shared_table, split_long
+from sglang_mori.softio.device_gather import CE_MIN_ENV, ce_min_bytes, fill_compact_table, split_long
 from sglang_mori.softio.status import TransferStatus, start_all
 
 MIB = 1 << 20
@@ -49,12 +49,26 @@ class RecordingCopier:
         return "table"
 
     def copy_shared(self, dst_base, src_base, dst_off, src_off, sizes, stream, to_peer=False):
-        # the kernel's table as GatherCopier writes it, read back as the flat copies it holds
-        n = len(dst_base) * len(sizes)
-        host = np.zeros(3 * n, dtype=np.uint64)
-        fill_shared_table(host, dst_base, src_base, dst_off, src_off, sizes)
-        self.log.append(("kernel", host[:n].tolist(), host[n:2 * n].tolist(), host[2 * n:].tolist(), stream))
+        # the shared kernel's table as GatherCopier writes it, read back range by range as the kernel does
+        pairs, per = len(dst_base), len(sizes)
+        host = np.zeros(2 * pairs + 3 * per, dtype=np.uint64)
+        fill_compact_table(host, dst_base, src_base, dst_off, src_off, sizes)
+        self.log.append(("kernel", *compact_table_ranges(host, pairs, per), stream))
         return "table"
+
+
+def compact_table_ranges(table, pairs: int, per: int):
+    """(dsts, srcs, sizes) lists of a `gather_copy_shared` table, with the kernel's index arithmetic
+    (range r: pair r // per, shared range r - pair * per)."""
+    t = [int(x) for x in table]
+    dsts, srcs, sizes = [], [], []
+    for r in range(pairs * per):
+        p = r // per
+        j = r - p * per
+        dsts.append(t[p] + t[2 * pairs + j])
+        srcs.append(t[pairs + p] + t[2 * pairs + per + j])
+        sizes.append(t[2 * pairs + 2 * per + j])
+    return dsts, srcs, sizes
 
 
 @pytest.fixture
@@ -171,10 +185,12 @@ def test_a_shared_table_makes_the_calls_of_its_flat_table_in_the_same_order(rang
     assert logs[1][2] == pairs * len(ranges) and logs[1][3] == pairs * int(sz.sum())
 
 
-def test_fill_shared_table_writes_every_pair_then_the_sizes():
-    host = np.zeros(3 * 6, dtype=np.uint64)
-    fill_shared_table(host, u64([1000, 2000]), u64([50, 60]), u64([0, 10, 20]), u64([1, 2, 3]), u64([4, 5, 6]))
-    assert host.tolist() == [1000, 1010, 1020, 2000, 2010, 2020, 51, 52, 53, 61, 62, 63, 4, 5, 6, 4, 5, 6]
+def test_the_compact_table_holds_the_bases_then_the_shared_ranges():
+    host = np.zeros(2 * 2 + 3 * 3, dtype=np.uint64)
+    fill_compact_table(host, u64([1000, 2000]), u64([50, 60]), u64([0, 10, 20]), u64([1, 2, 3]), u64([4, 5, 6]))
+    assert host.tolist() == [1000, 2000, 50, 60, 0, 10, 20, 1, 2, 3, 4, 5, 6]
+    assert compact_table_ranges(host, 2, 3) == ([1000, 1010, 1020, 2000, 2010, 2020], [51, 52, 53, 61, 62, 63],
+                                                [4, 5, 6, 4, 5, 6])
 
 
 def test_a_shared_batch_whose_copy_raises_fails_its_statuses_and_gives_its_holds_back_after_its_event(engine):
