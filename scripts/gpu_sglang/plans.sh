@@ -305,8 +305,8 @@ s16_final() {
 s17_link() {
   PLAN_JSONS="$W/link_summary.txt"
   mkdir -p $W/link
-  local start=$SECONDS run=${LINK_RUN_S:-70} budget=${LINK_BUDGET_S:-380}
-  SGLANG_MORI_GPU_TESTS=1 timeout -k 10 ${GPUTEST_S:-100} python3 -m pytest -q -x -p no:cacheprovider \
+  local start=$SECONDS run=${LINK_RUN_S:-70} budget=${LINK_BUDGET_S:-390}
+  SGLANG_MORI_GPU_TESTS=1 timeout -k 10 ${GPUTEST_S:-120} python3 -m pytest -q -x -p no:cacheprovider \
     "$ROOT/test/gpu/test_two_gpus.py" "$ROOT/test/gpu/test_copy_engine_route.py" "$ROOT/test/gpu/test_softio_device_path.py" \
     > $W/gputest.out 2>&1
   echo "gpu tests: rc $? at $(( SECONDS - start )) s: $(tail -1 $W/gputest.out)" >> $W/link.out
