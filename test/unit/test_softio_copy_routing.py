@@ -8,6 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 from sglang_mori.softio import device_path
 from sglang_mori.softio.device_gather import CE_MIN_ENV, ce_min_bytes, fill_compact_table, split_long
+from sglang_mori.softio.remote_mapping import RemoteMapping, begin_all, end_all
 from sglang_mori.softio.status import TransferStatus, start_all
 
 MIB = 1 << 20
@@ -193,13 +194,20 @@ def test_the_compact_table_holds_the_bases_then_the_shared_ranges():
                                                 [4, 5, 6, 4, 5, 6])
 
 
+class ClosingRuntime:
+    def __init__(self):
+        self.closed = []
+
+    def close(self, handle, device):
+        self.closed.append(handle)
+
+
 def test_a_shared_batch_whose_copy_raises_fails_its_statuses_and_gives_its_holds_back_after_its_event(engine):
     eng, rt = engine
-    ended = []
-
-    class Hold:
-        def end(self):
-            ended.append(True)
+    runtime = ClosingRuntime()
+    holds = (RemoteMapping(runtime, b"a", 0, "memory a"), RemoteMapping(runtime, b"b", 0, "memory b"))
+    assert begin_all(holds)
+    holds[1].release()  # its peer went away meanwhile: unmapped once this batch gave it back
 
     def boom(*args, **kwargs):
         raise RuntimeError("launch failed")
@@ -207,8 +215,27 @@ def test_a_shared_batch_whose_copy_raises_fails_its_statuses_and_gives_its_holds
     eng.copier.copy_shared = boom
     status = TransferStatus()
     start_all([status])
-    eng.submit_shared(u64([0]), u64([0]), u64([0, 8]), u64([0, 8]), u64([4, 4]), [status], True, (Hold(),))
+    eng.submit_shared(u64([0]), u64([0]), u64([0, 8]), u64([0, 8]), u64([4, 4]), [status], True, holds)
     status.WaitFor(5000)
     assert status.Failed() and "launch failed" in status.Message()
-    assert ended == [True]
     assert [entry[0] for entry in rt.log] == ["record"]  # the event behind whatever was queued
+    assert runtime.closed == [b"b"] and not holds[0].closed and holds[1].closed
+
+
+def test_holds_taken_together_are_all_or_none():
+    runtime = ClosingRuntime()
+    a, b = RemoteMapping(runtime, b"a", 0, "memory a"), RemoteMapping(runtime, b"b", 0, "memory b")
+    b.release()
+    assert runtime.closed == [b"b"]  # nothing in flight: unmapped at once
+    assert not begin_all((a, b))
+    a.release()
+    assert runtime.closed == [b"b", b"a"]  # `a` was not left taken by the refused batch
+    c, d = RemoteMapping(runtime, b"c", 0, "memory c"), RemoteMapping(runtime, b"d", 0, "memory d")
+    assert begin_all((c, d)) and begin_all((c,))
+    c.release()
+    d.release()
+    assert runtime.closed[2:] == []  # both still under a batch
+    end_all((c, d))
+    assert runtime.closed[2:] == [b"d"]  # c has a second batch in flight
+    end_all((c,))
+    assert runtime.closed[2:] == [b"d", b"c"]

@@ -43,6 +43,7 @@ import numpy as np
 from .device_gather import ce_min_bytes, make_copier, split_long
 from .enums import StatusCode
 from .memory import Region
+from .remote_mapping import end_all
 from .status import succeed_all
 
 logger = logging.getLogger("sglang_mori.softio")
@@ -180,8 +181,7 @@ class DeviceEngine:
             return
         with self._events_lock:
             self._free_events.append(event)
-        for hold in holds:
-            hold.end()
+        end_all(holds)
         for status in statuses:
             status.Update(_ERR_GPU_OP, message)
 
@@ -196,8 +196,7 @@ class DeviceEngine:
                 self.rt.synchronize(event)
             except Exception as exc:  # noqa: BLE001 - the context is broken: no copy runs any more
                 error = error or f"softio device copy failed: {exc}"
-            for hold in holds:
-                hold.end()  # the copies through it are done: a released mapping may close now
+            end_all(holds)  # the copies through them are done: a released mapping may close now
             if error is not None:
                 for status in statuses:
                     status.Update(_ERR_GPU_OP, error)
