@@ -118,7 +118,8 @@ def run_link(args, results: list) -> None:
         page = int(page)
         pages = max(pages_for(t, page) for t in tokens) * args.link_requests
         with GpuPD(shape_key, page, pages, decode_device=args.decode_device) as rig:
-            dev = device_engine(rig)
+            # through a transfer process the copies are the child's: its default grid only
+            dev = None if args.transfer_process else device_engine(rig)
             copier = dev.copier if dev else None
             grids = [(0, 0) if g == "default" else tuple(int(x) for x in g.split("x")) for g in args.blocks.split(",")]
             defaults = (copier.blocks, copier.peer_blocks, copier.threads) if copier is not None else None
@@ -136,13 +137,15 @@ def run_link(args, results: list) -> None:
                                  devices=[rig.prefill.device, rig.decode_device])
                     results.append(point)
                     args.save()
-                    print(f"link {rig.shape.name} p{page} {t:>6} tok grid {blocks:>3}x{threads}: plain "
-                          f"{point['plain_copy']['gbps']:6.1f} GB/s; ours {point['ours']['gbps']:6.1f} "
-                          f"({point['ours']['vs_plain_copy']:.2f}x), burst {point['ours']['gbps_per_s']:6.1f}, "
-                          f"kernel {point.get('kernel', {}).get('gbps', 0.0):6.1f}; "
-                          f"ours_calls {point['ours_calls']['gbps']:6.1f}; builtin_calls "
-                          f"{point['builtin_calls']['gbps']:6.1f} GB/s; ops {point['ours']['ops']} "
-                          f"[{time.time() - t0:.0f}s]", flush=True)
+                    ours = point["ours"]
+                    print(f"link {rig.shape.name} p{page} {t:>6} tok {'tp' if args.transfer_process else 'in'} "
+                          f"grid {blocks:>3}x{threads}: plain {point['plain_copy']['gbps']:6.1f} GB/s; ours "
+                          f"{ours['gbps']:6.1f} ({ours['vs_plain_copy']:.2f}x), burst {ours['gbps_per_s']:6.1f} "
+                          f"({ours['per_s_vs_plain_copy']:.2f}x), kernel {point.get('kernel', {}).get('gbps', 0.0):6.1f}; "
+                          f"ours_calls {point.get('ours_calls', {}).get('gbps', 0.0):6.1f}; builtin_calls "
+                          f"{point.get('builtin_calls', {}).get('gbps', 0.0):6.1f} GB/s; ops {ours['ops']}; "
+                          f"phases ms {ours.get('phases_ms', {})}, burst {ours.get('burst_phases_ms', {})} [{time.time() - t0:.0f}s]",
+                          flush=True)
 
 
 def main() -> int:
@@ -176,8 +179,13 @@ def main() -> int:
     ap.add_argument("--transfer-process", action="store_true",
                     help="the prefill side hands its transfers to a transfer process "
                          "(SGLANG_MORI_TRANSFER_PROCESS=on, test/gpu/prefill_process_side.py; chunk-wise only)")
+    ap.add_argument("--backend-root", default="",
+                    help="import sglang_mori from this python/ folder instead (another checkout's backend under "
+                         "this rig: a same-call baseline); the decode and transfer processes inherit it")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
+    if args.backend_root:
+        sys.path.insert(0, str(Path(args.backend_root).resolve()))
     if args.transfer_process:
         os.environ["SGLANG_MORI_TRANSFER_PROCESS"] = "on"
     if args.device_copy:  # before any engine exists; spawned children inherit it
@@ -198,9 +206,10 @@ def main() -> int:
     meta = {"device": gpus[0] if gpus else "cpu (rig check only)", "gpus": gpus, "torch": torch.__version__,
             "cuda_runtime": rt.version if rt else None,
             "link_gbps": os.environ.get("SGLANG_MORI_SOFTIO_LINK_GBPS", ""),
-            "device_copy": os.environ.get("SGLANG_MORI_SOFTIO_DEVICE_COPY", "kernel"), "args": dict(vars(args)), "results": []}
+            "device_copy": os.environ.get("SGLANG_MORI_SOFTIO_DEVICE_COPY", "kernel"), "args": dict(vars(args)),
+            "backend": str(Path(sys.modules["sglang_mori"].__file__).parent), "results": []}
     print(f"device: {meta['device']} torch {meta['torch']} runtime {meta['cuda_runtime']} "
-          f"link {meta['link_gbps'] or 'unpaced'} GB/s", flush=True)
+          f"link {meta['link_gbps'] or 'unpaced'} GB/s; backend {meta['backend']}", flush=True)
     def save():
         meta["memcpy_batch_api"] = bool(rt and rt.batch_calls)
         if args.json:

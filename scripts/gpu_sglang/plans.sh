@@ -1,7 +1,7 @@
 # Sourced by device_run.sh (wheels installed, environment set): runs side by side on a 4-GPU
 # machine, one plan per device call. Each run writes under $W; the JSONs are copied to $OUT and
 # every log travels back in $OUT/<plan>.tgz (a call returns at most 8 files).
-# Usage: device_run.sh plan plan1|plan2|plan3|tp_proof|tp_fp32_ieee|ttft8k_hotpath|ttft8k_pair (ORDER=...)|ttft8k_pollreads|ttft8k_ce|ttft8k_front (ORDER=...)|ttft8k_fwd (ORDER=...)|s16_final|s17_interf (ROUTE=, COPIES=)
+# Usage: device_run.sh plan plan1|plan2|plan3|tp_proof|tp_fp32_ieee|ttft8k_hotpath|ttft8k_pair (ORDER=...)|ttft8k_pollreads|ttft8k_ce|ttft8k_front (ORDER=...)|ttft8k_fwd (ORDER=...)|s16_final|s17_interf (ROUTE=, COPIES=, MODES=, ROUNDS=, SECONDS_W=, DSTEPS=, LOADS=)|s17_link
 # Port bases stay in 10000-21999: below the kernel's ephemeral range (32768+ there), where any
 # outgoing connection of a server beside it (HTTP, NCCL, softio) may hold a port as its source, and
 # below SGLang's own nccl_port range (22000-29999). With bases at 37000/38000 a PD prefill server of
@@ -324,4 +324,37 @@ s17_interf() {
     grep "^interference\|^  built-in\|Error\|rror:" $W/interf/interf_$v.log | tail -6 >> $W/s17.out
   done
   cp $W/s17.out $W/s17_summary.txt
+}
+
+# Session 17, issue 28's link goal (two GPUs, unpaced: the whole path at least 0.8x a plain copy at 8K
+# tokens and above). First the byte-exact GPU tests of the device path this branch changed (softio's
+# table of shared ranges: the cross-GPU rig, the copy-engine route, softio's own device tests; bounded
+# by GPUTEST_S), then `gpu_bench.py --parts link`, decode on GPU 1, MLA page 64 and GQA page 16 at 8K
+# and 32K tokens, this tree in-process (`new_in`) and through the transfer process (`new_tp`), and
+# main's backend under the same rig (`base_in`, `base_tp`: --backend-root .gpu/cand/python, skipped
+# where absent), alternating, each run bounded by LINK_RUN_S and started only while the plan's
+# LINK_BUDGET_S (tests included) leaves room for it (a run cut by its timeout keeps the points it
+# measured). One compact line per point (link_summary.py) on stdout and in
+# link_summary.txt; the JSONs and logs travel in the archive.
+s17_link() {
+  PLAN_JSONS="$W/link_summary.txt"
+  mkdir -p $W/link
+  local start=$SECONDS run=${LINK_RUN_S:-70} budget=${LINK_BUDGET_S:-390}
+  SGLANG_MORI_GPU_TESTS=1 timeout -k 10 ${GPUTEST_S:-120} python3 -m pytest -q -x -p no:cacheprovider \
+    "$ROOT/test/gpu/test_two_gpus.py" "$ROOT/test/gpu/test_copy_engine_route.py" "$ROOT/test/gpu/test_softio_device_path.py" \
+    > $W/gputest.out 2>&1
+  echo "gpu tests: rc $? at $(( SECONDS - start )) s: $(tail -1 $W/gputest.out)" >> $W/link.out
+  local runs="new_in base_in new_tp base_tp new_in2 base_in2"
+  for v in $runs; do
+    local backend="" tp=""
+    case $v in base*) [ -d "$ROOT/cand/python" ] || continue; backend="--backend-root $ROOT/cand/python";; esac
+    case $v in *_tp*) tp=--transfer-process;; esac
+    if [ $(( SECONDS - start + run + 10 )) -gt $budget ]; then echo "$v skipped at $(( SECONDS - start )) s" >> $W/link.out; continue; fi
+    timeout -s INT -k 10 $run python3 "$ROOT/scripts/gpu_bench.py" --parts link --decode-device 1 --shapes mla:64,gqa:16 \
+      --link-tokens 8192,32768 --iters 6 $tp $backend --json $W/link/$v.json > $W/link/$v.log 2>&1
+    echo "$v: rc $? at $(( SECONDS - start )) s" >> $W/link.out
+  done
+  python3 "$S/link_summary.py" $W/link/*.json > $W/link_summary.txt 2>&1
+  tail -1 $W/gputest.out >> $W/link_summary.txt
+  cat $W/link_summary.txt
 }

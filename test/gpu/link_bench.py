@@ -19,6 +19,16 @@ with decode_device=1), pages scattered on both sides, it measures:
   (SGLang does not install on the GPU host), which only flatters it.
 
 `ops` counts, per request, the engine calls, the (local, remote) pairs and the copy ranges.
+`phases` splits a lone request's `ours` (in-process, on a GPU) at the device engine: send() to the
+copies' submit, the submit itself (range table, launch), submit to the batch's event seen done
+(the copy, and the wait for it), and that to the room's Success (completion, aux, status);
+`burst_phases` of a burst: send() to the first submit, the time the stream may have waited for a
+next request's submit (a submit ending after the previous batch was seen done; a lower bound), and
+the last batch seen done to the last Success.
+
+Through a transfer process (gpu_bench.py --transfer-process) the engine lives in the child: only
+the plain copy and `ours` are measured, `ours` from send() to the Success read by the scheduler's
+poll, every LINK_POLL_S here (SGLang's scheduler polls once per loop, back to back when idle).
 """
 
 from __future__ import annotations
@@ -30,9 +40,15 @@ import numpy as np
 import torch
 
 import sglang_mori.softio as io
+from sglang_mori.backend import room_status as S
+from sglang_mori.softio import device_path
 
 from pd_rig import GpuPD, Requests
 from rig_device import ON_GPU, torch_device
+
+
+LINK_POLL_S = 0.0001
+SUBMITS = ("submit", "submit_shared")  # the device engine's entries (submit_shared: since issue 28's link work)
 
 
 def median(xs):
@@ -66,7 +82,14 @@ class EngineCalls:
         self.lo, self.ro, self.sz = (s * item).tolist(), (d * item).tolist(), (n * item).tolist()
 
     def post(self, pattern: str) -> list:
+        """`ours_arrays`: ours_calls with one numpy array per column shared by every pair, as the
+        backend's plans pass them (softio's fast device route)."""
         e, buffers = self.engine, range(len(self.local))
+        if pattern == "ours_arrays":
+            lo, ro, sz = (np.asarray(c, dtype=np.int64) for c in (self.lo, self.ro, self.sz))
+            n = len(self.local)
+            return e.batch_write(self.local, [lo] * n, self.remote, [ro] * n, [sz] * n,
+                                 [e.allocate_transfer_uid() for _ in buffers])
         if pattern == "builtin_calls":
             statuses = []
             for b in buffers:
@@ -113,15 +136,89 @@ def plain_copy_s(rig: GpuPD, nbytes: int, iters: int) -> list:
     return times
 
 
-def ours_s(rig: GpuPD, reqs: Requests, rows: list) -> float:
-    """Send the requests of `rows` back to back; seconds until the last room's Success."""
+def in_transfer_process(rig: GpuPD) -> bool:
+    return getattr(rig.prefill, "poll", None) is not None
+
+
+def wait_sendable(rig: GpuPD, rooms: list, timeout_s: float = 30.0) -> None:
+    """SGLang sends a room only once it is WaitingForInput: through a transfer process decode's
+    metadata reaches the child first, and the scheduler learns it from its polls."""
+    poll = getattr(rig.prefill, "poll", None)
+    if poll is None:
+        return
+    end = time.monotonic() + timeout_s
+    while any(rig.prefill.sglang.status(r) == S.BOOTSTRAPPING for r in rooms):
+        if time.monotonic() > end:
+            raise TimeoutError(f"rooms {rooms[:3]} still bootstrapping after {timeout_s} s")
+        poll()
+        time.sleep(0.0002)
+
+
+class PhaseClock:
+    """Stamps of the device engine's submits and completions while `ours` runs (one thread each:
+    the shard's submit, the engine's completion thread), for `phases`."""
+
+    def __init__(self, dev):
+        self.dev = dev
+        self.submits: list = []  # (start, end)
+        self.done: list = []
+        self._original = None
+
+    def __enter__(self):
+        stamps = self.submits
+        for name in SUBMITS:
+            original = getattr(self.dev, name, None)
+            if original is None:  # an engine from before submit_shared (a baseline's backend)
+                continue
+
+            def submit(*args, _original=original, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return _original(*args, **kwargs)
+                finally:
+                    stamps.append((start, time.perf_counter()))
+            setattr(self.dev, name, submit)
+        self._original = device_path.succeed_all
+        done, succeed = self.done, self._original
+
+        def succeed_all(statuses):
+            done.append(time.perf_counter())
+            succeed(statuses)
+        device_path.succeed_all = succeed_all
+        return self
+
+    def __exit__(self, *exc):
+        for name in SUBMITS:
+            self.dev.__dict__.pop(name, None)  # the class's methods again
+        device_path.succeed_all = self._original
+
+    def clear(self) -> None:
+        self.submits.clear()
+        self.done.clear()
+
+
+def ours_s(rig: GpuPD, reqs: Requests, rows: list, phases: list | None = None, clock: PhaseClock | None = None) -> float:
+    """Send the requests of `rows` back to back; seconds until the last room's Success. With
+    `clock` (one request, one device batch), its phases are appended to `phases` (ms)."""
     rooms = rig.next_rooms(len(rows))
     rig.open_rooms(reqs, rooms, rows)
+    wait_sendable(rig, rooms)
+    if clock is not None:
+        clock.clear()
     t0 = time.perf_counter()
     for room, row in zip(rooms, rows):
         rig.prefill.send_all(room, reqs.src[row])
     done = rig.prefill.sglang.wait_concluded(rooms, 120)
     t = max(done.values()) - t0
+    if clock is not None and phases is not None and len(clock.submits) == len(clock.done) == len(rows):
+        end = max(done.values())
+        if len(rows) == 1:
+            (s0, s1), d = clock.submits[0], clock.done[0]
+            phases.append({"to_submit": s0 - t0, "submit": s1 - s0, "copy_wait": d - s1, "to_success": end - d})
+        else:  # a burst: is the stream ever left waiting for the next request's submit?
+            submits, seen = sorted(clock.submits), sorted(clock.done)
+            idle = sum(max(0.0, submits[k][1] - seen[k - 1]) for k in range(1, len(rows)))
+            phases.append({"to_first_submit": submits[0][0] - t0, "stream_idle": idle, "to_last_success": end - seen[-1]})
     failed = [room for room in rooms if rig.prefill.failure(room)]
     rig.release(rooms)
     if failed:
@@ -129,20 +226,31 @@ def ours_s(rig: GpuPD, reqs: Requests, rows: list) -> float:
     return t
 
 
-def captured_batch(dev, post):
-    """(dsts, srcs, sizes) of the device batch that `post()` submits to `dev`."""
+def captured_batch(dev, post, shared: list | None = None):
+    """(dsts, srcs, sizes, to_peer) of the device batch that `post()` submits to `dev` (a table of
+    shared ranges flattened); with `shared`, a list that receives submit_shared's arguments."""
     seen = []
+    shared = [] if shared is None else shared
     original = dev.submit
+    original_shared = getattr(dev, "submit_shared", None)
 
     def capture(dsts, srcs, sizes, statuses, to_peer=False, holds=()):
         seen.append((dsts, srcs, sizes, to_peer))
         return original(dsts, srcs, sizes, statuses, to_peer, holds)
 
+    def capture_shared(dst_base, src_base, dst_off, src_off, sizes, statuses, to_peer=False, holds=()):
+        seen.append((*device_path.expand_shared(dst_base, src_base, dst_off, src_off, sizes), to_peer))
+        shared.append((dst_base, src_base, dst_off, src_off, sizes, to_peer))
+        return original_shared(dst_base, src_base, dst_off, src_off, sizes, statuses, to_peer, holds)
+
     dev.submit = capture
+    if original_shared is not None:
+        dev.submit_shared = capture_shared
     try:
         post()
     finally:
-        del dev.submit  # the class's method again
+        for name in SUBMITS:
+            dev.__dict__.pop(name, None)  # the class's methods again
     return seen[-1]
 
 
@@ -155,6 +263,24 @@ def kernel_s(dev, table, iters: int) -> list:
         torch.cuda.synchronize(dev.device)
         t0 = time.perf_counter()
         keep = dev.copier.copy(dsts, srcs, sizes, dev.stream, to_peer)
+        torch.cuda.synchronize(dev.device)
+        if i:
+            times.append(time.perf_counter() - t0)
+        del keep
+    return times
+
+
+def kernel_shared_s(dev, batch, iters: int) -> list:
+    """`kernel_s` of the shared kernel on its compact table (what `ours` launches since issue 28's
+    link work), from the arguments submit_shared was given."""
+    times = []
+    db, sb, do, so, sz, to_peer = batch
+    db, sb, do, so, sz = (np.asarray(a, dtype=np.int64).view(np.uint64) for a in (db, sb, do, so, sz))
+    for i in range(iters + 1):
+        dev.rt.use_device(dev.device)
+        torch.cuda.synchronize(dev.device)
+        t0 = time.perf_counter()
+        keep = dev.copier.copy_shared(db, sb, do, so, sz, dev.stream, to_peer)
         torch.cuda.synchronize(dev.device)
         if i:
             times.append(time.perf_counter() - t0)
@@ -180,21 +306,48 @@ def link_point(rig: GpuPD, tokens: int, count: int, iters: int, seed: int) -> di
     copy = plain_copy_s(rig, req_bytes, iters)
     out["plain_copy"] = {"s": median(copy), "gbps": gb / median(copy)}
 
-    dev = device_engine(rig)
+    process = in_transfer_process(rig)
+    out["transfer_process"] = process
+    if process:
+        side.sglang.poll_s = LINK_POLL_S
+        out["poll_s"] = LINK_POLL_S
+    dev = None if process else device_engine(rig)
     ours_s(rig, reqs, [0])  # warm-up: plans, peer, kernel
     before = (dev.batches, dev.ranges) if dev else (0, 0)
-    single = [ours_s(rig, reqs, [i % count]) for i in range(iters)]
+    phases: list = []
+    if dev is not None:
+        with PhaseClock(dev) as clock:
+            single = [ours_s(rig, reqs, [i % count], phases, clock) for i in range(iters)]
+    else:
+        single = [ours_s(rig, reqs, [i % count]) for i in range(iters)]
     batches, ranges = (dev.batches - before[0], dev.ranges - before[1]) if dev else (0, 0)
-    burst = [ours_s(rig, reqs, list(range(count))) for _ in range(max(2, iters // 2))]
+    burst_phases: list = []
+    if dev is not None:
+        with PhaseClock(dev) as clock:
+            burst = [ours_s(rig, reqs, list(range(count)), burst_phases, clock) for _ in range(max(2, iters // 2))]
+    else:
+        burst = [ours_s(rig, reqs, list(range(count))) for _ in range(max(2, iters // 2))]
     out["ours"] = {"s": median(single), "gbps": gb / median(single),
                    "burst_s": median(burst), "gbps_per_s": gb * count / median(burst),
                    "ops": {"device_calls": batches / iters, "ranges": ranges / iters}}
+    for key, found in (("phases_ms", phases), ("burst_phases_ms", burst_phases)):
+        if found:
+            out["ours"][key] = {k: round(1e3 * median([p[k] for p in found]), 3) for k in found[0]}
+    base = out["plain_copy"]["gbps"]
+    if process:  # the engine is the child's: no engine calls or kernel from here
+        out["ours"]["vs_plain_copy"] = out["ours"]["gbps"] / base
+        out["ours"]["per_s_vs_plain_copy"] = out["ours"]["gbps_per_s"] / base
+        return out
 
     calls = [EngineCalls(rig, reqs, i) for i in range(count)]
     if dev is not None and dev.copier is not None:
-        table = captured_batch(dev, lambda: EngineCalls.wait(calls[0].post("ours_calls")))
+        shared: list = []
+        table = captured_batch(dev, lambda: EngineCalls.wait(calls[0].post("ours_arrays")), shared)
         k = kernel_s(dev, table, iters)
         out["kernel"] = {"s": median(k), "gbps": gb / median(k), "ranges": len(table[2])}
+        if shared and hasattr(dev.copier, "copy_shared"):
+            k = kernel_shared_s(dev, shared[-1], iters)
+            out["kernel_shared"] = {"s": median(k), "gbps": gb / median(k), "vs_plain_copy": gb / median(k) / base}
     for pattern in ("ours_calls", "builtin_calls"):
         calls_s(calls[:1], pattern)  # warm-up
         single = [calls_s([calls[i % count]], pattern) for i in range(iters)]
@@ -203,7 +356,6 @@ def link_point(rig: GpuPD, tokens: int, count: int, iters: int, seed: int) -> di
                         "burst_s": median(burst), "gbps_per_s": gb * count / median(burst),
                         "ops": {"engine_calls": calls[0].calls(pattern), "pairs": len(calls[0].local),
                                 "ranges": len(calls[0].sz) * len(calls[0].local)}}
-    base = out["plain_copy"]["gbps"]
     if "kernel" in out:
         out["kernel"]["vs_plain_copy"] = out["kernel"]["gbps"] / base
     for key in ("ours", "ours_calls", "builtin_calls"):

@@ -42,13 +42,23 @@ def main() -> None:
     wrap(LayerWorker, "submit", "worker group post")
     wrap(ChunkSubmitter, "submit", "shard chunk submit")
     original_submit = device_path.DeviceEngine.submit
+    original_shared = device_path.DeviceEngine.submit_shared
 
     def submit(self, dsts, srcs, sizes, statuses, *more):
         start = t()
         original_submit(self, dsts, srcs, sizes, statuses, *more)
         mode = "kernel" if self.copier is not None else "memcpy"
         events.append((start, t(), f"device submit ({mode}) {int(sizes.sum()) / 1e6:.1f} MB, {len(sizes)} ranges"))
+
+    def submit_shared(self, dst_base, src_base, dst_off, src_off, sizes, statuses, *more):
+        start = t()
+        original_shared(self, dst_base, src_base, dst_off, src_off, sizes, statuses, *more)
+        mode = "kernel" if self.copier is not None else "memcpy"
+        n = len(dst_base)
+        events.append((start, t(), f"device submit ({mode}, shared) {n * int(sizes.sum()) / 1e6:.1f} MB, "
+                                   f"{n} x {len(sizes)} ranges"))
     device_path.DeviceEngine.submit = submit
+    device_path.DeviceEngine.submit_shared = submit_shared
 
     with GpuPD(shape, page, 2 * (tokens // page + 1), decode_device=decode_device) as rig:
         reqs = Requests(page, tokens, 1, 0, np.random.default_rng(0))

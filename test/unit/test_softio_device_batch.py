@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from sglang_mori.softio.device_path import DeviceBatch, DeviceSession
+from sglang_mori.softio.device_path import DeviceBatch, DeviceSession, expand_shared
 from sglang_mori.softio.enums import StatusCode
 from sglang_mori.softio.status import TransferStatus
 
@@ -18,6 +18,10 @@ class RecordingEngine:
     def submit(self, dsts, srcs, sizes, statuses, to_peer=False, holds=()):
         self.calls.append((dsts.tolist(), srcs.tolist(), sizes.tolist(), list(statuses)))
         self.to_peer = to_peer
+
+    def submit_shared(self, dst_base, src_base, dst_off, src_off, sizes, statuses, to_peer=False, holds=()):
+        """The engine's table of shared ranges, recorded as the flat copies it stands for."""
+        self.submit(*expand_shared(dst_base, src_base, dst_off, src_off, sizes), statuses, to_peer, holds)
 
 
 def session(engine, local_ptr, local_size, remote_base, remote_size, to_peer=False):

@@ -13,7 +13,7 @@ import pytest
 import sglang_mori.softio as io
 from sglang_mori.softio import device_routes
 from sglang_mori.softio.descriptors import EngineDesc, MemoryDesc
-from sglang_mori.softio.device_path import DeviceSession
+from sglang_mori.softio.device_path import DeviceSession, expand_shared
 from sglang_mori.softio.enums import StatusCode
 from sglang_mori.softio.remote_mapping import RemoteMapping
 from sglang_mori.softio.status import TransferStatus, succeed_all
@@ -25,6 +25,10 @@ class RecordingEngine:
 
     def submit(self, dsts, srcs, sizes, statuses, to_peer=False, holds=()):
         self.calls.append((dsts.tolist(), srcs.tolist(), sizes.tolist(), list(statuses), to_peer, holds))
+
+    def submit_shared(self, dst_base, src_base, dst_off, src_off, sizes, statuses, to_peer=False, holds=()):
+        """The engine's table of shared ranges, recorded as the flat copies it stands for."""
+        self.submit(*expand_shared(dst_base, src_base, dst_off, src_off, sizes), statuses, to_peer, holds)
 
     def close(self):
         pass

@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from sglang_mori.softio.device_gather import PIECE_BYTES, split_ranges
+from types import SimpleNamespace
+
+from sglang_mori.softio.device_gather import MIN_PINNED_BYTES, PIECE_BYTES, GatherCopier, pinned_bytes, split_ranges
 
 
 def replay(dsts, srcs, sizes, src_buf: bytes, dst_len: int) -> bytes:
@@ -73,3 +75,61 @@ def test_mismatched_dtypes_do_not_turn_into_floats():
 
 if __name__ == "__main__":
     pytest.main([__file__])
+
+
+@given(st.integers(0, 1 << 34))
+def test_a_pinned_class_holds_the_table_in_at_most_twice_its_bytes(nbytes):
+    size = pinned_bytes(nbytes)
+    assert size >= nbytes and size & (size - 1) == 0 and size >= MIN_PINNED_BYTES
+    assert size < 2 * max(nbytes, MIN_PINNED_BYTES)
+
+
+def _recording_copier(asked: list):
+    def alloc_pinned_memory(nbytes):
+        asked.append(nbytes)
+        return bytearray(nbytes)
+
+    copier = object.__new__(GatherCopier)
+    copier.cupy = SimpleNamespace(cuda=SimpleNamespace(alloc_pinned_memory=alloc_pinned_memory))
+    copier.kernel, copier.shared_kernel = "flat", "shared"
+    copier._launch = lambda kernel, host, pinned, ranges, args, stream, to_peer: (kernel, host.copy(), ranges, args)
+    return copier
+
+
+def test_tables_of_nearby_lengths_ask_the_pinned_pool_for_one_size():
+    """CuPy's pool reuses a freed pinned buffer only for the same request size: tables whose
+    lengths differ by a few ranges must ask for the same one."""
+    asked = []
+    copier = _recording_copier(asked)
+    for n in (7320, 7503, 7808):  # a 61-layer chunk of 128 pages, its runs merged differently
+        ranges = np.arange(n, dtype=np.uint64) * np.uint64(1 << 20)
+        kernel, host, count, args = copier.copy(ranges, ranges + np.uint64(7), ranges * 0 + np.uint64(4096), 0)
+        assert kernel == "flat" and count == n and len(host) == 3 * n
+    assert len(set(asked)) == 1 and asked[0] >= 3 * 8 * 7808
+
+
+def test_a_shared_batch_launches_the_shared_kernel_on_its_compact_table():
+    copier = _recording_copier([])
+    base = np.arange(61, dtype=np.uint64) << np.uint64(32)
+    offsets = np.arange(128, dtype=np.uint64) * np.uint64(73728)
+    kernel, host, count, args = copier.copy_shared(base, base + np.uint64(7), offsets, offsets + np.uint64(8),
+                                                   offsets * 0 + np.uint64(73728), 0)
+    assert kernel == "shared" and count == 61 * 128 and [int(a) for a in args] == [61, 128]
+    assert len(host) == 2 * 61 + 3 * 128  # not 3 x 61 x 128
+    assert host[:61].tolist() == base.tolist() and host[61:122].tolist() == (base + np.uint64(7)).tolist()
+    assert host[122:250].tolist() == offsets.tolist() and host[250:378].tolist() == (offsets + np.uint64(8)).tolist()
+
+
+def test_a_shared_batch_splits_its_long_ranges_once_for_every_pair():
+    copier = _recording_copier([])
+    kernel, host, count, args = copier.copy_shared(u64([0, 1 << 40]), u64([1 << 41, 1 << 42]), u64([0]), u64([64]),
+                                                   u64([PIECE_BYTES * 2 + 16]), 0)
+    assert [int(a) for a in args] == [2, 3] and count == 6
+    per = host[4:]
+    assert per[:3].tolist() == [0, PIECE_BYTES, 2 * PIECE_BYTES]
+    assert per[3:6].tolist() == [64, 64 + PIECE_BYTES, 64 + 2 * PIECE_BYTES]
+    assert per[6:].tolist() == [PIECE_BYTES, PIECE_BYTES, 16]
+
+
+def u64(values):
+    return np.array(values, dtype=np.uint64)

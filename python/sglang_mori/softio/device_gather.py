@@ -27,8 +27,12 @@ SGLang's page size 1 makes plans of few such long runs (an 8K-token prompt's K o
 GPU beside its forward. A long range costs the copy engines a few microseconds of driver time to
 enqueue, small beside the bytes it moves, and MORI-IO's XGMI route uses the DMA engines too.
 
-The range table travels through pinned host memory and an asynchronous copy on the engine's
-stream, so posting never waits for the batches still copying ahead of it on that stream.
+The range table travels through pinned host memory (in size classes CuPy's pool can reuse) and an
+asynchronous copy on the engine's stream, so posting never waits for the batches still copying
+ahead of it on that stream. A batch whose pairs all copy the same ranges of their own regions (the
+backend's plans: one offset array per chunk for every layer's buffer) travels as the pairs' bases
+and the ranges once, and `gather_copy_shared` adds them up per range: the table no longer grows
+with pairs x ranges (3 MB at 32K GQA tokens, built and uploaded before the copy could start).
 """
 
 from __future__ import annotations
@@ -55,42 +59,66 @@ THREADS = 512
 # 128 KiB keeps the paged shapes' pages (MLA page 64: 72 KiB) whole and is a multiple of 16 bytes,
 # so aligned ranges stay aligned piece by piece.
 PIECE_BYTES = 128 << 10
+MIN_PINNED_BYTES = 64 << 10  # the smallest staging buffer class (pinned_bytes)
 CE_MIN_ENV = "SGLANG_MORI_SOFTIO_CE_MIN_BYTES"
 CE_MIN_BYTES = 1 << 20
 
 _SOURCE = r"""
 #define UNROLL 8
+// One warp copies one range. A block per range left most threads idle on small ranges (a 4 KB
+// GQA page is 256 16-byte words for 512 threads) and paid the table's latency once per range per
+// block.
+__device__ __forceinline__ void copy_range(char* dst, const char* src, unsigned long long size,
+                                           unsigned long long lane) {
+    if ((((unsigned long long)dst | (unsigned long long)src | size) & 15) == 0) {
+        uint4* d = (uint4*)dst;
+        const uint4* s = (const uint4*)src;
+        unsigned long long m = size / 16;
+        unsigned long long i = lane;
+        // UNROLL loads in flight per thread before their stores: a store to another GPU's
+        // memory is slow to retire, and one load/store pair per thread leaves the link idle
+        for (; i + (UNROLL - 1) * 32 < m; i += UNROLL * 32) {
+            uint4 v[UNROLL];
+#pragma unroll
+            for (int k = 0; k < UNROLL; k++) v[k] = s[i + k * 32];
+#pragma unroll
+            for (int k = 0; k < UNROLL; k++) d[i + k * 32] = v[k];
+        }
+        for (; i < m; i += 32) d[i] = s[i];
+    } else {
+        for (unsigned long long i = lane; i < size; i += 32) dst[i] = src[i];
+    }
+}
+
 extern "C" __global__ void gather_copy(const unsigned long long* table, long long n) {
-    // table: n destinations, then n sources, then n sizes (bytes). One warp per range: a block
-    // per range left most threads idle on small ranges (a 4 KB GQA page is 256 16-byte words for
-    // 512 threads) and paid the table's latency once per range per block.
+    // table: n destinations, then n sources, then n sizes (bytes)
     const unsigned long long* dsts = table;
     const unsigned long long* srcs = table + n;
     const unsigned long long* sizes = table + 2 * n;
     const long long warps = ((long long)gridDim.x * blockDim.x) >> 5;
     const unsigned long long lane = threadIdx.x & 31;
     for (long long r = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < n; r += warps) {
-        char* dst = (char*)dsts[r];
-        const char* src = (const char*)srcs[r];
-        unsigned long long size = sizes[r];
-        if ((((unsigned long long)dst | (unsigned long long)src | size) & 15) == 0) {
-            uint4* d = (uint4*)dst;
-            const uint4* s = (const uint4*)src;
-            unsigned long long m = size / 16;
-            unsigned long long i = lane;
-            // UNROLL loads in flight per thread before their stores: a store to another GPU's
-            // memory is slow to retire, and one load/store pair per thread leaves the link idle
-            for (; i + (UNROLL - 1) * 32 < m; i += UNROLL * 32) {
-                uint4 v[UNROLL];
-#pragma unroll
-                for (int k = 0; k < UNROLL; k++) v[k] = s[i + k * 32];
-#pragma unroll
-                for (int k = 0; k < UNROLL; k++) d[i + k * 32] = v[k];
-            }
-            for (; i < m; i += 32) d[i] = s[i];
-        } else {
-            for (unsigned long long i = lane; i < size; i += 32) dst[i] = src[i];
-        }
+        copy_range((char*)dsts[r], (const char*)srcs[r], sizes[r], lane);
+    }
+}
+
+extern "C" __global__ void gather_copy_shared(const unsigned long long* table, long long pairs, long long per) {
+    // pairs that copy the same ranges of their own regions (the backend's plans): table holds
+    // `pairs` destination bases, `pairs` source bases, then `per` destination offsets, `per`
+    // source offsets and `per` sizes. Range r is pair r / per's range r % per, pair by pair as in
+    // the flat table, which this table replaces at a fraction of its size.
+    const unsigned long long* dst_base = table;
+    const unsigned long long* src_base = table + pairs;
+    const unsigned long long* dst_off = table + 2 * pairs;
+    const unsigned long long* src_off = dst_off + per;
+    const unsigned long long* sizes = src_off + per;
+    const long long n = pairs * per;
+    const long long warps = ((long long)gridDim.x * blockDim.x) >> 5;
+    const unsigned long long lane = threadIdx.x & 31;
+    for (long long r = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < n; r += warps) {
+        const long long p = r / per;
+        const long long j = r - p * per;
+        copy_range((char*)(dst_base[p] + dst_off[j]), (const char*)(src_base[p] + src_off[j]), sizes[j], lane);
     }
 }
 """
@@ -108,6 +136,8 @@ class GatherCopier:
         with cupy.cuda.Device(device) as dev:
             self.kernel = cupy.RawKernel(_SOURCE, "gather_copy")
             self.kernel.compile()
+            self.shared_kernel = cupy.RawKernel(_SOURCE, "gather_copy_shared")
+            self.shared_kernel.compile()
             sms = int(dev.attributes["MultiProcessorCount"])
         chosen = grid_blocks()
         self.blocks = chosen or GRID_BLOCKS  # within one GPU
@@ -117,23 +147,65 @@ class GatherCopier:
     def copy(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int, to_peer: bool = False):
         """Enqueue the copies on `stream`; returns what must outlive them (the table on the
         device and its pinned host copy), which the caller keeps until the batch's event fired."""
-        cupy = self.cupy
         dsts, srcs, sizes = split_ranges(dsts, srcs, sizes)
         n = len(sizes)
-        pinned = cupy.cuda.alloc_pinned_memory(3 * n * 8)
-        host = np.frombuffer(pinned, np.uint64, 3 * n)
+        pinned, host = self._staging(3 * n)
         host[:n], host[n:2 * n], host[2 * n:] = dsts, srcs, sizes
+        return self._launch(self.kernel, host, pinned, n, (np.int64(n),), stream, to_peer)
+
+    def copy_shared(self, dst_base: np.ndarray, src_base: np.ndarray, dst_off: np.ndarray, src_off: np.ndarray,
+                    sizes: np.ndarray, stream: int, to_peer: bool = False):
+        """`copy` of every pair i's ranges j: src_base[i] + src_off[j] -> dst_base[i] + dst_off[j],
+        sizes[j] bytes (uint64 arrays), by `gather_copy_shared` from a table of the bases and the
+        shared ranges (2 x pairs + 3 x ranges words, where the flat table is 3 x pairs x ranges:
+        64 KB against 3 MB at 32K GQA tokens, built and uploaded on the way to the launch)."""
+        dst_off, src_off, sizes = split_ranges(dst_off, src_off, sizes)
+        pairs, per = len(dst_base), len(sizes)
+        pinned, host = self._staging(2 * pairs + 3 * per)
+        fill_compact_table(host, dst_base, src_base, dst_off, src_off, sizes)
+        return self._launch(self.shared_kernel, host, pinned, pairs * per, (np.int64(pairs), np.int64(per)),
+                            stream, to_peer)
+
+    def _staging(self, words: int):
+        """(pinned buffer, its first `words` uint64) for a table, from CuPy's pinned pool in a
+        size class (pinned_bytes) so that a freed buffer serves the next table."""
+        pinned = self.cupy.cuda.alloc_pinned_memory(pinned_bytes(words * 8))
+        return pinned, np.frombuffer(pinned, np.uint64, words)
+
+    def _launch(self, kernel, host: np.ndarray, pinned, ranges: int, args: tuple, stream: int, to_peer: bool):
+        cupy = self.cupy
         blocks = self.peer_blocks if to_peer else self.blocks
-        blocks = min(blocks, -(-n // (self.threads // 32)))  # one warp per range: no idle block
+        blocks = min(blocks, -(-ranges // (self.threads // 32)))  # one warp per range: no idle block
         with cupy.cuda.Device(self.device):
             s = self._streams.get(stream)
             if s is None:
                 s = self._streams[stream] = cupy.cuda.ExternalStream(stream)
             with s:
-                table = cupy.empty(3 * n, dtype=cupy.uint64)
+                table = cupy.empty(len(host), dtype=cupy.uint64)
                 table.set(host, stream=s)  # from pinned memory: asynchronous, ordered before the kernel
-                self.kernel((blocks,), (self.threads,), (table, np.int64(n)))
+                kernel((blocks,), (self.threads,), (table, *args))
         return table, pinned
+
+
+def fill_compact_table(host: np.ndarray, dst_base: np.ndarray, src_base: np.ndarray, dst_off: np.ndarray,
+                       src_off: np.ndarray, sizes: np.ndarray) -> None:
+    """`gather_copy_shared`'s table in `host` (uint64, 2 x pairs + 3 x ranges words): the pairs'
+    destination and source bases, then the ranges' destination offsets, source offsets, sizes."""
+    pairs, per = len(dst_base), len(sizes)
+    host[:pairs] = dst_base
+    host[pairs:2 * pairs] = src_base
+    rest = host[2 * pairs:]
+    rest[:per], rest[per:2 * per], rest[2 * per:] = dst_off, src_off, sizes
+
+
+def pinned_bytes(nbytes: int) -> int:
+    """The pinned staging buffer asked for a table of `nbytes`: the next power of two, at least
+    MIN_PINNED_BYTES. CuPy's pinned pool gives a freed buffer back only for a request of its exact
+    (512-byte rounded) size, and a plan's table length follows its pages' runs, so asking for the
+    table's own size made a table of a length not seen before pay a fresh cudaHostAlloc (page
+    locking, far slower than the table's copy) on the way to its launch; with classes, a handful of
+    buffers serve every length, at most twice the bytes each."""
+    return max(MIN_PINNED_BYTES, 1 << max(0, nbytes - 1).bit_length())
 
 
 def split_ranges(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, piece: int = PIECE_BYTES):

@@ -43,6 +43,7 @@ import numpy as np
 from .device_gather import ce_min_bytes, make_copier, split_long
 from .enums import StatusCode
 from .memory import Region
+from .remote_mapping import end_all
 from .status import succeed_all
 
 logger = logging.getLogger("sglang_mori.softio")
@@ -98,23 +99,55 @@ class DeviceEngine:
         `holds`: the RemoteMappings the copies go through, taken by the caller; each is given
         back once the event fired (never before: closing a mapping under a queued copy is a
         use-after-free)."""
-        nbytes = int(sizes.sum())
+
+        def copies():
+            if self.copier is None:
+                self.rt.copy(dsts, srcs, sizes, self.stream, self.device)
+                return None
+            # same stream: the long ranges' copies and the kernel run in order, before the event
+            (ld, ls, ln), (sd, ss, sn) = split_long(dsts, srcs, sizes, self.ce_min)
+            if len(ln):
+                self.rt.copy(ld, ls, ln, self.stream, self.device)
+                self.ce_ranges += len(ln)
+            return self.copier.copy(sd, ss, sn, self.stream, to_peer) if len(sn) else None
+
+        self._enqueue(copies, lambda: (int(sizes.sum()), len(sizes)), statuses, holds)
+
+    def submit_shared(self, dst_base: np.ndarray, src_base: np.ndarray, dst_off: np.ndarray, src_off: np.ndarray,
+                      sizes: np.ndarray, statuses: list, to_peer: bool = False, holds: tuple = ()) -> None:
+        """`submit` of a batch whose pairs all copy the same ranges of their own regions (the
+        backend's plans: one offset array per chunk shared by every layer's buffer): pair i's
+        range j goes from src_base[i] + src_off[j] to dst_base[i] + dst_off[j], sizes[j] bytes.
+        The ranges are split (copy engines or kernel, pieces) once for all pairs, and the
+        kernel's table is written where it is uploaded from, never flattened first."""
+
+        def copies():
+            db, sb, do, so, sz = (np.asarray(a, dtype=np.int64).view(np.uint64)
+                                  for a in (dst_base, src_base, dst_off, src_off, sizes))
+            if self.copier is None:
+                self.rt.copy(*expand_shared(db, sb, do, so, sz), self.stream, self.device)
+                return None
+            (ld, ls, ln), (sd, ss, sn) = split_long(do, so, sz, self.ce_min)
+            if len(ln):
+                self.rt.copy(*expand_shared(db, sb, ld, ls, ln), self.stream, self.device)
+                self.ce_ranges += len(ln) * len(db)
+            return self.copier.copy_shared(db, sb, sd, ss, sn, self.stream, to_peer) if len(sn) else None
+
+        self._enqueue(copies, lambda: (int(np.sum(sizes)) * len(dst_base), len(sizes) * len(dst_base)),
+                      statuses, holds)
+
+    def _enqueue(self, copies, counts, statuses: list, holds: tuple) -> None:
+        """Run `copies()` (enqueues them on the stream, returns what must outlive them) and record
+        the batch's event after them, as one step; the completion thread takes it from there.
+        `counts()`: (bytes, ranges) of the batch."""
         event = self._event()
         enqueued = False
         keep = None
         try:
+            nbytes, nranges = counts()
             with self._submit_lock:
                 enqueued = True  # from here on some copies may be queued on the stream
-                if self.copier is not None:
-                    # same stream: the long ranges' copies and the kernel run in order, before the event
-                    (ld, ls, ln), (sd, ss, sn) = split_long(dsts, srcs, sizes, self.ce_min)
-                    if len(ln):
-                        self.rt.copy(ld, ls, ln, self.stream, self.device)
-                        self.ce_ranges += len(ln)
-                    if len(sn):
-                        keep = self.copier.copy(sd, ss, sn, self.stream, to_peer)
-                else:
-                    self.rt.copy(dsts, srcs, sizes, self.stream, self.device)
+                keep = copies()
                 self.rt.record(event, self.stream)
                 now = time.monotonic()
                 paced = 0.0
@@ -122,7 +155,7 @@ class DeviceEngine:
                     self._link_free = max(self._link_free, now) + nbytes / self.rate
                     paced = self._link_free
                 self.batches += 1
-                self.ranges += len(sizes)
+                self.ranges += nranges
                 self.bytes += nbytes
         except Exception as exc:  # noqa: BLE001 - a CUDA error fails this write, not the caller
             self._fail_submit(event, statuses, holds, f"softio device copy failed: {exc}", enqueued, keep)
@@ -148,8 +181,7 @@ class DeviceEngine:
             return
         with self._events_lock:
             self._free_events.append(event)
-        for hold in holds:
-            hold.end()
+        end_all(holds)
         for status in statuses:
             status.Update(_ERR_GPU_OP, message)
 
@@ -164,8 +196,7 @@ class DeviceEngine:
                 self.rt.synchronize(event)
             except Exception as exc:  # noqa: BLE001 - the context is broken: no copy runs any more
                 error = error or f"softio device copy failed: {exc}"
-            for hold in holds:
-                hold.end()  # the copies through it are done: a released mapping may close now
+            end_all(holds)  # the copies through them are done: a released mapping may close now
             if error is not None:
                 for status in statuses:
                     status.Update(_ERR_GPU_OP, error)
@@ -239,6 +270,15 @@ class DeviceBatch:
             _submit_pairs(engine, pairs)
 
 
+def expand_shared(dst_base: np.ndarray, src_base: np.ndarray, dst_off: np.ndarray, src_off: np.ndarray,
+                  sizes: np.ndarray):
+    """(dsts, srcs, sizes) of `DeviceEngine.submit_shared`'s copies, pair by pair (uint64)."""
+    dst_base, src_base = (np.asarray(a, dtype=np.uint64) for a in (dst_base, src_base))
+    dst_off, src_off, sizes = (np.asarray(a, dtype=np.uint64) for a in (dst_off, src_off, sizes))
+    return ((dst_base[:, None] + dst_off).reshape(-1), (src_base[:, None] + src_off).reshape(-1),
+            np.tile(sizes, len(dst_base)))
+
+
 def _flat(values, total: int) -> np.ndarray:
     if len(values) == 1:
         return np.asarray(values[0], dtype=np.int64).reshape(-1)
@@ -304,11 +344,8 @@ def _post_shared(engine: DeviceEngine, pairs: list, holds: tuple, lo, ro, sz) ->
     remote_size = np.fromiter((p[0].remote_size for p in pairs), dtype=np.int64, count=len(pairs))
     if (lo + sz).max() > local_size.min() or (ro + sz).max() > remote_size.min():
         return None
-    dsts = (remote_base[:, None] + ro).reshape(-1).view(np.uint64)
-    srcs = (local_ptr[:, None] + lo).reshape(-1).view(np.uint64)
-    sizes = np.tile(sz, len(pairs)).view(np.uint64)
     to_peer = any(p[0].to_peer for p in pairs)
-    engine.submit(dsts, srcs, sizes, [p[4] for p in pairs], to_peer, holds)
+    engine.submit_shared(remote_base, local_ptr, ro, lo, sz, [p[4] for p in pairs], to_peer, holds)
     return True
 
 

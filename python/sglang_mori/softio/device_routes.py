@@ -22,6 +22,7 @@ import numpy as np
 from .descriptors import MemoryDesc
 from .device_path import DeviceSession
 from .enums import BackendType
+from .remote_mapping import begin_all
 from .status import start_all
 
 _MAX_ROUTES = 256  # distinct descriptor lists kept (chunk plans per peer); cleared when full
@@ -102,21 +103,10 @@ def _post(route: _Route, lo: np.ndarray, ro: np.ndarray, sz: np.ndarray, statuse
         return False
     if (lo + sz).max() > route.local_limit or (ro + sz).max() > route.remote_limit:
         return False
-    taken = []
-    for mapping in route.mappings:
-        if not mapping.begin():
-            for hold in taken:
-                hold.end()
-            return False  # released: the general path fails those pairs one by one
-        taken.append(mapping)
-    try:
-        dsts = (route.remote_base[:, None] + ro).reshape(-1).view(np.uint64)
-        srcs = (route.local_ptr[:, None] + lo).reshape(-1).view(np.uint64)
-        table_sizes = np.tile(sz, len(route.local_ptr)).view(np.uint64)
-    except BaseException:
-        for hold in taken:
-            hold.end()
-        raise
+    if not begin_all(route.mappings):
+        return False  # one is released: the general path fails those pairs one by one
     start_all(statuses)
-    route.engine.submit(dsts, srcs, table_sizes, list(statuses), route.to_peer, tuple(taken))
+    # The table is built by the engine, for all pairs at once, where its copies read it.
+    route.engine.submit_shared(route.remote_base, route.local_ptr, ro, lo, sz, list(statuses), route.to_peer,
+                               route.mappings)
     return True

@@ -294,14 +294,34 @@ class ChunkSubmitter:
         would be held, and nothing was posted). The caller holds a submit token on the room and
         tracks `writes` afterwards, whatever this returns or raises. A write the peer's budget
         holds is dropped, never posted, once room life `life` concludes meanwhile."""
-        p = self.p
-        # Every chunk restarts decode's deadline: a long chunked prefill is slow, not dead.
-        if chunk.announce:
-            for t in targets:  # each destination under its own attempt
-                p.messenger.send(t.address, protocol.TransferStarted(room=chunk.room, attempt=t.attempt,
-                                                                     prefill_rank=p.sglang.prefill_rank))
+        # Every chunk restarts decode's deadline (TransferStarted): a long chunked prefill is slow,
+        # not dead. Announced once the writes are posted, so that the copies start one message
+        # sooner (issue 28: the link's latency), unless something may wait first (the forward's
+        # event, a write held for its peer's budget): then before that wait, as decode's deadline
+        # must restart where prefill's own starts. Always before `post` returns, so before any
+        # Success or failure of the room (both come after `end_submit`).
+        announce = [chunk.announce]
         if chunk.wait_event is not None:
+            self._announce(chunk, targets, announce)
             chunk.wait_event.synchronize()  # source KV is ready only after the forward pass
+        try:
+            return self._post_targets(chunk, targets, writes, life, defer_held, announce)
+        finally:
+            self._announce(chunk, targets, announce)
+
+    def _announce(self, chunk: Chunk, targets, pending: list) -> None:
+        """TransferStarted to each destination of `chunk`, once (`pending[0]` says if still due)."""
+        if not pending[0]:
+            return
+        pending[0] = False
+        p = self.p
+        for t in targets:  # each destination under its own attempt
+            p.messenger.send(t.address, protocol.TransferStarted(room=chunk.room, attempt=t.attempt,
+                                                                 prefill_rank=p.sglang.prefill_rank))
+
+    def _post_targets(self, chunk: Chunk, targets, writes: List[TrackedWrite], life, defer_held: bool,
+                      announce: list):
+        p = self.p
         deadline = p.clock() + p.timeout_s
         ended = self._ended(life)
         for t in targets:
@@ -316,11 +336,12 @@ class ChunkSubmitter:
             failure = self._open_sessions(peer, batch) if len(batch) else None
             if failure is not None:
                 return failure, PEER_DEAD
-            if defer_held and not writes:
-                if not self.effects.try_slot(peer.engine_key, batch.nbytes):
-                    return DEFERRED
+            if self.effects.try_slot(peer.engine_key, batch.nbytes):
                 admission = Admission.ADMITTED
-            else:
+            elif defer_held and not writes:
+                return DEFERRED
+            else:  # held: decode hears the chunk started before the wait
+                self._announce(chunk, targets, announce)
                 admission = self.effects.take_slot(peer.engine_key, deadline, batch.nbytes, ended)
             if admission.held:
                 p.metrics.writes_held(batch.nbytes)
