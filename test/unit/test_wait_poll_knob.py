@@ -35,7 +35,8 @@ class OneTimeoutThenStop:
 @pytest.mark.parametrize("poll_ms", [7, 50, 250])
 def test_decode_status_thread_polls_at_the_knob(monkeypatch, poll_ms):
     parts = SimpleNamespace(config=MoriConfig(wait_poll_ms=poll_ms), control_socket=None, clock=lambda: 1.0,
-                            metrics=NullTransferMetrics(), rooms=DecodeRoomRegistry(), sglang=None)
+                            metrics=NullTransferMetrics(), rooms=DecodeRoomRegistry(), sglang=None,
+                            aux=decode_service.AuxSlots([], [], []))
     service = decode_service.DecodeService(parts, reject=lambda *a: None)
     inbox = service.inbox = OneTimeoutThenStop(service)
     checked = []

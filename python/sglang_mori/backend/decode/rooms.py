@@ -13,6 +13,8 @@ Time is passed in; nothing here touches SGLang or sends anything.
 from __future__ import annotations
 
 import enum
+import itertools
+import os
 import secrets
 import threading
 from dataclasses import dataclass
@@ -26,7 +28,7 @@ class DecodePhase(enum.Enum):
     FAILED = "failed"
 
 
-@dataclass
+@dataclass(slots=True)
 class DecodeRoom:
     room: int
     attempt: int
@@ -36,12 +38,28 @@ class DecodeRoom:
 
     @property
     def open(self) -> bool:
-        return self.phase in (DecodePhase.AWAITING_PREFILL, DecodePhase.TRANSFERRING)
+        return self.phase is DecodePhase.AWAITING_PREFILL or self.phase is DecodePhase.TRANSFERRING
+
+
+# Attempt ids: a random 61-bit start per process, then consecutive. Prefill keys replays by the id
+# alone, so it must not repeat: within a process a counter never does, and two processes (or a
+# restart) collide only if their random starts fall within as many ids of each other as either
+# hands out. One C call per receiver (secrets.randbits read the OS's random source every time).
+_attempt_ids = itertools.count(secrets.randbits(61) + 1)
+
+
+def _new_start_after_fork() -> None:
+    """A forked child must not continue its parent's sequence."""
+    global _attempt_ids
+    _attempt_ids = itertools.count(secrets.randbits(61) + 1)
+
+
+os.register_at_fork(after_in_child=_new_start_after_fork)
 
 
 def new_attempt_id() -> int:
-    """Unique enough across decode processes and restarts: prefill keys replays by it alone."""
-    return secrets.randbits(62) + 1
+    """A receiver attempt id, at least 1 and below 2**62 (msgpack's int64 with room to spare)."""
+    return next(_attempt_ids)
 
 
 class DecodeRoomRegistry:
@@ -74,6 +92,12 @@ class DecodeRoomRegistry:
     def get(self, room: int) -> Optional[DecodeRoom]:
         with self.lock:
             return self._rooms.get(room)
+
+    def current(self, room: int, attempt: int) -> Optional[DecodeRoom]:
+        """`room` while `attempt` is its receiver's, else None (unknown, or another attempt)."""
+        with self.lock:
+            r = self._rooms.get(room)
+            return r if r is not None and r.attempt == attempt else None
 
     def attempt_of(self, room: int) -> Optional[int]:
         with self.lock:

@@ -79,6 +79,8 @@ class DecodeService:
         self.p = parts
         self.reject = reject
         self.effects = DecodeEffects(parts)  # every write to SGLang's room tables
+        # (pointer, item length, buffer length) of each aux buffer, paired once, not per Success
+        self._aux_slots = list(zip(parts.aux.ptrs, parts.aux.item_lens, parts.aux.buffer_lens))
         self.deadline_s = parts.config.transfer_timeout_ms / 1000.0 + DEADLINE_GRACE_S
         self.stopped = threading.Event()
         self.thread: Optional[threading.Thread] = None
@@ -202,21 +204,22 @@ class DecodeService:
     def handle(self, frames, polled: bool = False) -> None:
         """One message from prefill, on the status thread or SGLang's (`polled`: decode's handlers
         send nothing, so it changes nothing here). The inbox logs what a bug raises here."""
-        p = self.p
         try:
             message = protocol.decode(frames)
         except protocol.ProtocolError as err:
             self.reject(err, "decode status socket")
             return
-        if isinstance(message, protocol.RoomStatus):
-            self.on_status(message)
-        elif isinstance(message, protocol.TransferStarted):
+        kind = type(message)  # (exact types: the protocol's messages have no subclasses)
+        if kind is protocol.TransferStarted:
+            p = self.p
             p.rooms.transfer_started(message.room, message.attempt, p.clock())
-        elif isinstance(message, protocol.AbortAck):
-            if p.sglang.deferred_release and message.generation is not None:
+        elif kind is protocol.RoomStatus:
+            self.on_status(message)
+        elif kind is protocol.AbortAck:
+            if self.p.sglang.deferred_release and message.generation is not None:
                 self.effects.abort_acked(message.room, message.prefill_rank, message.generation)
         else:
-            self.reject(protocol.ProtocolError(protocol.REJECT_MALFORMED, f"{type(message).__name__} sent to decode"),
+            self.reject(protocol.ProtocolError(protocol.REJECT_MALFORMED, f"{kind.__name__} sent to decode"),
                         "decode status socket")
 
     def on_status(self, msg: protocol.RoomStatus) -> None:
@@ -225,7 +228,8 @@ class DecodeService:
         # under it before SGLang drops the room's status (receiver.before_clear), so the status
         # applied here is the named attempt's, never the room id's next receiver's.
         with p.rooms.lock:
-            if p.rooms.attempt_of(msg.room) != msg.attempt:
+            r = p.rooms.current(msg.room, msg.attempt)
+            if r is None:
                 self._stale(msg)
                 return
             if p.sglang.status(msg.room) is None:
@@ -237,7 +241,7 @@ class DecodeService:
                 self.reject(protocol.ProtocolError(protocol.REJECT_MALFORMED, f"non-terminal status {msg.status}",
                                                    msg.room), "decode status socket")
                 return
-            error = self._copy_aux(msg)
+            error = self._copy_aux(r.aux_index, msg.aux) if msg.aux and r.aux_index is not None else None
             if error:
                 self.fail(msg.room, error, OTHER, msg.attempt)
                 return
@@ -252,20 +256,16 @@ class DecodeService:
                         "attempt %s, the room's receiver is %s", self.stale_statuses, msg.room, msg.status,
                         msg.prefill_rank, msg.attempt, self.p.rooms.attempt_of(msg.room) or "gone")
 
-    def _copy_aux(self, msg: protocol.RoomStatus) -> Optional[str]:
-        """Copy the aux items into this room's aux slot; an error string if they do not fit.
+    def _copy_aux(self, aux_index: int, items: list) -> Optional[str]:
+        """Copy the aux items into the room's aux slot; an error string if they do not fit.
 
         Items pair with our aux buffers by position; when prefill has more or fewer buffers (an
         optional one enabled on one engine only), the leading ones move, as in SGLang, and the
         mismatch was logged at registration."""
-        r = self.p.rooms.get(msg.room)
-        if r is None or r.aux_index is None or not msg.aux:
-            return None
-        aux = self.p.aux
-        for data, ptr, item_len, buf_len in zip(msg.aux, aux.ptrs, aux.item_lens, aux.buffer_lens):
-            offset = r.aux_index * item_len
+        for data, (ptr, item_len, buf_len) in zip(items, self._aux_slots):
+            offset = aux_index * item_len
             if len(data) != item_len or offset + item_len > buf_len:
-                return AUX_DOES_NOT_FIT.format(size=len(data), slot=r.aux_index, item_len=item_len, buffer=buf_len)
+                return AUX_DOES_NOT_FIT.format(size=len(data), slot=aux_index, item_len=item_len, buffer=buf_len)
             ctypes.memmove(ptr + offset, data, item_len)
         return None
 
