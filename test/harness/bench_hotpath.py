@@ -29,6 +29,10 @@ def add_arguments(p) -> None:
     p.add_argument("--steps", action="store_true",
                    help="also count named steps inside the threads (harness/hotpath/steps.py; about 1 us "
                         "per wrapped call added, so compare totals from runs without it)")
+    p.add_argument("--decode-polls", action="store_true",
+                   help="decode's scheduler polls its rooms every 1 ms while they wait for prefill, as SGLang "
+                        "does (MoriKVManager.check_status: our poll_inbox reads the socket on its thread); "
+                        "counted as decode's scheduler.poll")
     p.add_argument("--ipc", action="store_true",
                    help="instead: the scheduler's cost of handing one chunk message to another process "
                         "(harness/hotpath/ipc.py: ZMQ ipc://, AF_UNIX SOCK_SEQPACKET, a shared-memory ring)")
@@ -99,7 +103,7 @@ def run(args) -> int:
     for case in args.cases.split(","):
         shape, tokens = case.split(":")
         result = run_case(shape, int(tokens), args.requests, args.window, args.token_bytes,
-                          engine_mode=args.engine, steps=args.steps)
+                          engine_mode=args.engine, steps=args.steps, decode_polls=args.decode_polls)
         if args.json:
             print(json.dumps(result), flush=True)
         else:
@@ -114,6 +118,9 @@ def _print_case(args, shape: str, tokens: str, result: dict) -> None:
           f"window {result['window']}, {result['wall_s']} s", flush=True)
     print(_row(result, "prefill"))
     print(_row(result, "decode"))
+    if result.get("decode_polls"):
+        print(f"  decode polls: {result['decode_polls_per_request']} per request; messages read by the poll "
+              f"{result['decode_read_by']['poll']}, by the status thread {result['decode_read_by']['thread']}")
     print(f"  softio's own threads: {result['softio_threads_us']} us/request", flush=True)
     for row in result.get("steps", ()):
         print(f"    {row['thread']:<20} {row['step']:<40} {row['us']:>8} us/request  ({row['calls']} calls)")

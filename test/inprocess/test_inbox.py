@@ -389,3 +389,41 @@ def test_a_wake_up_token_read_by_the_poll_is_no_message(plain_inbox):
     push.send_multipart([b""])
     poll_until(SimpleNamespace(poll_inbox=inbox.drain_nowait), lambda: got, "the empty frame")
     assert got == [([b""], True)]
+
+
+def test_while_polled_the_reading_thread_looks_only_as_often_as_its_backoff(sockets, monkeypatch):
+    """Each look of the reading thread is a wake-up that takes the GIL from the scheduler: while a
+    poller is active, an inbox with a backoff (decode's: its deadline sweep interval) sleeps that
+    long before it looks again, and a message that arrives meanwhile is the poll's."""
+    from sglang_mori.backend import inbox as inbox_module
+
+    monkeypatch.setattr(inbox_module, "POLLER_ACTIVE_S", 1.0)  # a stalled test still counts as polling
+    pull, push = sockets()
+    got = []
+    inbox = inbox_module.Inbox(pull, lambda frames, polled: got.append((frames, polled)), "test socket",
+                               poller_backoff_s=0.05)
+    try:
+        assert inbox.drain_nowait() == 0  # a poller is active from here
+        push.send_multipart([b"for the poller"])
+        start = time.monotonic()
+        assert inbox.wait_and_drain(60_000) == 0  # off the socket for the backoff, not 60 s
+        assert 0.04 <= time.monotonic() - start < 0.5  # not POLLER_ACTIVE_S (1 s here)
+        assert got == []
+        poll_until(SimpleNamespace(poll_inbox=inbox.drain_nowait), lambda: got, "the poll read it")
+        assert got == [([b"for the poller"], True)]
+    finally:
+        inbox.close()
+
+
+def test_decode_status_thread_backs_off_for_its_sweep_interval_while_polled(sockets):
+    from sglang_mori.backend.decode.service import DecodeService
+    from sglang_mori.config import MoriConfig
+
+    pull, _ = sockets()
+    parts = SimpleNamespace(config=MoriConfig(wait_poll_ms=80), control_socket=pull, rooms=None,
+                            aux=SimpleNamespace(ptrs=[], item_lens=[], buffer_lens=[]))
+    service = DecodeService(parts, reject=lambda *a: None)
+    try:
+        assert service.inbox.poller_backoff_s == pytest.approx(0.08)
+    finally:
+        service.inbox.close()

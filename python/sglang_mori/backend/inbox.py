@@ -7,8 +7,8 @@ per message (docs/benchmarks.md, "Where PD's 8K TTFT goes"). Now the scheduler, 
 anyway, also reads the socket when it polls a room still waiting for such a message
 (`drain_nowait`), and the reading thread stays as the reader of last resort (no room polled, a
 message for a room nobody polls yet, Register, Abort, housekeeping). While a poller is active the
-thread leaves every arrival to it and only looks every POLLER_ACTIVE_S, so it never wakes on an
-arrival to compete with the scheduler for the GIL.
+thread leaves every arrival to it and only looks every POLLER_ACTIVE_S (decode: every deadline
+sweep interval), so it never wakes on an arrival to compete with the scheduler for the GIL.
 
 ZMQ sockets are not thread-safe, but may be used from several threads one at a time, with a full
 memory barrier between them; `lock` is that barrier. It covers each receive *and* the handling of
@@ -29,7 +29,7 @@ import logging
 import os
 import threading
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import zmq
 
@@ -44,12 +44,18 @@ POLLER_ACTIVE_S = 0.005
 
 
 class Inbox:
-    def __init__(self, sock, handle: Callable[[list, bool], None], name: str):
+    def __init__(self, sock, handle: Callable[[list, bool], None], name: str,
+                 poller_backoff_s: Optional[float] = None):
         self.sock = sock
         # handle(frames, polled): one message; `polled` when on a poller's (SGLang's) thread, which
         # must not block on a send. Must not raise (logged if it does).
         self.handle = handle
         self.name = name
+        # How long the reading thread stays off the socket while a poller is active (None:
+        # POLLER_ACTIVE_S). Each look is a wake-up that takes the GIL from the scheduler; a reader
+        # whose every message a poller reads (decode: SGLang polls each room until it concludes)
+        # can look as seldom as its own housekeeping needs.
+        self.poller_backoff_s = poller_backoff_s
         self.lock = threading.Lock()
         self.closed = False
         self._last_poll = 0.0
@@ -96,7 +102,8 @@ class Inbox:
         off the socket: the poller reads every arrival)."""
         if time.perf_counter() - self._last_poll < POLLER_ACTIVE_S:  # a poller is active
             # Stay off the socket and the GIL until the poller may have stopped, then look again.
-            time.sleep(min(POLLER_ACTIVE_S, timeout_ms / 1000.0))
+            backoff = POLLER_ACTIVE_S if self.poller_backoff_s is None else self.poller_backoff_s
+            time.sleep(min(backoff, timeout_ms / 1000.0))
             return 0
         with self.lock:
             if self.closed:
@@ -114,7 +121,7 @@ class Inbox:
                 return 0
             if frames[0] == self._token and len(frames) == 1:
                 return 0  # a poller started (or close()): look again from the top
-            try:  # (_handle, inlined: one call less per message on this thread)
+            try:  # a bug in one handler must not stop the reader
                 self.handle(frames, False)
             except Exception:
                 logger.exception("sglang-mori: handling a message on the %s failed", self.name)
@@ -158,20 +165,16 @@ class Inbox:
                 self._waker = None
 
     # --- both ------------------------------------------------------------------------------------
-    def _handle(self, frames: list, polled: bool) -> None:
-        try:
-            self.handle(frames, polled)
-        except Exception:  # a bug in one handler must not stop the reader
-            logger.exception("sglang-mori: handling a message on the %s failed", self.name)
-
     def _drain_locked(self, polled: bool = False) -> int:
-        sock = self.sock
-        token = self._token
+        sock, token, handle = self.sock, self._token, self.handle
         n = 0
         while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             frames = sock.recv_multipart(zmq.NOBLOCK)  # a multipart message arrives whole
             if frames[0] == token and len(frames) == 1:
                 continue  # a wake-up meant for the reading thread, which is not in the socket now
             n += 1
-            self._handle(frames, polled)
+            try:
+                handle(frames, polled)
+            except Exception:  # a bug in one handler must not stop the reader
+                logger.exception("sglang-mori: handling a message on the %s failed", self.name)
         return n

@@ -18,6 +18,10 @@ from harness.hotpath.rig import AUX_SLOTS, SHAPES, PDPair, instant_writes
 from harness.hotpath.steps import metered_steps
 
 WAIT_S = 120.0
+# --decode-polls: a decode scheduler pass polls every room waiting for prefill this often (SGLang
+# polls each room of its transfer queue once per loop; a loop is about a decode step).
+DECODE_POLL_S = 0.001
+DECODE_WAITS = (S.BOOTSTRAPPING, S.WAITING_FOR_INPUT, S.TRANSFERRING)  # manager.DECODE_INBOX_WAITS
 # Thread roles of each side (after role(): digits -> N). Everything else in the process is the
 # harness (MainThread, whose calls into us are timed one by one) or softio's own threads.
 PREFILL_THREADS = ("mori-shard-N", "mori-completion", "mori-control")
@@ -25,8 +29,10 @@ DECODE_THREADS = ("mori-decode-status",)
 
 
 class Driver:
-    def __init__(self, pair: PDPair, tokens: int, window: int, seed: int = 0):
+    def __init__(self, pair: PDPair, tokens: int, window: int, seed: int = 0, decode_polls: bool = False):
         self.pair = pair
+        self.decode_polls = decode_polls
+        self.polls = 0
         self.calls = CallMeter()
         self.per = math.ceil(tokens / pair.shape.page_size)
         self.window = window
@@ -66,6 +72,8 @@ class Driver:
         for i, room in enumerate(rooms):
             with c.call("prefill.send"):
                 p.prefill.add_chunk(room, src[i], slice(0, self.per), True, aux_index=room % AUX_SLOTS)
+        if self.decode_polls:
+            self.poll_decode(rooms)
         p.prefill_sglang.wait_all(rooms, (S.SUCCESS, S.FAILED), WAIT_S)
         p.decode_sglang.wait_all(rooms, (S.SUCCESS, S.FAILED), WAIT_S)
         failed = [r for r in rooms if p.prefill_sglang.status(r) != S.SUCCESS or p.decode_sglang.status(r) != S.SUCCESS]
@@ -78,6 +86,30 @@ class Driver:
             with c.call("decode.clear"):
                 p.decode.forget(room, attempts[room])
             p.decode_sglang.clear(room)
+
+
+    def poll_decode(self, rooms) -> None:
+        """Decode's scheduler polls its rooms as MoriKVManager.check_status does (a room still
+        waiting for prefill has our socket read first: poll_inbox), one pass per DECODE_POLL_S,
+        until every room concluded. Timed: poll_inbox, ours; the status reads are SGLang's."""
+        p, c = self.pair, self.calls
+        end = time.monotonic() + WAIT_S
+        pending = list(rooms)
+        while pending:
+            still = []
+            for room in pending:
+                if p.decode_sglang.status(room) in DECODE_WAITS:
+                    with c.call("decode.poll"):
+                        p.decode.poll_inbox()
+                    if c.enabled:
+                        self.polls += 1
+                    if p.decode_sglang.status(room) in DECODE_WAITS:
+                        still.append(room)
+            pending = still
+            if pending:
+                if time.monotonic() > end:
+                    raise TimeoutError(f"decode rooms not concluded: {pending[:5]}")
+                time.sleep(DECODE_POLL_S)
 
 
 def _us(ns: float, n: int) -> float:
@@ -104,7 +136,8 @@ def report(calls: dict, threads: dict, engine: EngineMeter, requests: int, wall_
 
 
 def run_case(shape_key: str, tokens: int, requests: int, window: int, token_bytes: int,
-             config: MoriConfig | None = None, engine_mode: str = "softio", steps: bool = False) -> dict:
+             config: MoriConfig | None = None, engine_mode: str = "softio", steps: bool = False,
+             decode_polls: bool = False) -> dict:
     shape = SHAPES[shape_key]
     per = math.ceil(tokens / shape.page_size)
     config = config or MoriConfig(transfer_shards=1)
@@ -114,7 +147,7 @@ def run_case(shape_key: str, tokens: int, requests: int, window: int, token_byte
         pair = PDPair(shape, per * window, token_bytes, config)
         pair.start()
         try:
-            driver = Driver(pair, tokens, window)
+            driver = Driver(pair, tokens, window, decode_polls=decode_polls)
             for _ in range(2):  # warm-up: sessions, first plans, caches
                 driver.batch()
             gc.collect()
@@ -125,6 +158,7 @@ def run_case(shape_key: str, tokens: int, requests: int, window: int, token_byte
             if stepped is not None:
                 stepped.enabled = True
             driver.calls.enabled = True
+            driver.polls = 0
             clocks.start()
             start = time.perf_counter()
             for _ in range(batches):
@@ -132,6 +166,10 @@ def run_case(shape_key: str, tokens: int, requests: int, window: int, token_byte
             wall = time.perf_counter() - start
             threads = clocks.since()
             result = report(driver.calls.ns, threads, engine, batches * window, wall)
+            if decode_polls:
+                inbox = pair.decode.inbox
+                result["decode_polls_per_request"] = round(driver.polls / (batches * window), 1)
+                result["decode_read_by"] = {"poll": inbox.by_poller, "thread": inbox.by_thread}
             if stepped is not None:
                 stepped.enabled = False
                 result["steps"] = stepped.report(batches * window)
@@ -139,5 +177,5 @@ def run_case(shape_key: str, tokens: int, requests: int, window: int, token_byte
             pair.stop()
             gc.unfreeze()
     result.update(shape=shape_key, tokens=tokens, engine=engine_mode, pages=per, window=window, token_bytes=token_bytes,
-                  rejections=pair.rejections)
+                  rejections=pair.rejections, decode_polls=decode_polls)
     return result

@@ -88,7 +88,10 @@ class DecodeService:
         self.stale_statuses = 0
         # prefill's messages: read by the status thread, and by SGLang's scheduler when it polls a
         # room not concluded yet (poll_inbox; inbox.py says why)
-        self.inbox = (Inbox(parts.control_socket, self.handle, "decode status socket")
+        # While SGLang polls (it polls every room until it concludes, and the poll reads every
+        # message), the status thread looks at the socket only as often as its deadline sweep runs.
+        self.inbox = (Inbox(parts.control_socket, self.handle, "decode status socket",
+                            poller_backoff_s=parts.config.wait_poll_ms / 1000.0)
                       if getattr(parts, "control_socket", None) is not None else None)
 
     def start(self) -> None:
