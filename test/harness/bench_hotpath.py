@@ -32,7 +32,8 @@ def add_arguments(p) -> None:
     p.add_argument("--decode-polls", action="store_true",
                    help="decode's scheduler polls its rooms every 1 ms while they wait for prefill, as SGLang "
                         "does (MoriKVManager.check_status: our poll_inbox reads the socket on its thread); "
-                        "counted as decode's scheduler.poll")
+                        "counted as decode's scheduler.poll; then 2 s of polls with no message: the status "
+                        "thread's CPU per second meanwhile (its fixed cost while SGLang polls)")
     p.add_argument("--ipc", action="store_true",
                    help="instead: the scheduler's cost of handing one chunk message to another process "
                         "(harness/hotpath/ipc.py: ZMQ ipc://, AF_UNIX SOCK_SEQPACKET, a shared-memory ring)")
@@ -120,7 +121,9 @@ def _print_case(args, shape: str, tokens: str, result: dict) -> None:
     print(_row(result, "decode"))
     if result.get("decode_polls"):
         print(f"  decode polls: {result['decode_polls_per_request']} per request; messages read by the poll "
-              f"{result['decode_read_by']['poll']}, by the status thread {result['decode_read_by']['thread']}")
+              f"{result['decode_read_by']['poll']}, by the status thread {result['decode_read_by']['thread']}; "
+              f"the status thread while polled with no messages: {result['decode_status_polled_idle_us_per_s']} us "
+              "CPU per second")
     print(f"  softio's own threads: {result['softio_threads_us']} us/request", flush=True)
     for row in result.get("steps", ()):
         print(f"    {row['thread']:<20} {row['step']:<40} {row['us']:>8} us/request  ({row['calls']} calls)")

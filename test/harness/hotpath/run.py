@@ -112,6 +112,19 @@ class Driver:
                 time.sleep(DECODE_POLL_S)
 
 
+def polled_idle_status_cpu(pair: PDPair, seconds: float = 2.0) -> float:
+    """Decode's status thread, us of CPU per second, while the scheduler polls every DECODE_POLL_S
+    and no message comes (rooms waiting for prefill's forward): the fixed cost of the thread's
+    looks at the socket, each a wake-up that takes the GIL from the scheduler."""
+    thread = pair.decode.thread
+    start_cpu, start = time.clock_gettime_ns(time.pthread_getcpuclockid(thread.ident)), time.monotonic()
+    while time.monotonic() - start < seconds:
+        pair.decode.poll_inbox()
+        time.sleep(DECODE_POLL_S)
+    used = time.clock_gettime_ns(time.pthread_getcpuclockid(thread.ident)) - start_cpu
+    return round(used / 1e3 / (time.monotonic() - start), 1)
+
+
 def _us(ns: float, n: int) -> float:
     return round(ns / n / 1e3, 1)
 
@@ -170,6 +183,7 @@ def run_case(shape_key: str, tokens: int, requests: int, window: int, token_byte
                 inbox = pair.decode.inbox
                 result["decode_polls_per_request"] = round(driver.polls / (batches * window), 1)
                 result["decode_read_by"] = {"poll": inbox.by_poller, "thread": inbox.by_thread}
+                result["decode_status_polled_idle_us_per_s"] = polled_idle_status_cpu(pair)
             if stepped is not None:
                 stepped.enabled = False
                 result["steps"] = stepped.report(batches * window)
