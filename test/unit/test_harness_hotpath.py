@@ -28,6 +28,20 @@ def test_steps_are_counted_on_the_threads_that_run_them():
     assert result["rejections"] == []
 
 
+def test_decode_polls_count_the_poll_as_decodes_scheduler_call():
+    """--decode-polls: decode's scheduler polls its rooms as check_status does; every message (two
+    per request, warm-up batches included) is read once, by the poll or the status thread, and the
+    poll's CPU is decode's scheduler.poll."""
+    window, requests = 4, 8
+    result = run_case("gqa32p16", 64, requests=requests, window=window, token_bytes=16, engine_mode="instant",
+                      decode_polls=True)
+    assert result["decode"]["scheduler.poll"]["ours_us"] > 0
+    read = result["decode_read_by"]
+    assert read["poll"] + read["thread"] == 2 * (requests + 2 * window)
+    assert read["poll"] > 0 and result["decode_polls_per_request"] >= 1
+    assert result["decode_status_polled_idle_us_per_s"] >= 0
+
+
 def test_run_without_steps_reports_none():
     assert "steps" not in run_case("gqa32p16", 64, requests=4, window=4, token_bytes=16, engine_mode="instant")
 

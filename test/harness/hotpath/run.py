@@ -182,8 +182,9 @@ def run_case(shape_key: str, tokens: int, requests: int, window: int, token_byte
             if decode_polls:
                 inbox = pair.decode.inbox
                 result["decode_polls_per_request"] = round(driver.polls / (batches * window), 1)
-                result["decode_read_by"] = {"poll": inbox.by_poller, "thread": inbox.by_thread}
                 result["decode_status_polled_idle_us_per_s"] = polled_idle_status_cpu(pair)
+                # read after those 2 s: a reader counts a message just after handling it
+                result["decode_read_by"] = {"poll": inbox.by_poller, "thread": inbox.by_thread}
             if stepped is not None:
                 stepped.enabled = False
                 result["steps"] = stepped.report(batches * window)
