@@ -53,7 +53,9 @@ def serve(conn, shape_key: str, page_size: int, pages: int, config_kwargs: dict,
     service.start()
     conn.send(protocol.encode(service.registration()))
     cpu = ThreadCpu()
-    step = _DecodeStep(shape.layers)
+    # The loop polls our inbox once per step, as SGLang's decode loop polls its receivers: the
+    # messages prefill sent are then applied on the loop's thread, and their cost is in the loop's time.
+    step = _DecodeStep(shape.layers, poll=service.poll_inbox)
     try:
         while True:
             cmd, arg = conn.recv()
@@ -114,9 +116,9 @@ def serve(conn, shape_key: str, page_size: int, pages: int, config_kwargs: dict,
 
 class _DecodeStep:
     """A stand-in decode step: per layer three small GEMMs (batch 32), launch-bound like a real
-    decode step of a small batch."""
+    decode step of a small batch; then `poll` (our inbox), as SGLang's loop polls its receivers."""
 
-    def __init__(self, layers: int, hidden: int = 0, batch: int = 32):
+    def __init__(self, layers: int, hidden: int = 0, batch: int = 32, poll=None):
         import torch
 
         from rig_device import DEVICE, ON_GPU, synchronize
@@ -124,6 +126,7 @@ class _DecodeStep:
         hidden = hidden or (2048 if ON_GPU else 64)
 
         self.sync = synchronize
+        self.poll = poll or (lambda: None)
         self.layers = layers
         self.x = torch.randn(batch, hidden, device=DEVICE, dtype=torch.bfloat16)
         self.w = [torch.randn(hidden, hidden, device=DEVICE, dtype=torch.bfloat16) * 0.02 for _ in range(3)]
@@ -149,7 +152,7 @@ class _DecodeStep:
         return list(self._out)
 
     def run(self, steps: int) -> list:
-        """Wall time of each step (ms), each ended by a device synchronize."""
+        """Wall time of each loop pass (ms): a step ended by a device synchronize, then the poll."""
         for _ in range(3):
             self.once()
         self.sync()
@@ -158,5 +161,6 @@ class _DecodeStep:
             t0 = time.perf_counter()
             self.once()
             self.sync()
+            self.poll()
             times.append((time.perf_counter() - t0) * 1e3)
         return times
