@@ -118,9 +118,11 @@ class Inbox:
                 sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
                 self._timeout_ms = timeout_ms
             try:
-                frames = sock.recv_multipart()
+                frames = [sock.recv()]
             except zmq.Again:
                 return 0
+            while sock.get(_RCVMORE):  # (as in _drain_locked: recv_multipart's layer apart)
+                frames.append(sock.recv(_NOBLOCK))
             if frames[0] == self._token and len(frames) == 1:
                 return 0  # a poller started (or close()): look again from the top
             try:  # a bug in one handler must not stop the reader
