@@ -8,7 +8,7 @@ from sglang_mori.backend.decode.rooms import DecodePhase
 from sglang_mori.backend.failure_reasons import PROTOCOL
 
 from interleave import AfterRelease
-from rig import PrefillRig
+from rig import AUX_BYTES, PrefillRig
 
 
 class Clock:
@@ -52,6 +52,25 @@ def test_aux_that_does_not_fit_fails_the_room_with_a_reason():
     rig.decode_service.on_status(protocol.RoomStatus(room=2, attempt=attempt, status=S.SUCCESS, prefill_rank=0, aux=[b"x" * 3]))
     assert rig.decode_sglang.status(2) == S.FAILED
     assert rig.decode_sglang.failure_records[2].startswith("aux item of 3 bytes for slot 1 does not fit")
+
+
+def test_aux_of_the_right_size_lands_in_its_slot_and_a_negative_slot_writes_nothing():
+    rig = decode_rig()
+    item = AUX_BYTES
+    good, bad = rig.new_attempt(4), None
+    rig.metadata(4, pages=[1], aux_index=3)
+    rig.decode_service.on_status(protocol.RoomStatus(room=4, attempt=good, status=S.SUCCESS, prefill_rank=0,
+                                                     aux=[bytes(range(item))]))
+    assert rig.decode_sglang.status(4) == S.SUCCESS
+    assert rig.decode.aux[3 * item:4 * item].tobytes() == bytes(range(item))
+    before = rig.decode.aux.copy()
+    bad = rig.new_attempt(5)
+    rig.metadata(5, pages=[1], aux_index=-1)  # would index the slot view from its end
+    rig.decode_service.on_status(protocol.RoomStatus(room=5, attempt=bad, status=S.SUCCESS, prefill_rank=0,
+                                                     aux=[b"\xff" * item]))
+    assert rig.decode_sglang.status(5) == S.FAILED
+    assert "does not fit" in rig.decode_sglang.failure_records[5]
+    assert (rig.decode.aux == before).all()
 
 
 def test_status_for_a_cleared_room_changes_nothing():
