@@ -175,6 +175,11 @@ class ChunkSubmitter:
         if life is None:
             return False
         budget = self.p.peers.budget
+        # Nothing in flight anywhere and the room not moved: it stays, decided without a lock on
+        # a lone request's way to its engine call (issue 28). `on_stalled_shard` is written only
+        # by the thread of the room's own shard, this one.
+        if not life.on_stalled_shard and budget.idle():
+            return False
         with self.p.rooms.lock:
             if life.concluded:
                 return False  # dropped wherever it is taken
