@@ -345,3 +345,16 @@ def test_try_acquire_takes_only_what_acquire_would_admit_at_once():
     assert got == [peers.Admission.ADMITTED_AFTER_HOLD]
     assert budget.try_acquire("b", 5000)  # an idle peer: a batch over the bound goes alone
     assert (budget.posted_bytes("a"), budget.posted_bytes("b")) == (300, 5000)
+
+
+def test_budget_is_idle_only_while_no_write_is_in_flight_to_any_peer():
+    # A shard skips its stalled-decode check on this answer: it must never read idle while a
+    # write to some peer is still counted.
+    budget = peers.InflightBudget(4, stall_s=0.0)
+    assert budget.idle()
+    assert budget.try_acquire("a", 10) and budget.try_acquire("b", 10)
+    assert not budget.idle()
+    budget.release("a", nbytes=10)
+    assert not budget.idle() and budget.stalled("b")
+    budget.release("b", nbytes=10)
+    assert budget.idle() and not budget.stalled("b")

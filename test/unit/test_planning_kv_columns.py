@@ -135,3 +135,33 @@ def test_smaller_decode_buffer_bounds_the_indices():
     assert planner.plan_kv_columns([0, 1], [2, 3]) is not None
     with pytest.raises(PlanError, match="decode KV buffer 1"):
         planner.plan_kv_columns([0, 1], [3, 4])
+
+
+def test_chunks_of_single_pages_share_sizes_and_stay_exact_as_lengths_change():
+    # Chunks of single-page runs share one sizes array per item length (grown for a longer
+    # chunk): every chunk, shorter or longer than the last, still moves exactly its pages, and
+    # what an earlier chunk was handed is never changed by a later one.
+    item_lens = [64, 96]
+    planner = TransferPlanner(layout(item_lens, False), layout(item_lens, False))
+    earlier = []
+    for src_pages, dst_pages in ([[5, 2], [1, 8]], [[9, 0, 4, 11, 2, 7], [3, 10, 0, 6, 1, 9]], [[3], [2]],
+                                 [[1, 3, 5, 7, 9, 11, 0], [0, 2, 4, 6, 8, 10, 11]]):
+        src, dst = buffers(item_lens, seed=len(src_pages)), buffers(item_lens)
+        columns = planner.plan_kv_columns(np.array(src_pages), np.array(dst_pages))
+        apply_columns(planner, columns, src, dst)
+        for got, want in zip(dst, expected(src, item_lens, src_pages, dst_pages)):
+            assert np.array_equal(got, want)
+        for sizes, item in zip(columns[2], item_lens):
+            assert sizes.tolist() == [item] * len(src_pages) and not sizes.flags.writeable
+        earlier.append((columns[2], len(src_pages)))
+    for sizes, n in earlier:
+        assert [s.tolist() for s in sizes] == [[item] * n for item in item_lens]
+
+
+@pytest.mark.parametrize("dst", [[-1, 1], [1, -(2 ** 62)], [0, np.iinfo(np.int64).min]])
+def test_any_negative_index_fails_the_chunk_on_either_side(dst):
+    planner = TransferPlanner(layout([64, 64]), layout([64, 64]))
+    with pytest.raises(PlanError, match="negative"):
+        planner.plan_kv_columns(np.array([0, 1]), np.array(dst, dtype=np.int64))
+    with pytest.raises(PlanError, match="negative"):
+        planner.plan_kv_columns(np.array(dst, dtype=np.int64), np.array([0, 1]))

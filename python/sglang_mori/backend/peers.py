@@ -292,6 +292,12 @@ class InflightBudget:
         with self._cond:
             return self._bytes.get(key, 0)
 
+    def idle(self) -> bool:
+        """No write in flight to any peer, so none is stalled. Read without the lock (one
+        dict's emptiness): a caller acting on an answer gone stale must tolerate a peer that
+        stalls right after, as the submitter does (a held write is caught where it would wait)."""
+        return not self._counts
+
     def total(self) -> int:
         with self._cond:
             return sum(self._counts.values())

@@ -37,7 +37,9 @@ from sglang_mori.planning.ranges import (
     as_index_array,
     check_in_range,
     check_paired,
+    UnitSizes,
     contiguous_item_ranges,
+    frozen_item_ranges,
 )
 from sglang_mori.planning.state_rules import (
     EXACT,
@@ -117,6 +119,7 @@ class TransferPlanner:
         self._dst_kv_floor = min(self._dst_kv_limits, default=0)
         self._src_kv_names = [f"prefill KV buffer {i}" for i, _ in self.kv_pairs]
         self._dst_kv_names = [f"decode KV buffer {j}" for _, j in self.kv_pairs]
+        self._unit_sizes = UnitSizes()  # the sizes of a chunk of single-page runs, shared
         self.state_specs: Tuple[StatePlanSpec, ...] = tuple(
             state_plan_spec(k, prefill, decode) for k in range(len(prefill.states))
         )
@@ -164,13 +167,14 @@ class TransferPlanner:
         check_paired(src, dst, "KV page indices")
         if src.size == 0:
             return None
-        # The smallest buffer bounds every index: one min/max each, the buffer named only on a miss.
-        if int(src.min()) < 0 or int(src.max()) >= self._src_kv_floor:
+        # The smallest buffer bounds every index: one max each (read unsigned, a negative index
+        # is above any bound), the buffer and the index named only on a miss.
+        if int(src.view(np.uint64).max()) >= self._src_kv_floor:
             check_in_range(src, self._src_kv_limits, self._src_kv_names, "page")
-        if int(dst.min()) < 0 or int(dst.max()) >= self._dst_kv_floor:
+        if int(dst.view(np.uint64).max()) >= self._dst_kv_floor:
             check_in_range(dst, self._dst_kv_limits, self._dst_kv_names, "page")
-        return [_read_only(head_sliced_ranges(src, dst, g) if isinstance(g, HeadSlice)
-                           else contiguous_item_ranges(src, dst, g))
+        return [_read_only(head_sliced_ranges(src, dst, g)) if isinstance(g, HeadSlice)
+                else frozen_item_ranges(src, dst, g, self._unit_sizes)
                 for g in self._kv_unique_geometries]
 
     def plan_kv_dcp(self, src_pages, dst_pages, *, page_offset: int, decode_prefix_len: int = 0,

@@ -76,10 +76,18 @@ def index_runs(src: np.ndarray, dst: np.ndarray) -> Tuple[np.ndarray, np.ndarray
     page its own run, or one run) skip the general path: each numpy call is microseconds, and
     this runs on every chunk.
     """
-    n = src.size
-    if n == 0:
+    if src.size == 0:
         return _EMPTY, _EMPTY, _EMPTY
-    cuts = np.flatnonzero((src[1:] - src[:-1] != 1) | (dst[1:] - dst[:-1] != 1))
+    return _runs_at(src, dst, run_cuts(src, dst))
+
+
+def run_cuts(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+    """Positions i where page i + 1 does not continue page i on both sides (src non-empty)."""
+    return np.flatnonzero((src[1:] - src[:-1] != 1) | (dst[1:] - dst[:-1] != 1))
+
+
+def _runs_at(src: np.ndarray, dst: np.ndarray, cuts: np.ndarray) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    n = src.size
     if cuts.size == n - 1:  # no two neighbours continue each other
         return src, dst, np.ones(n, dtype=np.int64)
     if cuts.size == 0:
@@ -102,6 +110,39 @@ def contiguous_item_ranges(src: np.ndarray, dst: np.ndarray, item_len: int) -> R
     return split_large_ranges(
         src_starts * item_len, dst_starts * item_len, lengths * item_len, unit=item_len
     )
+
+
+class UnitSizes:
+    """Read-only arrays of `n` times one item length, for chunks whose pages are all runs of one
+    page (a pool's usual, shuffled free list): a slice of one shared array per item length,
+    grown when a longer chunk comes, instead of a new array per chunk and geometry."""
+
+    def __init__(self):
+        self._by_item: dict = {}
+
+    def __call__(self, n: int, item_len: int) -> np.ndarray:
+        full = self._by_item.get(item_len)
+        if full is None or full.size < n:
+            full = np.full(max(n, 2 * (0 if full is None else full.size)), item_len, dtype=np.int64)
+            full.setflags(write=False)
+            self._by_item[item_len] = full  # two threads racing here build it twice, both right
+        return full[:n]
+
+
+def frozen_item_ranges(src: np.ndarray, dst: np.ndarray, item_len: int, unit_sizes: UnitSizes) -> Ranges:
+    """contiguous_item_ranges as read-only arrays, on the per-chunk path in fewer numpy calls:
+    every array it builds is fresh (never the caller's), so it is frozen in place rather than
+    copied or viewed; a chunk of single-page runs shares its sizes (`unit_sizes`). `src` and
+    `dst`: int64, 1-D, paired, non-empty."""
+    cuts = run_cuts(src, dst)
+    if cuts.size == src.size - 1 and item_len <= MAX_RANGE_BYTES:
+        ranges = (src * item_len, dst * item_len, unit_sizes(src.size, item_len))
+    else:
+        src_starts, dst_starts, lengths = _runs_at(src, dst, cuts)
+        ranges = split_large_ranges(src_starts * item_len, dst_starts * item_len, lengths * item_len, unit=item_len)
+    for array in ranges:
+        array.setflags(write=False)
+    return ranges
 
 
 def merge_adjacent_ranges(local: np.ndarray, remote: np.ndarray, sizes: np.ndarray) -> Ranges:

@@ -107,9 +107,13 @@ class ChunkSubmitter:
                 chunk.queued = False
             self.failures.fail_life(chunk.life, f"transfer queue full ({self.max_queued} chunks, "
                                     "SGLANG_MORI_MAX_QUEUED_CHUNKS)", BACKPRESSURE)
+            self._publish_depth()
         else:
+            # Published with this chunk counted before the put, not after: the put wakes the
+            # shard, which would otherwise wait for this thread's GIL to start on it (issue 28).
+            # The shard publishes again once it took the chunk, so an idle gauge still reads 0.
+            self._publish_depth(1)
             q.put(chunk)
-        self._publish_depth()
 
     def track_without_writes(self, chunk: Chunk) -> bool:
         """On the caller's thread (SGLang's scheduler), track a chunk that has nothing to write
@@ -132,9 +136,9 @@ class ChunkSubmitter:
     def queued(self) -> int:
         return sum(q.qsize() for q in self.queues) + self.stalled_queue.qsize()
 
-    def _publish_depth(self) -> None:
+    def _publish_depth(self, about_to_queue: int = 0) -> None:
         with self._depth_lock:
-            self.p.metrics.set_queue_depth(self.queued())
+            self.p.metrics.set_queue_depth(self.queued() + about_to_queue)
 
     # --- shard threads ------------------------------------------------------------------------
     def run_shard(self, q: queue.Queue) -> None:
@@ -142,8 +146,6 @@ class ChunkSubmitter:
             chunk = q.get()
             if chunk is None:
                 return
-            # Also on dequeue: published only on enqueue, the gauge kept its last value when idle.
-            self._publish_depth()
             try:
                 if q is not self.stalled_queue and self._to_stalled_shard(chunk):
                     self.stalled_queue.put(chunk)  # still counted in its life's `queued`
@@ -153,6 +155,10 @@ class ChunkSubmitter:
                 logger.exception("sglang-mori: chunk of room %s failed", chunk.room)
                 if chunk.life is not None:
                     self.failures.fail_life(chunk.life, f"internal error while sending KV: {exc!r}", OTHER)
+            finally:
+                # Also on dequeue: published only on enqueue, the gauge kept its last value when
+                # idle. After the chunk's post, not before it (issue 28: send() to the engine call).
+                self._publish_depth()
 
     def _to_stalled_shard(self, chunk: Chunk) -> bool:
         """Whether a chunk a shard just took goes on to the stalled-decodes shard instead.
@@ -169,6 +175,11 @@ class ChunkSubmitter:
         if life is None:
             return False
         budget = self.p.peers.budget
+        # Nothing in flight anywhere and the room not moved: it stays, decided without a lock on
+        # a lone request's way to its engine call (issue 28). `on_stalled_shard` is written only
+        # by the thread of the room's own shard, this one.
+        if not life.on_stalled_shard and budget.idle():
+            return False
         with self.p.rooms.lock:
             if life.concluded:
                 return False  # dropped wherever it is taken
