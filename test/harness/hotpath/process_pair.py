@@ -20,7 +20,7 @@ from multiprocessing import shared_memory
 import numpy as np
 
 from sglang_mori.backend import room_status as S
-from sglang_mori.backend.plans import encode_layout, local_layout
+from sglang_mori.backend.plans import encode_layout
 from sglang_mori.config import MoriConfig
 from sglang_mori.transfer_process.child import ChildSpec
 from sglang_mori.transfer_process.client import TransferProcess
@@ -28,7 +28,7 @@ from sglang_mori.transfer_process.pools import describe
 from sglang_mori.transfer_process.scheduler_service import TransferProcessService
 
 from harness.hotpath.meter import CallMeter, ThreadClocks
-from harness.hotpath.rig import AUX_BYTES, AUX_SLOTS, SHAPES, PDPair
+from harness.hotpath.rig import AUX_BYTES, AUX_SLOTS, SHAPES, PDPair, kv_args_and_layout
 from harness.hotpath.run import Driver
 
 POLL_S = 0.001  # SGLang polls every room once per scheduler loop; a busy loop is about this often
@@ -43,16 +43,7 @@ class SharedPrefillPool:
         for a in self.kv:
             a[:] = 7
         self.aux = np.zeros(AUX_SLOTS * AUX_BYTES, dtype=np.uint8)
-        from types import SimpleNamespace
-
-        self.args = SimpleNamespace(
-            kv_data_ptrs=[a.ctypes.data for a in self.kv], kv_data_lens=[a.nbytes for a in self.kv],
-            kv_item_lens=[item] * shape.buffers, aux_data_ptrs=[self.aux.ctypes.data],
-            aux_data_lens=[self.aux.nbytes], aux_item_lens=[AUX_BYTES], page_size=shape.page_size,
-            kv_cache_dtype_str="bfloat16")
-        if not shape.is_mla:
-            self.args.kv_head_num = self.args.total_kv_head_num = shape.kv_heads
-        self.layout = local_layout(self.args, 1, 0, shape.is_mla)
+        self.args, self.layout = kv_args_and_layout(shape, self.kv, self.aux, item)
 
     def close(self) -> None:
         self.kv = []

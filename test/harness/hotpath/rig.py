@@ -58,6 +58,19 @@ SHAPES = {
 }
 
 
+def kv_args_and_layout(shape: Shape, kv, aux, item: int):
+    """SGLang's kv_args for host arrays `kv` (one per buffer, `item` bytes a page) and `aux`, and
+    the local layout built from them."""
+    args = SimpleNamespace(
+        kv_data_ptrs=[a.ctypes.data for a in kv], kv_data_lens=[a.nbytes for a in kv],
+        kv_item_lens=[item] * shape.buffers, aux_data_ptrs=[aux.ctypes.data],
+        aux_data_lens=[aux.nbytes], aux_item_lens=[AUX_BYTES], page_size=shape.page_size,
+        kv_cache_dtype_str="bfloat16")
+    if not shape.is_mla:
+        args.kv_head_num = args.total_kv_head_num = shape.kv_heads
+    return args, local_layout(args, 1, 0, shape.is_mla)
+
+
 class Pool:
     """One side's registered memory: `buffers` KV buffers of `pages` pages, one aux buffer."""
 
@@ -67,15 +80,7 @@ class Pool:
         self.aux = np.zeros(AUX_SLOTS * AUX_BYTES, dtype=np.uint8)
         self.engine = TransferEngine(io, role=role, host="127.0.0.1", qp_per_transfer=2, post_batch_size=-1,
                                      num_workers=1)
-        self.args = SimpleNamespace(
-            kv_data_ptrs=[a.ctypes.data for a in self.kv], kv_data_lens=[a.nbytes for a in self.kv],
-            kv_item_lens=[item] * shape.buffers, aux_data_ptrs=[self.aux.ctypes.data],
-            aux_data_lens=[self.aux.nbytes], aux_item_lens=[AUX_BYTES], page_size=shape.page_size,
-            kv_cache_dtype_str="bfloat16")
-        if not shape.is_mla:
-            self.args.kv_head_num = shape.kv_heads
-            self.args.total_kv_head_num = shape.kv_heads
-        self.layout = local_layout(self.args, 1, 0, shape.is_mla)
+        self.args, self.layout = kv_args_and_layout(shape, self.kv, self.aux, item)
         self.buffers = LocalBuffers(
             kv=[self.engine.register(a.ctypes.data, a.nbytes, -1, False) for a in self.kv],
             aux=[self.engine.register(self.aux.ctypes.data, self.aux.nbytes, -1, False)], state=[])
