@@ -22,6 +22,7 @@ import numpy as np
 from sglang_mori import protocol
 from sglang_mori.config import transfer_shard_count
 from sglang_mori.backend import room_status
+from sglang_mori.backend.prefill.announce import LazyAnnouncer
 from sglang_mori.backend.prefill.effects import RoomEffects
 from sglang_mori.backend.peers import Admission
 from sglang_mori.backend.prefill.failures import (
@@ -47,6 +48,8 @@ logger = logging.getLogger(__name__)
 
 # `post`'s answer for a chunk sent on to the stalled-decodes shard instead of held on its own.
 DEFERRED = object()
+# `post`'s outcome while `_post_targets` has not returned (it raised).
+_RAISED = object()
 
 
 @dataclass
@@ -74,6 +77,7 @@ class ChunkSubmitter:
         self.effects = effects
         self.failures = failures
         self.success = success
+        self.announcer = LazyAnnouncer(parts)
         cfg = parts.config
         # SimpleQueue: its put and get are C, a few microseconds less per chunk on each side than
         # queue.Queue's Python condition (the put runs in SGLang's scheduler thread). Unbounded,
@@ -238,13 +242,18 @@ class ChunkSubmitter:
         room, and its room with it. Returns the number of writes tracked."""
         writes: List[TrackedWrite] = []
         failure = None
+        announce = [chunk.announce]  # still due after `post`: a last chunk's, held back (announce.py)
         try:
-            failure = self.post(chunk, targets, writes, r, defer_held)
+            failure = self.post(chunk, targets, writes, r, defer_held, announce)
         finally:
             deferred = failure is DEFERRED
             if deferred:
                 failure = None
             with self.effects.transition() as fx:
+                if announce[0] and failure is None and writes:
+                    # Sent by the completion thread if the writes still run after the grace; moot
+                    # once the room concludes (a failure below, or its Success).
+                    self.announcer.defer(r, targets, self.p.clock())
                 # A deferred chunk is not the room's last submitted yet: it comes again.
                 self.p.rooms.end_submit(r, writes, chunk.is_last and not deferred, chunk.aux_index, fx)
                 if failure is not None:
@@ -257,6 +266,8 @@ class ChunkSubmitter:
             self.stalled_queue.put(chunk)
             self._publish_depth()
             return 0
+        if announce[0] and failure is None and not writes:
+            self._announce(chunk, targets, announce)  # nothing to wait on: the old order, at once
         if failure is None and r.last_submitted:
             # Writes that finished while they were posted (fast links): Success from here, not
             # after a wake-up of the completion thread (success.py).
@@ -299,26 +310,36 @@ class ChunkSubmitter:
             opened.add(batch_key)
         return None
 
-    def post(self, chunk: Chunk, targets, writes: List[TrackedWrite], life=None, defer_held: bool = False):
+    def post(self, chunk: Chunk, targets, writes: List[TrackedWrite], life=None, defer_held: bool = False,
+             announce: Optional[list] = None):
         """Post the chunk to every destination, appending each issued write to `writes`;
         (reason, label) of the first failure, None, or DEFERRED (`defer_held`: the first write
         would be held, and nothing was posted). The caller holds a submit token on the room and
         tracks `writes` afterwards, whatever this returns or raises. A write the peer's budget
-        holds is dropped, never posted, once room life `life` concludes meanwhile."""
+        holds is dropped, never posted, once room life `life` concludes meanwhile. `announce`
+        (`[chunk.announce]`, the caller's): a last chunk's TransferStarted is left due in it when
+        the chunk was posted or failed without waiting (the caller holds it back, announce.py)."""
         # Every chunk restarts decode's deadline (TransferStarted): a long chunked prefill is slow,
         # not dead. Announced once the writes are posted, so that the copies start one message
         # sooner (issue 28: the link's latency), unless something may wait first (the forward's
         # event, a write held for its peer's budget): then before that wait, as decode's deadline
-        # must restart where prefill's own starts. Always before `post` returns, so before any
-        # Success or failure of the room (both come after `end_submit`).
-        announce = [chunk.announce]
+        # must restart where prefill's own starts. Before `post` returns, so before any Success or
+        # failure of the room (both come after `end_submit`), except a last chunk's that nothing
+        # held up: the caller sends that one only if the room is still open after a grace (issue
+        # 28: one message per request to decode when the writes finish quickly).
+        if announce is None:
+            announce = [chunk.announce]
         if chunk.wait_event is not None:
             self._announce(chunk, targets, announce)
             chunk.wait_event.synchronize()  # source KV is ready only after the forward pass
+        outcome = _RAISED
         try:
-            return self._post_targets(chunk, targets, writes, life, defer_held, announce)
+            outcome = self._post_targets(chunk, targets, writes, life, defer_held, announce)
+            return outcome
         finally:
-            self._announce(chunk, targets, announce)
+            lazy = chunk.is_last and self.announcer.enabled and outcome is not _RAISED and outcome is not DEFERRED
+            if not lazy:
+                self._announce(chunk, targets, announce)
 
     def _announce(self, chunk: Chunk, targets, pending: list) -> None:
         """TransferStarted to each destination of `chunk`, once (`pending[0]` says if still due)."""
