@@ -27,7 +27,7 @@ no byte landed in a page after decode released it (softio's write log on decode)
 
 from __future__ import annotations
 
-from reliability_support import SLACK_S, TIMEOUT_MS, Session, check_end, outcomes, reliability_config
+from reliability_support import SLACK_S, TIMEOUT_MS, Session, check_end, outcomes, reliability_config, rooms_report
 
 from harness.pd.run import KVLayout, RoomShape, run_transfer
 from harness.pd.control import wait_until
@@ -35,6 +35,7 @@ from harness.pd.results import FAILED, SUCCESS
 
 ROUNDS = (6, 10, 6, 6, 8, 6, 6, 4, 6)
 BASE, STALL, SQ, PARTIAL, FOREVER, RESTARTED, LANE, BROKEN, RESTART = range(9)
+ROUND_NAMES = ("BASE", "STALL", "SQ", "PARTIAL", "FOREVER", "RESTARTED", "LANE", "BROKEN", "RESTART")
 # prefill_completion.DRAIN_GIVE_UP_DEADLINES (not imported: the orchestrator stays free of SGLang)
 DRAIN_GIVE_UP_DEADLINES = 10
 RELEASE_TIMEOUT_S = 4.0  # SGLang holds a failed room this long without the ACK
@@ -156,12 +157,18 @@ def test_lane_faults_fail_only_their_rooms_and_drain_before_release():
     def status(k):
         return {i: (pre[i].status, dec[i].status) for i in session.indices(k)}
 
+    def why(k: int, what: str) -> str:
+        # Which check, then how each room of its round ended and why, then the rest: a CI log
+        # cut after a few lines still tells the next flake apart.
+        return f"round {k} ({ROUND_NAMES[k]}): {what}\n{rooms_report(pre, dec, session.indices(k))}\n" \
+               f"marks={session.marks}\n{summary}"
+
     for k in (BASE, SQ, RESTARTED, RESTART):
-        assert all(v == (SUCCESS, SUCCESS) for v in status(k).values()), (k, status(k), summary)
+        assert all(v == (SUCCESS, SUCCESS) for v in status(k).values()), why(k, "a room did not succeed")
 
     # 2. stalled lane: the affected rooms fail by the deadline, held until the lane resumed, acked
     stalled = [i for i in session.indices(STALL) if dec[i].status == FAILED]
-    assert stalled, f"no room used the stalled lane\n{summary}"
+    assert stalled, why(STALL, "no room used the stalled lane")
     for i in session.indices(STALL):
         assert pre[i].status == dec[i].status, (i, pre[i].status_name, dec[i].status_name)
     for i in stalled:
@@ -170,7 +177,7 @@ def test_lane_faults_fail_only_their_rooms_and_drain_before_release():
         assert dec[i].release == "acked", (i, dec[i].release)
         assert dec[i].t_released >= session.marks["stall_resumed"], (i, dec[i].t_released, session.marks)
     landed_late = _writes_after_failure(session, dec, stalled, result.ready.t0)
-    assert landed_late, "no stalled write landed after its room failed: the drain was never exercised"
+    assert landed_late, why(STALL, "no stalled write landed after its room failed: the drain was never exercised")
 
     # 3. SQ full for a while: retried within the deadline, all succeeded, and it did block them
     assert max(pre[i].t_done - pre[i].t_ready for i in session.indices(SQ)) >= SQ_WINDOW_S * 0.75
@@ -181,13 +188,13 @@ def test_lane_faults_fail_only_their_rooms_and_drain_before_release():
         assert dec[i].status == FAILED and pre[i].t_done - pre[i].t_sent <= T + SLACK_S
     # (others may fail fast: a failed status marks the peer failed for a while)
     partial = [i for i in failed if "partial_post" in pre[i].failure and "failed recently" not in pre[i].failure]
-    assert partial, f"no room hit the partial post\n{summary}"
+    assert partial, why(PARTIAL, "no room hit the partial post")
     for i in partial:
         assert dec[i].t_released - dec[i].t_done >= LATENCY_MS / 1000, (i, dec[i].release)
 
     # 5. stalled for good: failed by the deadline, never ACKed, released at SGLang's timeout
     forever = [i for i in session.indices(FOREVER) if pre[i].status == FAILED]
-    assert forever, f"no room used the stalled lane\n{summary}"
+    assert forever, why(FOREVER, "no room used the lane stalled for good")
     assert box["forever_held"]["tracker"] > 0, box["forever_held"]  # still draining while decode waited
     for i in forever:
         assert "timed out" in pre[i].failure and pre[i].t_done - pre[i].t_sent <= T + SLACK_S, pre[i].failure
@@ -212,10 +219,10 @@ def test_lane_faults_fail_only_their_rooms_and_drain_before_release():
     # without which a loaded host (the completion thread preempted after the mark) left no room
     # here with the lane's own reason.
     broken = [i for i in lane if "fail_lane" in pre[i].failure and "failed recently" not in pre[i].failure]
-    assert broken, f"no room wrote through the failed lane\n{summary}"
+    assert broken, why(LANE, "no room wrote through the failed lane")
     held = [i for i in broken if dec[i].t_released >= session.marks["lanes_resumed"]]
     early = [i for i in broken if i not in held]
-    assert held, f"no room was held until the stalled lanes resumed: {[(i, dec[i].release) for i in early]}"
+    assert held, why(LANE, "no room was held until the stalled lanes resumed")
     for i in early:  # released before the lanes resumed: only on a drain proof (ACK), never a timeout
         assert dec[i].release == "acked", (i, dec[i].release, dec[i].t_released)
 
