@@ -225,3 +225,21 @@ def check_end(result: HarnessResult, session: Session, cfg, lost: Iterable[str] 
 def outcomes(result: HarnessResult, side: str, rank: int = 0) -> Dict[int, object]:
     (rep,) = [r for r in result.side(side) if r.rank == rank]
     return {o.index: o for o in rep.rooms}
+
+
+_ROOM_PREFIX = re.compile(r"^KVTransferError: KVTransferError\(bootstrap_room=\d+\): ")
+
+
+def rooms_report(pre: Dict[int, object], dec: Dict[int, object], indices: Iterable[int], width: int = 150) -> str:
+    """One line per room: both sides' status, decode's release, prefill's reason (cut to `width`).
+    Put first in an assertion message, so that a CI log cut after a few lines still says how
+    each room of the round ended and why."""
+    lines = []
+    for i in indices:
+        p, d = pre[i], dec[i]
+        reason = _ROOM_PREFIX.sub("", p.failure or d.failure or "")[:width]
+        when = "" if d.t_released is None else f"@{d.t_released:.2f}s"
+        release = f" release={d.release}{when}" if d.release else ""
+        lines.append(f"  room#{i} prefill={p.status_name} decode={d.status_name}{release}"
+                     + (f": {reason}" if reason else ""))
+    return "\n".join(lines)

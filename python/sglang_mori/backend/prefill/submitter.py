@@ -41,7 +41,7 @@ from sglang_mori.backend.prefill.failures import (
 from sglang_mori.backend.prefill.parts import PrefillParts
 from sglang_mori.backend.prefill.rooms import Phase, TrackedWrite
 from sglang_mori.backend.prefill.success import SuccessDecider
-from sglang_mori.engine import SubmitError
+from sglang_mori.engine import SubmitError, WriteState
 from sglang_mori.planning import PlanningError
 
 logger = logging.getLogger(__name__)
@@ -257,7 +257,7 @@ class ChunkSubmitter:
                 # A deferred chunk is not the room's last submitted yet: it comes again.
                 self.p.rooms.end_submit(r, writes, chunk.is_last and not deferred, chunk.aux_index, fx)
                 if failure is not None:
-                    self.failures.conclude_locked(r, *failure, fx)
+                    self.failures.conclude_locked(r, *self._first_cause(r, failure), fx)
                 if deferred:
                     chunk.life, chunk.announce, chunk.queued = r, False, True  # decode heard it started
                     r.queued += 1
@@ -273,6 +273,20 @@ class ChunkSubmitter:
             # after a wake-up of the completion thread (success.py).
             self.success.try_succeed(r)
         return len(writes)
+
+    def _first_cause(self, r, failure: tuple) -> tuple:
+        """The reason to fail room life `r` with, under the registry lock: `failure` (this chunk's
+        (reason, label)), unless it only says the peer is unusable (PEER_DEAD: "failed recently",
+        "cannot reach") while a write of the room already failed or expired. The peer was marked
+        by another room's failure that the completion thread saw first; this room's own write is
+        its first cause, as the completion thread would have concluded (completion.py)."""
+        if failure[1] != PEER_DEAD:
+            return failure
+        state, reason = r.verdict(self.p.clock())
+        if state is not WriteState.FAILED:
+            return failure
+        timed_out = any(w.handle.state() is WriteState.RUNNING for w in r.writes)
+        return reason, TIMEOUT if timed_out else PEER_DEAD
 
     def _open_sessions(self, peer, batch) -> Optional[str]:
         """First contact with every (local, remote) region pair of a write before it is posted;
