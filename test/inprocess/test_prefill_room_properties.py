@@ -123,7 +123,7 @@ class FakeSubmitter(ChunkSubmitter):
         super().__init__(*args)
         self.machine = machine
 
-    def post(self, chunk, targets, writes, life=None, defer_held=False):
+    def post(self, chunk, targets, writes, life=None, defer_held=False, inline=False):
         for t in targets:  # never held (the budget is far above the load): nothing to defer
             for _ in range(chunk.num_kv_tokens):
                 assert self.effects.take_slot(t.engine_key, self.p.clock() + TIMEOUT_S)
@@ -182,7 +182,7 @@ class RoomMachine(RuleBasedStateMachine):
         self.budget = CountingBudget()
         self.rec = Recorder()
         self.parts = SimpleNamespace(
-            config=MoriConfig(), rooms=PrefillRoomRegistry(), sglang=self.sglang, metrics=self.rec,
+            config=MoriConfig(inline_post=False), rooms=PrefillRoomRegistry(), sglang=self.sglang, metrics=self.rec,
             messenger=self.rec, peers=SimpleNamespace(budget=self.budget, mark_failed=lambda *a: False),
             clock=lambda: self.now, timeout_s=TIMEOUT_S, owns_aux=False, read_aux=lambda i: None,
             engine=SimpleNamespace(pop_peer_failures=lambda: [], can_fence=False))
