@@ -142,13 +142,8 @@ class ChunkSubmitter:
         if r is None:
             return targets is None  # None: dealt with (dropped or failed); False: hand over
         chunk.life = r
-        try:
-            handed_off = self.post_tracked(chunk, r, targets, inline=True) is HAND_OFF
-        except Exception as exc:  # a bug fails this room, never SGLang's scheduler
-            logger.exception("sglang-mori: chunk of room %s failed", chunk.room)
-            with self.effects.transition(never_block=True) as fx:
-                self.failures.conclude_locked(r, f"internal error while sending KV: {exc!r}", OTHER, fx)
-            return True
+        # A failure, a bug's included, fails this room inside (post_tracked), never the caller.
+        handed_off = self.post_tracked(chunk, r, targets, inline=True) is HAND_OFF
         if not handed_off:
             self.inline_posts += 1
         return not handed_off
@@ -304,6 +299,11 @@ class ChunkSubmitter:
         failure = None
         try:
             failure = self.post(chunk, targets, writes, r, defer_held, inline)
+        except Exception as exc:
+            # A bug fails this room through the door in the same transition that tracks the
+            # chunk: failed later, a last chunk with nothing tracked could conclude Success first.
+            logger.exception("sglang-mori: chunk of room %s failed", chunk.room)
+            failure = f"internal error while sending KV: {exc!r}", OTHER
         finally:
             handed_off = failure is HAND_OFF
             deferred = failure is DEFERRED
