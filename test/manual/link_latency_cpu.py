@@ -153,9 +153,12 @@ def main(shape_key: str = "mla61p64", tokens: int = 8192, requests: int = 30) ->
                 bursts.append((max(stamps[r] for r in rooms) - t0) * 1e3 - BURST * COPY_MS)
         finally:
             pair.stop()
+        # chunks posted on send()'s own thread (SGLANG_MORI_INLINE_POST; None: a backend without it)
+        inline = getattr(pair.prefill.submitter, "inline_posts", None)
     row = ", ".join(f"{k} {statistics.median(v):.3f}" for k, v in phases.items())
     print(f"{shape_key} {tokens} tok, copy {COPY_MS} ms, {requests} requests: {row} ms; "
-          f"burst of {BURST}: beyond copies {statistics.median(bursts):.3f} ms", flush=True)
+          f"burst of {BURST}: beyond copies {statistics.median(bursts):.3f} ms; "
+          f"inline posts {inline} of {3 + requests + BURST * len(bursts)} chunks", flush=True)
 
 
 if __name__ == "__main__":

@@ -135,8 +135,8 @@ class ChunkSubmitter:
         dropped, or its room failed through the failure door), False, with nothing changed, when
         it must go to its shard's queue (`enqueue` then queues it). Never waits: whatever would
         (a session still to open, a budget that would hold the write) hands the chunk over
-        before anything is posted. The one exception is the engine's resubmission of "SQ full"
-        pairs (SGLANG_MORI_SUBMIT_RETRY_MAX), which backs off once they were posted."""
+        before anything is posted. The one exception is the engine's resubmission of pairs the
+        NIC's send queue refused (SGLANG_MORI_SUBMIT_RETRY_MAX), which backs off once posted."""
         with self.effects.transition(never_block=True) as fx:
             r, targets = self._inline_targets(chunk, fx)
         if r is None:
