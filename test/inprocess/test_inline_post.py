@@ -6,12 +6,13 @@ instead (a busy shard, an earlier chunk of the room still queued, a full in-flig
 a failure found inline fails that room only, through the failure door, with its reason."""
 
 import threading
+from types import SimpleNamespace
 
-import numpy as np
 import pytest
 
 from sglang_mori import protocol
 from sglang_mori.backend import room_status as S
+from sglang_mori.backend.prefill.submitter import ChunkSubmitter
 from sglang_mori.config import MoriConfig
 from sglang_mori.planning import PlanningError
 
@@ -21,7 +22,7 @@ from stalled_lanes import open_room, resume, stall
 
 @pytest.fixture
 def rig():
-    with PrefillRig(MoriConfig(transfer_shards=1, transfer_timeout_ms=30000, inline_post=True)) as r:
+    with PrefillRig(MoriConfig(transfer_shards=1, transfer_timeout_ms=30000, inline_post="on")) as r:
         r.register()
         yield r
 
@@ -145,7 +146,7 @@ def test_a_failure_in_an_inline_post_fails_that_room_only_with_its_reason(rig, e
 
 
 def test_a_full_budget_hands_the_chunk_to_its_shard_without_waiting():
-    config = MoriConfig(transfer_shards=1, transfer_timeout_ms=30000, inline_post=True,
+    config = MoriConfig(transfer_shards=1, transfer_timeout_ms=30000, inline_post="on",
                         max_inflight_per_peer=1)
     with PrefillRig(config=config) as rig:
         rig.register()
@@ -172,7 +173,29 @@ def test_a_full_budget_hands_the_chunk_to_its_shard_without_waiting():
 
 
 def test_off_every_chunk_goes_through_its_shard():
-    with PrefillRig(MoriConfig(transfer_shards=1, transfer_timeout_ms=30000, inline_post=False)) as rig:
+    with PrefillRig(MoriConfig(transfer_shards=1, transfer_timeout_ms=30000, inline_post="off")) as rig:
+        rig.register()
+        warm_up(rig)
+        posts = record_post_threads(rig)
+        open_room(rig, 1, pages=[10])
+        rig.send(1, pages=[0], last=True)
+        rig.wait_status(1, S.SUCCESS)
+        assert posts == [(page_bytes(1), "mori-shard-0")]
+
+
+@pytest.mark.parametrize("mode, scheduler_hands_over, inline", [
+    ("on", True, True), ("on", False, True), ("off", True, False), ("off", False, False),
+    ("auto", True, False),  # SGLang's scheduler thread keeps its time: chunks go to the shards
+    ("auto", False, True),  # the transfer process's reader thread is ours: it posts inline
+])
+def test_the_mode_decides_by_who_hands_the_chunks_over(mode, scheduler_hands_over, inline):
+    parts = SimpleNamespace(config=MoriConfig(transfer_shards=1, inline_post=mode),
+                            scheduler_hands_over=scheduler_hands_over)
+    assert ChunkSubmitter(parts, None, None, None).inline_post is inline
+
+
+def test_auto_in_process_goes_through_the_shard():
+    with PrefillRig(MoriConfig(transfer_shards=1, transfer_timeout_ms=30000)) as rig:
         rig.register()
         warm_up(rig)
         posts = record_post_threads(rig)

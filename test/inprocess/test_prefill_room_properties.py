@@ -182,7 +182,7 @@ class RoomMachine(RuleBasedStateMachine):
         self.budget = CountingBudget()
         self.rec = Recorder()
         self.parts = SimpleNamespace(
-            config=MoriConfig(inline_post=False), rooms=PrefillRoomRegistry(), sglang=self.sglang, metrics=self.rec,
+            config=MoriConfig(inline_post="off"), rooms=PrefillRoomRegistry(), sglang=self.sglang, metrics=self.rec,
             messenger=self.rec, peers=SimpleNamespace(budget=self.budget, mark_failed=lambda *a: False),
             clock=lambda: self.now, timeout_s=TIMEOUT_S, owns_aux=False, read_aux=lambda i: None,
             engine=SimpleNamespace(pop_peer_failures=lambda: [], can_fence=False))

@@ -12,7 +12,7 @@ from harness.hotpath.run import run_case
 def test_steps_are_counted_on_the_threads_that_run_them():
     # Chunks through the shard (inline posts off: the next test counts them on the scheduler's thread).
     result = run_case("mla61p64", 128, requests=16, window=4, token_bytes=16, engine_mode="instant", steps=True,
-                      config=MoriConfig(transfer_shards=1, inline_post=False))
+                      config=MoriConfig(transfer_shards=1, inline_post="off"))
     steps = {(row["thread"], row["step"]): row for row in result["steps"]}
     # One chunk per request, planned and posted on the shard thread, never on the scheduler's.
     # The window closes once every room succeeded, which the shard decides inside `submit`: the
@@ -33,10 +33,11 @@ def test_steps_are_counted_on_the_threads_that_run_them():
 
 
 def test_inline_posts_are_counted_on_the_schedulers_thread():
-    """SGLANG_MORI_INLINE_POST (the default): a lone room's chunk is planned and posted inside
+    """SGLANG_MORI_INLINE_POST=on: a lone room's chunk is planned and posted inside
     send(), on the scheduler's thread, never by a shard; a window of rooms sent back to back
     overlaps nothing on the shard (the instant engine finishes each write as it is posted)."""
-    result = run_case("mla61p64", 128, requests=16, window=4, token_bytes=16, engine_mode="instant", steps=True)
+    result = run_case("mla61p64", 128, requests=16, window=4, token_bytes=16, engine_mode="instant", steps=True,
+                      config=MoriConfig(transfer_shards=1, inline_post="on"))
     steps = {(row["thread"], row["step"]): row for row in result["steps"]}
     assert steps[("MainThread", "inline post (all of it)")]["calls"] == pytest.approx(1.0)
     assert steps[("MainThread", "plan: write_batch")]["calls"] == pytest.approx(1.0)
@@ -53,7 +54,7 @@ def test_decode_polls_count_the_poll_as_decodes_scheduler_call():
     # prefill's send(), which this rig runs on the thread that polls for decode, so decode's status
     # thread would read every message before the first poll.
     result = run_case("gqa32p16", 64, requests=requests, window=window, token_bytes=16, engine_mode="instant",
-                      decode_polls=True, config=MoriConfig(transfer_shards=1, inline_post=False))
+                      decode_polls=True, config=MoriConfig(transfer_shards=1, inline_post="off"))
     assert result["decode"]["scheduler.poll"]["ours_us"] > 0
     read = result["decode_read_by"]
     assert read["poll"] + read["thread"] == 2 * (requests + 2 * window)

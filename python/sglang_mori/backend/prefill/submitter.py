@@ -91,7 +91,8 @@ class ChunkSubmitter:
         # on a chunk (written by that thread only), so the handing-over thread posts only where
         # it overtakes nothing of its shard. Ordering does not rest on it: a room's chunks stay
         # in order through the room's own counts (`_inline_targets`).
-        self.inline_post = bool(getattr(cfg, "inline_post", False))
+        mode = getattr(cfg, "inline_post", "off")
+        self.inline_post = mode == "on" or (mode == "auto" and not getattr(parts, "scheduler_hands_over", True))
         self.shard_busy = [False] * len(self.queues)
         self.inline_posts = 0  # chunks posted inline (tests and benchmarks read it)
         # Count and publish the queue depth as one step: shards and the scheduler update it at once.
