@@ -158,6 +158,14 @@ KNOBS: Tuple[Knob, ...] = (
          "deadlines at least this often; prefill's completion thread waits at most this long (capped "
          "at 20 ms) on a running write before looking at every room again.", int_between(1, 10000),
          "1..10000"),
+    Knob("SGLANG_MORI_ANNOUNCE_GRACE_MS", "announce_grace_ms", "int", 5,
+         "Prefill: a request's last chunk tells decode its transfer started (TransferStarted, which "
+         "starts decode's own transfer deadline) only if the chunk's writes are still running this "
+         "long after they were posted; a chunk that succeeds or fails sooner sends decode only its "
+         "Success or Failed, one message per request instead of two (issue 28). Earlier chunks "
+         "announce at once. Small against decode's deadline (SGLANG_MORI_TRANSFER_TIMEOUT_MS plus "
+         "5 s), which starts at most this much later than prefill's own (docs/design.md). 0: every "
+         "chunk announces at once.", int_between(0, 1000), "0..1000"),
     Knob("SGLANG_MORI_MAX_INFLIGHT_PER_PEER", "max_inflight_per_peer", "int", 64,
          "Transfer statuses in flight per decode peer; submitting more waits (within the deadline).",
          int_at_least(1), ">= 1"),
@@ -275,6 +283,7 @@ class MoriConfig:
     transfer_shards: int = 0  # 0: auto_transfer_shards()
     transfer_timeout_ms: int = 30000
     wait_poll_ms: int = 50
+    announce_grace_ms: int = 5
     max_inflight_per_peer: int = 64
     max_inflight_bytes_per_peer: int = 4 << 20
     peer_stall_ms: int = 500

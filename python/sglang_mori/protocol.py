@@ -11,7 +11,9 @@ turns into (at most) the failure of the room the message names. Nothing here rai
 Message flow (one decode rank D, one prefill rank P):
     D -> P  Register       once per (D, P): D's engine descriptor, memory descriptors and layout
     D -> P  RoomMetadata   per request: D's page indices, aux slot and state slots
-    P -> D  TransferStarted a chunk was submitted (restarts D's transfer deadline; names the attempt)
+    P -> D  TransferStarted a chunk was submitted (restarts D's transfer deadline; names the attempt);
+                           a room's last chunk sends it only if not concluded within a grace
+                           (SGLANG_MORI_ANNOUNCE_GRACE_MS), so D may get the RoomStatus alone
     P -> D  RoomStatus     terminal: Success carries the aux bytes, so "done" never precedes the data;
                            it names the RoomMetadata attempt it concludes, and D applies it to that
                            receiver only (a late status of a retracted attempt is stale, not news)

@@ -6,7 +6,8 @@ driven like the schedulers drive them, byte-exact checks on decode) run N reques
 `--concurrency` open at once. While they run:
 
 - `--abort-rate` of the requests are aborted mid-flight, split between prefill (an AbortReq after
-  its last chunk), decode mid-transfer (after TransferStarted) and decode while pre-allocating;
+  its last chunk), decode mid-transfer (after TransferStarted: a room whose last chunk finishes
+  within SGLANG_MORI_ANNOUNCE_GRACE_MS sends none and simply succeeds) and decode while pre-allocating;
 - `--fault-rate` of the requests meet an injected fault, half request-level (metadata naming a
   decode page past the pool) and half transport-level (softio `partial_post` armed on prefill's
   engine at even intervals: a transfer fails after part of it was posted, whose bytes still land).

@@ -203,3 +203,24 @@ def test_a_late_transfer_started_of_an_earlier_attempt_never_restarts_the_next_r
     assert rig.decode_sglang.status(8) == S.FAILED
     assert "not complete" in rig.decode_sglang.failure_records[8]
     assert svc.p.rooms.attempt_of(8) == second
+
+
+def test_a_success_with_no_transfer_started_concludes_a_room_awaiting_prefill():
+    # Issue 28: a last chunk whose writes finish within SGLANG_MORI_ANNOUNCE_GRACE_MS sends decode
+    # its Success only, so the room goes from AWAITING_PREFILL straight to SUCCEEDED.
+    clock = Clock()
+    rig = decode_rig(clock)
+    svc = rig.decode_service
+    attempt = rig.new_attempt(9)
+    rig.metadata(9, pages=[1], aux_index=2)
+    assert svc.p.rooms.get(9).phase is DecodePhase.AWAITING_PREFILL
+    svc.handle(protocol.encode(protocol.RoomStatus(room=9, attempt=attempt, status=S.SUCCESS, prefill_rank=0,
+                                                   aux=[bytes(range(AUX_BYTES))])))
+    assert rig.decode_sglang.status(9) == S.SUCCESS
+    assert svc.p.rooms.get(9).phase is DecodePhase.SUCCEEDED
+    assert rig.decode.aux[2 * AUX_BYTES:3 * AUX_BYTES].tobytes() == bytes(range(AUX_BYTES))
+    # A TransferStarted that still comes after it (another prefill thread's) reopens nothing and
+    # starts no deadline that could fail the concluded room.
+    svc.handle(protocol.encode(protocol.TransferStarted(room=9, attempt=attempt, prefill_rank=0)))
+    svc.enforce_deadlines(clock.now + svc.deadline_s + 1)
+    assert svc.p.rooms.get(9).phase is DecodePhase.SUCCEEDED and rig.decode_sglang.status(9) == S.SUCCESS

@@ -30,7 +30,9 @@ def test_bytes_land_then_success_with_aux(rig):
     assert rig.service.p.peers.get(rig.decode.engine.key).open_pairs  # opened by the first write
     done = rig.success_message(1)
     assert done.status == S.SUCCESS and done.aux == [rig.prefill.aux[48:64].tobytes()]
-    assert len(rig.messenger.of_type(protocol.TransferStarted, 1)) == 2  # one per chunk
+    # The first chunk's, and the last one's only if its writes outlived SGLANG_MORI_ANNOUNCE_GRACE_MS
+    # (test_announce_order.py pins down which).
+    assert len(rig.messenger.of_type(protocol.TransferStarted, 1)) in (1, 2)
     rig.clear(1)
     rig.wait_idle()
     assert rig.sglang.outstanding.get(1) is None

@@ -24,8 +24,11 @@ ROOM_A, ROOM_B = 7, 7 + SHARDS  # both on shard 7 % SHARDS
 
 def _rig(stall_ms=0):
     # peer_stall_ms 0: the budget binds from the first byte toward a peer with writes in flight.
+    # announce_grace_ms 0: every chunk, the last too, is announced by the shard that posted it, which
+    # is how these tests see where a chunk went (a quick last chunk would announce nothing).
     return PrefillRig(config=MoriConfig(transfer_shards=SHARDS, transfer_timeout_ms=30000,
-                                        max_inflight_bytes_per_peer=2 * CHUNK_BYTES, peer_stall_ms=stall_ms))
+                                        max_inflight_bytes_per_peer=2 * CHUNK_BYTES, peer_stall_ms=stall_ms,
+                                        announce_grace_ms=0))
 
 
 def _hold_a_chunk_of_room_a(rig, posted):

@@ -23,12 +23,14 @@ def test_steps_are_counted_on_the_threads_that_run_them():
     assert not any(thread == "MainThread" and "plan" in step for thread, step in steps)
     # Decode's metadata is handled by prefill's control thread, once per request.
     assert steps[("mori-control", "control: handle message")]["calls"] == pytest.approx(1.0)
-    # Decode's status thread reads prefill's two messages per request (TransferStarted, Success)
-    # through the inbox, one receive each (and a receive per timeout or wake-up besides); the last
-    # may be counted after the report, as above.
+    # Decode's status thread reads prefill's messages through the inbox, one receive each (and a
+    # receive per timeout or wake-up besides): the Success, and a TransferStarted only for a room
+    # still running SGLANG_MORI_ANNOUNCE_GRACE_MS after its post, which the instant engine's rarely
+    # are (a shard descheduled that long on a busy host); the last may be counted after the report.
     handled = steps[("mori-decode-status", "decode status: handle message")]
     received = steps[("mori-decode-status", "inbox: wait, receive, handle")]
-    assert 30 / 16 <= handled["calls"] <= 2.0 and received["calls"] >= handled["calls"] - 1 / 16
+    assert 15 / 16 <= handled["calls"] < 2.0 and received["calls"] >= handled["calls"] - 1 / 16
+    assert 15 / 16 <= result["decode_messages_per_request"] < 2.0
     assert result["rejections"] == []
 
 
@@ -46,9 +48,9 @@ def test_inline_posts_are_counted_on_the_schedulers_thread():
 
 
 def test_decode_polls_count_the_poll_as_decodes_scheduler_call():
-    """--decode-polls: decode's scheduler polls its rooms as check_status does; every message (two
-    per request, warm-up batches included) is read once, by the poll or the status thread, and the
-    poll's CPU is decode's scheduler.poll."""
+    """--decode-polls: decode's scheduler polls its rooms as check_status does; every message (the
+    Success, and a TransferStarted for a room not done within its grace; warm-up batches included) is
+    read once, by the poll or the status thread, and the poll's CPU is decode's scheduler.poll."""
     window, requests = 4, 8
     # Chunks through the shard: posted inline with the instant engine, a room's Success leaves inside
     # prefill's send(), which this rig runs on the thread that polls for decode, so decode's status
@@ -57,7 +59,8 @@ def test_decode_polls_count_the_poll_as_decodes_scheduler_call():
                       decode_polls=True, config=MoriConfig(transfer_shards=1, inline_post="off"))
     assert result["decode"]["scheduler.poll"]["ours_us"] > 0
     read = result["decode_read_by"]
-    assert read["poll"] + read["thread"] == 2 * (requests + 2 * window)
+    rooms = requests + 2 * window
+    assert rooms <= read["poll"] + read["thread"] < 2 * rooms
     assert read["poll"] > 0 and result["decode_polls_per_request"] >= 1
     assert result["decode_status_polled_idle_us_per_s"] >= 0
 

@@ -63,9 +63,24 @@ class RunningWrite:
 @pytest.mark.parametrize("poll_ms, waited", [(1, 1), (7, 7), (20, 20), (50, 20), (10000, 20)])
 def test_prefill_completion_waits_on_a_running_write_at_most_the_knob_capped(poll_ms, waited):
     write = RunningWrite()
-    room = SimpleNamespace(writes=[SimpleNamespace(handle=write)])
+    room = SimpleNamespace(writes=[SimpleNamespace(handle=write)], announce_at=None, concluded=False)
     rooms = SimpleNamespace(generation=0, lock=threading.Lock(), with_writes=lambda: [room], open_count=lambda: 1)
     parts = SimpleNamespace(config=MoriConfig(wait_poll_ms=poll_ms), rooms=rooms, clock=lambda: 1.0,
+                            metrics=NullTransferMetrics(), engine=SimpleNamespace(pop_peer_failures=list))
+    completion = Completion(parts, effects=None, failures=None, on_peer_failed=None)
+    completion.advance = lambda r, now: None  # the pass's decisions are not under test here
+    completion.run_once()
+    assert write.waited == [waited]
+
+
+@pytest.mark.parametrize("due_in_s, waited", [(0.003, 3), (0.0004, 1), (0.5, 20)])
+def test_prefill_completion_wakes_when_a_held_back_transfer_started_is_due(due_in_s, waited):
+    """A last chunk's TransferStarted held back for SGLANG_MORI_ANNOUNCE_GRACE_MS (announce.py) goes
+    out once due: the wait on a running write ends by then (at least 1 ms), not after the full poll."""
+    write = RunningWrite()
+    room = SimpleNamespace(writes=[SimpleNamespace(handle=write)], announce_at=1.0 + due_in_s, concluded=False)
+    rooms = SimpleNamespace(generation=0, lock=threading.Lock(), with_writes=lambda: [room], open_count=lambda: 1)
+    parts = SimpleNamespace(config=MoriConfig(wait_poll_ms=50), rooms=rooms, clock=lambda: 1.0,
                             metrics=NullTransferMetrics(), engine=SimpleNamespace(pop_peer_failures=list))
     completion = Completion(parts, effects=None, failures=None, on_peer_failed=None)
     completion.advance = lambda r, now: None  # the pass's decisions are not under test here

@@ -1,6 +1,7 @@
 """Both sides of one PD pair in this process, on softio host memory, wired as in production:
-decode's metadata reaches prefill's control thread over ZMQ, prefill's TransferStarted and Success
-reach decode's status thread over ZMQ (our Messenger). SGLang's per-room tables are stood in by
+decode's metadata reaches prefill's control thread over ZMQ, prefill's Success (and a TransferStarted
+for a room whose writes outlive SGLANG_MORI_ANNOUNCE_GRACE_MS) reach decode's status thread over
+ZMQ (our Messenger). SGLang's per-room tables are stood in by
 FakeSGLang (test/inprocess), so nothing here imports SGLang or torch.
 
 Shapes keep real layer, buffer and page counts (what our Python's cost follows); the bytes per

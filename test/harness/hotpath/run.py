@@ -172,6 +172,8 @@ def run_case(shape_key: str, tokens: int, requests: int, window: int, token_byte
                 stepped.enabled = True
             driver.calls.enabled = True
             driver.polls = 0
+            inbox = pair.decode.inbox
+            read_before = inbox.by_poller + inbox.by_thread
             clocks.start()
             start = time.perf_counter()
             for _ in range(batches):
@@ -179,8 +181,12 @@ def run_case(shape_key: str, tokens: int, requests: int, window: int, token_byte
             wall = time.perf_counter() - start
             threads = clocks.since()
             result = report(driver.calls.ns, threads, engine, batches * window, wall)
+            # Prefill's messages decode read per request (2: TransferStarted and Success; 1: the
+            # last chunk finished within SGLANG_MORI_ANNOUNCE_GRACE_MS). A message read just after
+            # the last batch ended may be missed.
+            result["decode_messages_per_request"] = round(
+                (inbox.by_poller + inbox.by_thread - read_before) / (batches * window), 2)
             if decode_polls:
-                inbox = pair.decode.inbox
                 result["decode_polls_per_request"] = round(driver.polls / (batches * window), 1)
                 result["decode_status_polled_idle_us_per_s"] = polled_idle_status_cpu(pair)
                 # read after those 2 s: a reader counts a message just after handling it

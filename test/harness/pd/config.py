@@ -217,7 +217,8 @@ class HarnessConfig:
     # finished on its side and, with `control`, once the test opened round k. `control`: serve
     # the per-worker control socket (fault injection mid-run, leftover tables, write log, engine
     # restart). `decode_abort_inflight`: decode aborts these rooms once their transfer has
-    # started (mori: TransferStarted seen; other backends: right after send_metadata).
+    # started (mori: TransferStarted seen, which a last chunk sends only once its writes outlive
+    # SGLANG_MORI_ANNOUNCE_GRACE_MS, so hold them in flight; other backends: right after send_metadata).
     # `bad_decode_pages`: these rooms send metadata naming a decode page past the pool's end.
     # `duplicate_rooms`: (a, b) pairs, room b reuses room a's bootstrap_room id.
     rounds: Tuple[int, ...] = ()

@@ -250,8 +250,11 @@ def run_decode_rooms(
 
 
 def _transfer_started(st: RoomState) -> bool:
-    """mori: prefill said it submitted the room's first chunk (TransferStarted); other backends
-    give no such signal, so any time after send_metadata counts."""
+    """mori: prefill said it submitted a chunk of the room (TransferStarted); other backends
+    give no such signal, so any time after send_metadata counts. A room's last chunk announces only
+    if its writes still run after SGLANG_MORI_ANNOUNCE_GRACE_MS: a quick single-chunk room never
+    gives this signal (it just succeeds), so the tests that abort mid-transfer hold the writes in
+    flight (stalled lanes, a bandwidth cap) and the signal comes once the grace passed."""
     parts = getattr(getattr(st.mgr, "service", None), "p", None)
     if parts is None:
         return True

@@ -14,15 +14,19 @@ Per room:
   failed write or expired deadline, or because SGLang failed the room meanwhile;
 - finishes a concluded room: DRAINED releases decode's held abort ACKs; POISONED (a write may
   still land) never does, and decode releases those pages at its own timeout;
-- fences a failed room's writes still in flight before that timeout, where the engine can (fence.py).
+- fences a failed room's writes still in flight before that timeout, where the engine can (fence.py);
+- sends a last chunk's held-back TransferStarted once its grace passed with the room still open
+  (announce.py); its waits end by then.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from typing import Optional
 
 from sglang_mori.backend import room_status
+from sglang_mori.backend.prefill.announce import LazyAnnouncer
 from sglang_mori.backend.prefill.effects import RoomEffects
 from sglang_mori.backend.prefill.fence import WriteFence
 from sglang_mori.backend.prefill.failures import ABORTED, FAILED_ON_PREFILL, PEER_DEAD, TIMEOUT, PrefillFailures
@@ -52,6 +56,7 @@ class Completion:
         # room's write that finished meanwhile waits this long for its Success, hence the cap.
         self.poll_ms = max(1, min(parts.config.wait_poll_ms, COMPLETION_POLL_CAP_MS))
         self.fence = WriteFence(parts, DRAIN_GIVE_UP_DEADLINES)
+        self.announcer = LazyAnnouncer(parts)
 
     def run_once(self) -> None:
         p = self.p
@@ -67,15 +72,21 @@ class Completion:
         p.metrics.set_open_rooms(p.rooms.open_count())
         running = next((w.handle for r in rooms for w in r.writes if w.handle.state() is WriteState.RUNNING), None)
         if running is not None:
-            running.wait_running(self.poll_ms)
+            # Bounded by the next held-back TransferStarted too (announce.py): it goes out on time.
+            wait_ms = self.poll_ms
+            if self.announcer.enabled:
+                wait_ms = max(1, math.ceil(self.announcer.wait_s(rooms, now, wait_ms / 1000.0) * 1000.0))
+            running.wait_running(wait_ms)
         elif not any(not w.handle.released and w.handle.quiescent() for r in rooms for w in r.writes):
             # Nothing running, and no write turned quiescent since the pass (that one is settled
             # at once by the next pass): sleep until a submitter or an abort changes something.
-            p.rooms.wait_for_change(generation, 0.2)
+            p.rooms.wait_for_change(generation, self.announcer.wait_s(rooms, now, 0.2))
 
     def advance(self, r: PrefillRoom, now: float) -> None:
         if not r.concluded:
             self._maybe_conclude(r, now)
+            if r.announce_at is not None:
+                self.announcer.fire(r, now)  # still open past its grace: decode's deadline starts
             # Every room is settled on every pass, also one whose writes all still run: skipping
             # those (issue 28's second round) made `bench transfer` slower than without the skip
             # in 3 of 3 locked same-run rounds (docs/benchmarks.md), for no CPU per request saved.

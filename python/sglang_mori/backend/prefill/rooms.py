@@ -141,6 +141,10 @@ class PrefillRoom:
     concluded_at: float = 0.0
     layerwise: object = None  # layerwise.session.RoomRecord of this life, once it streams
     fenced: bool = False  # its running writes' peers were fenced (fence.py), at most once
+    # The last chunk's TransferStarted, held back (announce.py): due at `announce_at` unless the
+    # room concludes first, to each (decode address, attempt) in `announce_to`.
+    announce_at: Optional[float] = None
+    announce_to: Optional[list] = None
 
     # --- queries ------------------------------------------------------------------------
     @property

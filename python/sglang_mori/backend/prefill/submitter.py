@@ -22,6 +22,7 @@ import numpy as np
 from sglang_mori import protocol
 from sglang_mori.config import transfer_shard_count
 from sglang_mori.backend import room_status
+from sglang_mori.backend.prefill.announce import LazyAnnouncer
 from sglang_mori.backend.prefill.effects import RoomEffects
 from sglang_mori.backend.peers import Admission
 from sglang_mori.backend.prefill.failures import (
@@ -50,6 +51,8 @@ DEFERRED = object()
 # `post`'s answer on the handing-over thread (an inline post) when something would wait: nothing
 # was posted, and the chunk goes to its shard's queue instead.
 HAND_OFF = object()
+# `post`'s outcome while `_post_targets` has not returned (it raised).
+_RAISED = object()
 
 
 @dataclass
@@ -77,6 +80,7 @@ class ChunkSubmitter:
         self.effects = effects
         self.failures = failures
         self.success = success
+        self.announcer = LazyAnnouncer(parts)
         cfg = parts.config
         # SimpleQueue: its put and get are C, a few microseconds less per chunk on each side than
         # queue.Queue's Python condition (the put runs in SGLang's scheduler thread). Unbounded,
@@ -298,8 +302,9 @@ class ChunkSubmitter:
         the number of writes tracked."""
         writes: List[TrackedWrite] = []
         failure = None
+        announce = [chunk.announce]  # still due after `post`: a last chunk's, held back (announce.py)
         try:
-            failure = self.post(chunk, targets, writes, r, defer_held, inline)
+            failure = self.post(chunk, targets, writes, r, defer_held, announce=announce, inline=inline)
         except Exception as exc:
             # A bug fails this room through the door in the same transition that tracks the
             # chunk: failed later, a last chunk with nothing tracked could conclude Success first.
@@ -311,6 +316,10 @@ class ChunkSubmitter:
             if deferred or handed_off:
                 failure = None
             with self.effects.transition(never_block=inline) as fx:
+                if announce[0] and failure is None and writes:
+                    # Sent by the completion thread if the writes still run after the grace; moot
+                    # once the room concludes (a failure below, or its Success).
+                    self.announcer.defer(r, targets, self.p.clock())
                 # A deferred or handed-over chunk is not the room's last submitted yet: it comes again.
                 self.p.rooms.end_submit(r, writes, chunk.is_last and not (deferred or handed_off),
                                         chunk.aux_index, fx)
@@ -326,6 +335,8 @@ class ChunkSubmitter:
             self.stalled_queue.put(chunk)
             self._publish_depth()
             return 0
+        if announce[0] and failure is None and not writes:
+            self._announce(chunk, targets, announce, block=not inline)  # nothing to wait on: at once
         if failure is None and r.last_submitted:
             # Writes that finished while they were posted (fast links): Success from here, not
             # after a wake-up of the completion thread (success.py).
@@ -378,29 +389,34 @@ class ChunkSubmitter:
         return None
 
     def post(self, chunk: Chunk, targets, writes: List[TrackedWrite], life=None, defer_held: bool = False,
-             inline: bool = False):
+             announce: Optional[list] = None, inline: bool = False):
         """Post the chunk to every destination, appending each issued write to `writes`;
         (reason, label) of the first failure, None, or DEFERRED (`defer_held`: the first write
         would be held, and nothing was posted). The caller holds a submit token on the room and
         tracks `writes` afterwards, whatever this returns or raises. A write the peer's budget
-        holds is dropped, never posted, once room life `life` concludes meanwhile."""
+        holds is dropped, never posted, once room life `life` concludes meanwhile. `announce`
+        (`[chunk.announce]`, the caller's): a last chunk's TransferStarted is left due in it when
+        the chunk was posted or failed without waiting (the caller holds it back, announce.py)."""
         # Every chunk restarts decode's deadline (TransferStarted): a long chunked prefill is slow,
         # not dead. Announced once the writes are posted, so that the copies start one message
         # sooner (issue 28: the link's latency), unless something may wait first (the forward's
         # event, a write held for its peer's budget): then before that wait, as decode's deadline
-        # must restart where prefill's own starts. Always before `post` returns, so before any
-        # Success or failure of the room (both come after `end_submit`).
-        announce = [chunk.announce]
+        # must restart where prefill's own starts. Before `post` returns, so before any Success or
+        # failure of the room (both come after `end_submit`), except a last chunk's that nothing
+        # held up: the caller sends that one only if the room is still open after a grace (issue
+        # 28: one message per request to decode when the writes finish quickly).
+        if announce is None:
+            announce = [chunk.announce]
         if chunk.wait_event is not None:
             self._announce(chunk, targets, announce)
             chunk.wait_event.synchronize()  # source KV is ready only after the forward pass
-        handed_off = False
+        outcome = _RAISED
         try:
-            failure = self._post_targets(chunk, targets, writes, life, defer_held, announce, inline)
-            handed_off = failure is HAND_OFF
-            return failure
+            outcome = self._post_targets(chunk, targets, writes, life, defer_held, announce, inline)
+            return outcome
         finally:
-            if not handed_off:  # a handed-over chunk is announced by its shard
+            lazy = chunk.is_last and self.announcer.enabled and outcome is not _RAISED and outcome is not DEFERRED
+            if not lazy and outcome is not HAND_OFF:  # a handed-over chunk is announced by its shard
                 self._announce(chunk, targets, announce, block=not inline)
 
     def _announce(self, chunk: Chunk, targets, pending: list, block: bool = True) -> None:
