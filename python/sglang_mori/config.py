@@ -188,6 +188,18 @@ KNOBS: Tuple[Knob, ...] = (
     Knob("SGLANG_MORI_MAX_QUEUED_CHUNKS", "max_queued_chunks", "int", 4096,
          "Bound of each transfer shard's queue; a chunk arriving at a full queue fails its request.",
          int_at_least(1), ">= 1"),
+    Knob("SGLANG_MORI_INLINE_POST", "inline_post", "choice", "auto",
+         "Prefill: a chunk whose room and transfer shard are idle (nothing of the room queued or "
+         "being submitted, its shard's queue empty and its thread idle, no forward event to wait "
+         "on, one destination whose sessions are open, its decode not stalled, the in-flight "
+         "budget admitting it at once) is planned and posted on the thread that hands it over "
+         "instead of waking its shard thread: the wake-up's GIL wait leaves a lone request's path "
+         "(issue 28), and that thread pays the plan and the post. Anything that would wait hands "
+         "the chunk to its shard as before. `on`: also on SGLang's scheduler thread (its send() "
+         "then costs the plan and the engine call, 0.3-0.5 ms per 8K request on the CPU rig); "
+         "`auto`: only where the thread is ours (the transfer process's reader, "
+         "SGLANG_MORI_TRANSFER_PROCESS); `off`: every chunk goes through its shard's queue.",
+         one_of("off", "on", "auto"), "off | on | auto"),
     Knob("SGLANG_MORI_SUBMIT_RETRY_MAX", "submit_retry_max", "int", 5,
          "Retries, with backoff and within the deadline, of transient 'SQ full' submit errors.",
          int_at_least(0), ">= 0"),
@@ -276,6 +288,7 @@ class MoriConfig:
     max_inflight_bytes_per_peer: int = 4 << 20
     peer_stall_ms: int = 500
     max_queued_chunks: int = 4096
+    inline_post: str = "auto"
     submit_retry_max: int = 5
     peer_fail_fast_s: float = 5.0
     drain_fence_margin_s: float = 10.0

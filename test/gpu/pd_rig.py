@@ -85,8 +85,11 @@ class GpuPD:
         self.dummies = [self.shape.is_mla and r > 0 for r in range(tp)]
         # SGLANG_MORI_TRANSFER_PROCESS=on (gpu_bench.py --transfer-process): the prefill side
         # hands its transfers to a transfer process (prefill_process_side.py)
+        env = MoriConfig.from_env(os.environ)
+        # SGLANG_MORI_INLINE_POST from the environment too, where the backend under test has it
+        inline = {"inline_post": env.inline_post} if hasattr(env, "inline_post") else {}
         self.config = config or MoriConfig(engine="soft", transfer_timeout_ms=30000,
-                                           transfer_process=MoriConfig.from_env(os.environ).transfer_process)
+                                           transfer_process=env.transfer_process, **inline)
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         config_kwargs = {k: getattr(self.config, k) for k in ("transfer_timeout_ms", "peer_fail_fast_s")}

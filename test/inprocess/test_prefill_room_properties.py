@@ -123,7 +123,7 @@ class FakeSubmitter(ChunkSubmitter):
         super().__init__(*args)
         self.machine = machine
 
-    def post(self, chunk, targets, writes, life=None, defer_held=False, announce=None):
+    def post(self, chunk, targets, writes, life=None, defer_held=False, announce=None, inline=False):
         # Announces nothing itself: a last chunk's TransferStarted stays due in `announce` and is
         # held back by post_tracked as the real post's is (announce.py); earlier chunks' are not sent.
         if announce is not None and not chunk.is_last:
@@ -186,7 +186,7 @@ class RoomMachine(RuleBasedStateMachine):
         self.budget = CountingBudget()
         self.rec = Recorder()
         self.parts = SimpleNamespace(
-            config=MoriConfig(), rooms=PrefillRoomRegistry(), sglang=self.sglang, metrics=self.rec,
+            config=MoriConfig(inline_post="off"), rooms=PrefillRoomRegistry(), sglang=self.sglang, metrics=self.rec,
             messenger=self.rec, peers=SimpleNamespace(budget=self.budget, mark_failed=lambda *a: False),
             clock=lambda: self.now, timeout_s=TIMEOUT_S, owns_aux=False, read_aux=lambda i: None,
             engine=SimpleNamespace(pop_peer_failures=lambda: [], can_fence=False))

@@ -89,7 +89,7 @@ def main(shape_key: str = "mla61p64", tokens: int = 8192, requests: int = 30) ->
 
     from sglang_mori.backend import room_status as S
     from sglang_mori.config import MoriConfig
-    from harness.hotpath.rig import AUX_SLOTS, SHAPES, PDPair
+    from harness.hotpath.rig import AUX_SLOTS, SHAPES, PDPair, rig_config
 
     shape = SHAPES[shape_key]
     per = math.ceil(tokens / shape.page_size)
@@ -97,7 +97,7 @@ def main(shape_key: str = "mla61p64", tokens: int = 8192, requests: int = 30) ->
     stamps: dict = {}
 
     with StreamLikeWrites(COPY_MS / 1e3) as probe:
-        pair = PDPair(shape, per * BURST, 16, MoriConfig(transfer_shards=1))
+        pair = PDPair(shape, per * BURST, 16, rig_config(transfer_shards=1))
         original_set = pair.prefill_sglang.set_status
 
         def set_status(room, status):
@@ -153,9 +153,12 @@ def main(shape_key: str = "mla61p64", tokens: int = 8192, requests: int = 30) ->
                 bursts.append((max(stamps[r] for r in rooms) - t0) * 1e3 - BURST * COPY_MS)
         finally:
             pair.stop()
+        # chunks posted on send()'s own thread (SGLANG_MORI_INLINE_POST; None: a backend without it)
+        inline = getattr(pair.prefill.submitter, "inline_posts", None)
     row = ", ".join(f"{k} {statistics.median(v):.3f}" for k, v in phases.items())
     print(f"{shape_key} {tokens} tok, copy {COPY_MS} ms, {requests} requests: {row} ms; "
-          f"burst of {BURST}: beyond copies {statistics.median(bursts):.3f} ms", flush=True)
+          f"burst of {BURST}: beyond copies {statistics.median(bursts):.3f} ms; "
+          f"inline posts {inline} of {3 + requests + BURST * len(bursts)} chunks", flush=True)
 
 
 if __name__ == "__main__":

@@ -3,12 +3,16 @@ delivers every message to a reader in another process."""
 
 import pytest
 
+from sglang_mori.config import MoriConfig
+
 from harness.hotpath.ipc import measure
 from harness.hotpath.run import run_case
 
 
 def test_steps_are_counted_on_the_threads_that_run_them():
-    result = run_case("mla61p64", 128, requests=16, window=4, token_bytes=16, engine_mode="instant", steps=True)
+    # Chunks through the shard (inline posts off: the next test counts them on the scheduler's thread).
+    result = run_case("mla61p64", 128, requests=16, window=4, token_bytes=16, engine_mode="instant", steps=True,
+                      config=MoriConfig(transfer_shards=1, inline_post="off"))
     steps = {(row["thread"], row["step"]): row for row in result["steps"]}
     # One chunk per request, planned and posted on the shard thread, never on the scheduler's.
     # The window closes once every room succeeded, which the shard decides inside `submit`: the
@@ -30,13 +34,29 @@ def test_steps_are_counted_on_the_threads_that_run_them():
     assert result["rejections"] == []
 
 
+def test_inline_posts_are_counted_on_the_schedulers_thread():
+    """SGLANG_MORI_INLINE_POST=on: a lone room's chunk is planned and posted inside
+    send(), on the scheduler's thread, never by a shard; a window of rooms sent back to back
+    overlaps nothing on the shard (the instant engine finishes each write as it is posted)."""
+    result = run_case("mla61p64", 128, requests=16, window=4, token_bytes=16, engine_mode="instant", steps=True,
+                      config=MoriConfig(transfer_shards=1, inline_post="on"))
+    steps = {(row["thread"], row["step"]): row for row in result["steps"]}
+    assert steps[("MainThread", "inline post (all of it)")]["calls"] == pytest.approx(1.0)
+    assert steps[("MainThread", "plan: write_batch")]["calls"] == pytest.approx(1.0)
+    assert not any(thread == "mori-shard-N" and "plan" in step for thread, step in steps)
+    assert result["rejections"] == []
+
+
 def test_decode_polls_count_the_poll_as_decodes_scheduler_call():
     """--decode-polls: decode's scheduler polls its rooms as check_status does; every message (the
     Success, and a TransferStarted for a room not done within its grace; warm-up batches included) is
     read once, by the poll or the status thread, and the poll's CPU is decode's scheduler.poll."""
     window, requests = 4, 8
+    # Chunks through the shard: posted inline with the instant engine, a room's Success leaves inside
+    # prefill's send(), which this rig runs on the thread that polls for decode, so decode's status
+    # thread would read every message before the first poll.
     result = run_case("gqa32p16", 64, requests=requests, window=window, token_bytes=16, engine_mode="instant",
-                      decode_polls=True)
+                      decode_polls=True, config=MoriConfig(transfer_shards=1, inline_post="off"))
     assert result["decode"]["scheduler.poll"]["ours_us"] > 0
     read = result["decode_read_by"]
     rooms = requests + 2 * window

@@ -87,6 +87,7 @@ class ChildService:
             peers=PeerRegistry(cfg.peer_fail_fast_s, InflightBudget.from_config(cfg)),
             messenger=self.messenger, metrics=NullTransferMetrics(), sglang=self.tables,
             read_aux=self.aux.items.get, control_socket=self.control, owns_aux=spec.owns_aux,
+            scheduler_hands_over=False,  # this process's reader thread calls add_chunk
         )
         self.service = PrefillService(parts, self._reject)
         self.service.start()

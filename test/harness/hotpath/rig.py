@@ -11,6 +11,7 @@ the plans and every call are the same, only softio's copies are smaller.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from dataclasses import dataclass
@@ -112,6 +113,15 @@ class ConcludedSGLang(FakeSGLang):
         if not ok:
             raise TimeoutError(f"rooms not concluded in {timeout_s} s: "
                                f"{[(r, self.status(r)) for r in rooms if self.status(r) not in done][:5]}")
+
+
+def rig_config(**kw) -> MoriConfig:
+    """The rigs' config: `kw`, plus SGLANG_MORI_INLINE_POST from the environment where set and the
+    checkout has the knob (base vs new runs of a benchmark pick the mode by environment)."""
+    mode = os.environ.get("SGLANG_MORI_INLINE_POST")
+    if mode and "inline_post" in MoriConfig.__dataclass_fields__:
+        kw["inline_post"] = mode.lower()
+    return MoriConfig(**kw)
 
 
 class PDPair:

@@ -14,7 +14,7 @@ from sglang_mori.config import MoriConfig
 from harness.hotpath.meter import CallMeter, EngineMeter, ThreadClocks, metered_engine
 import contextlib
 
-from harness.hotpath.rig import AUX_SLOTS, SHAPES, PDPair, instant_writes
+from harness.hotpath.rig import AUX_SLOTS, SHAPES, PDPair, instant_writes, rig_config
 from harness.hotpath.steps import metered_steps
 
 WAIT_S = 120.0
@@ -153,7 +153,7 @@ def run_case(shape_key: str, tokens: int, requests: int, window: int, token_byte
              decode_polls: bool = False) -> dict:
     shape = SHAPES[shape_key]
     per = math.ceil(tokens / shape.page_size)
-    config = config or MoriConfig(transfer_shards=1)
+    config = config or rig_config(transfer_shards=1)
     writes = instant_writes() if engine_mode == "instant" else contextlib.nullcontext()
     step_meter = metered_steps() if steps else contextlib.nullcontext()
     with writes, metered_engine() as engine, step_meter as stepped:

@@ -20,6 +20,8 @@ from harness.hotpath.meter import role
 STEPS = (
     ("sglang_mori.backend.prefill.submitter", "ChunkSubmitter", "submit", "shard: submit (all of it)"),
     ("sglang_mori.backend.prefill.submitter", "ChunkSubmitter", "post", "shard: post (started, plan, engine)"),
+    # SGLANG_MORI_INLINE_POST: the whole inline post, on the thread that hands the chunk over.
+    ("sglang_mori.backend.prefill.submitter", "ChunkSubmitter", "_post_inline", "inline post (all of it)"),
     ("sglang_mori.backend.plans", "KVPlanner", "write_batch", "plan: write_batch"),
     ("sglang_mori.engine.transfer_engine", "TransferEngine", "write", "engine wrapper: write (+batch_write)"),
     ("sglang_mori.backend.prefill.success", "SuccessDecider", "try_succeed", "success: try_succeed"),

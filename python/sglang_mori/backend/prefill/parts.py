@@ -37,6 +37,9 @@ class PrefillParts:
     cp: PrefillCP = field(default_factory=PrefillCP)
     rooms: PrefillRoomRegistry = field(default_factory=PrefillRoomRegistry)
     clock: Callable[[], float] = time.monotonic
+    # Chunks are handed over on SGLang's scheduler thread (False: the transfer process's reader
+    # thread, ours): SGLANG_MORI_INLINE_POST=auto posts inline only where this is False.
+    scheduler_hands_over: bool = True
 
     def __post_init__(self):
         # One clock for the whole service: deadlines, peers' fail-fast windows, the in-flight

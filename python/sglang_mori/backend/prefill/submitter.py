@@ -48,6 +48,9 @@ logger = logging.getLogger(__name__)
 
 # `post`'s answer for a chunk sent on to the stalled-decodes shard instead of held on its own.
 DEFERRED = object()
+# `post`'s answer on the handing-over thread (an inline post) when something would wait: nothing
+# was posted, and the chunk goes to its shard's queue instead.
+HAND_OFF = object()
 # `post`'s outcome while `_post_targets` has not returned (it raised).
 _RAISED = object()
 
@@ -88,6 +91,14 @@ class ChunkSubmitter:
         # One more shard, for rooms whose decode stalled (`_to_stalled_shard`): a write the peer's
         # byte budget holds waits on this thread, not on the shard of other decodes' rooms.
         self.stalled_queue = queue.SimpleQueue()
+        # Inline posts (SGLANG_MORI_INLINE_POST): a shard thread marks itself busy while it works
+        # on a chunk (written by that thread only), so the handing-over thread posts only where
+        # it overtakes nothing of its shard. Ordering does not rest on it: a room's chunks stay
+        # in order through the room's own counts (`_inline_targets`).
+        mode = getattr(cfg, "inline_post", "off")
+        self.inline_post = mode == "on" or (mode == "auto" and not getattr(parts, "scheduler_hands_over", True))
+        self.shard_busy = [False] * len(self.queues)
+        self.inline_posts = 0  # chunks posted inline (tests and benchmarks read it)
         # Count and publish the queue depth as one step: shards and the scheduler update it at once.
         self._depth_lock = threading.Lock()
         self.stopped = threading.Event()
@@ -96,6 +107,10 @@ class ChunkSubmitter:
     def enqueue(self, chunk: Chunk) -> None:
         status = self.p.sglang.status(chunk.room)
         if status is None or status == room_status.FAILED:
+            return
+        shard = chunk.room % len(self.queues)
+        if (self.inline_post and chunk.wait_event is None and not self.shard_busy[shard]
+                and not self.queues[shard].qsize() and self._post_inline(chunk)):
             return
         with self.p.rooms.lock:
             chunk.life = self.p.rooms.get(chunk.room)  # the sender's life: the scheduler holds it
@@ -118,6 +133,43 @@ class ChunkSubmitter:
             # The shard publishes again once it took the chunk, so an idle gauge still reads 0.
             self._publish_depth(1)
             q.put(chunk)
+
+    def _post_inline(self, chunk: Chunk) -> bool:
+        """Plan and post `chunk` on the calling thread (SGLang's scheduler, the transfer process's
+        reader) instead of waking its shard: True once the chunk is dealt with here (posted,
+        dropped, or its room failed through the failure door), False, with nothing changed, when
+        it must go to its shard's queue (`enqueue` then queues it). Never waits: whatever would
+        (a session still to open, a budget that would hold the write) hands the chunk over
+        before anything is posted. The one exception is the engine's resubmission of pairs the
+        NIC's send queue refused (SGLANG_MORI_SUBMIT_RETRY_MAX), which backs off once posted."""
+        with self.effects.transition(never_block=True) as fx:
+            r, targets = self._inline_targets(chunk, fx)
+        if r is None:
+            return targets is None  # None: dealt with (dropped or failed); False: hand over
+        chunk.life = r
+        # A failure, a bug's included, fails this room inside (post_tracked), never the caller.
+        handed_off = self.post_tracked(chunk, r, targets, inline=True) is HAND_OFF
+        if not handed_off:
+            self.inline_posts += 1
+        return not handed_off
+
+    def _inline_targets(self, chunk: Chunk, fx):
+        """(life, targets) with a submit token taken when `chunk` may be posted inline (registry
+        lock held); (None, None) when there is nothing to post (no life, concluded, failed here);
+        (None, False) when it must go to its shard. A room's chunks keep their order: the room
+        has no chunk queued or being submitted (a shard's, or a layer-wise write), and nothing
+        else hands chunks of it over while this thread posts one."""
+        p = self.p
+        r = p.rooms.get(chunk.room)
+        if r is None or r.concluded:
+            return None, None
+        if r.queued or r.submitting or r.on_stalled_shard or len(r.targets) != 1:
+            return None, False
+        budget = p.peers.budget
+        if not budget.idle() and any(budget.stalled(t.engine_key) for t in r.live_targets()):
+            return None, False  # its shard moves it to the stalled-decodes shard
+        targets = self._begin_locked(r, fx)
+        return (r, targets) if targets is not None else (None, None)
 
     def track_without_writes(self, chunk: Chunk) -> bool:
         """On the caller's thread (SGLang's scheduler), track a chunk that has nothing to write
@@ -146,10 +198,14 @@ class ChunkSubmitter:
 
     # --- shard threads ------------------------------------------------------------------------
     def run_shard(self, q: queue.Queue) -> None:
+        shard = next((i for i, own in enumerate(self.queues) if own is q), None)
+        busy = self.shard_busy
         while not self.stopped.is_set():
             chunk = q.get()
             if chunk is None:
                 return
+            if shard is not None:
+                busy[shard] = True
             try:
                 if q is not self.stalled_queue and self._to_stalled_shard(chunk):
                     self.stalled_queue.put(chunk)  # still counted in its life's `queued`
@@ -163,6 +219,8 @@ class ChunkSubmitter:
                 # Also on dequeue: published only on enqueue, the gauge kept its last value when
                 # idle. After the chunk's post, not before it (issue 28: send() to the engine call).
                 self._publish_depth()
+                if shard is not None:
+                    busy[shard] = False
 
     def _to_stalled_shard(self, chunk: Chunk) -> bool:
         """Whether a chunk a shard just took goes on to the stalled-decodes shard instead.
@@ -233,45 +291,56 @@ class ChunkSubmitter:
             return None
         return r.live_targets()
 
-    def post_tracked(self, chunk: Chunk, r, targets, defer_held: bool = False) -> int:
+    def post_tracked(self, chunk: Chunk, r, targets, defer_held: bool = False, inline: bool = False):
         """Post `chunk` to `targets` for room life `r`, whose submit token the caller took
         (`rooms.begin_submit`), then track its writes and give the token back; a failure fails
         the room through the failure door. The step the layer-wise worker shares (it waits for a
         held write itself). `defer_held` (a transfer shard): a chunk whose first write would be
         held, nothing of it posted, goes on to the stalled-decodes shard, queued again for its
-        room, and its room with it. Returns the number of writes tracked."""
+        room, and its room with it. `inline` (`_post_inline`): the caller must not wait; a chunk
+        that would, nothing of it posted, gives its token back and HAND_OFF is returned. Returns
+        the number of writes tracked."""
         writes: List[TrackedWrite] = []
         failure = None
         announce = [chunk.announce]  # still due after `post`: a last chunk's, held back (announce.py)
         try:
-            failure = self.post(chunk, targets, writes, r, defer_held, announce)
+            failure = self.post(chunk, targets, writes, r, defer_held, announce=announce, inline=inline)
+        except Exception as exc:
+            # A bug fails this room through the door in the same transition that tracks the
+            # chunk: failed later, a last chunk with nothing tracked could conclude Success first.
+            logger.exception("sglang-mori: chunk of room %s failed", chunk.room)
+            failure = f"internal error while sending KV: {exc!r}", OTHER
         finally:
+            handed_off = failure is HAND_OFF
             deferred = failure is DEFERRED
-            if deferred:
+            if deferred or handed_off:
                 failure = None
-            with self.effects.transition() as fx:
+            with self.effects.transition(never_block=inline) as fx:
                 if announce[0] and failure is None and writes:
                     # Sent by the completion thread if the writes still run after the grace; moot
                     # once the room concludes (a failure below, or its Success).
                     self.announcer.defer(r, targets, self.p.clock())
-                # A deferred chunk is not the room's last submitted yet: it comes again.
-                self.p.rooms.end_submit(r, writes, chunk.is_last and not deferred, chunk.aux_index, fx)
+                # A deferred or handed-over chunk is not the room's last submitted yet: it comes again.
+                self.p.rooms.end_submit(r, writes, chunk.is_last and not (deferred or handed_off),
+                                        chunk.aux_index, fx)
                 if failure is not None:
                     self.failures.conclude_locked(r, *self._first_cause(r, failure), fx)
                 if deferred:
                     chunk.life, chunk.announce, chunk.queued = r, False, True  # decode heard it started
                     r.queued += 1
                     r.on_stalled_shard = True
+        if handed_off:
+            return HAND_OFF
         if deferred:
             self.stalled_queue.put(chunk)
             self._publish_depth()
             return 0
         if announce[0] and failure is None and not writes:
-            self._announce(chunk, targets, announce)  # nothing to wait on: the old order, at once
+            self._announce(chunk, targets, announce, block=not inline)  # nothing to wait on: at once
         if failure is None and r.last_submitted:
             # Writes that finished while they were posted (fast links): Success from here, not
             # after a wake-up of the completion thread (success.py).
-            self.success.try_succeed(r)
+            self.success.try_succeed(r, never_block=inline)
         return len(writes)
 
     def _first_cause(self, r, failure: tuple) -> tuple:
@@ -287,6 +356,15 @@ class ChunkSubmitter:
             return failure
         timed_out = any(w.handle.state() is WriteState.RUNNING for w in r.writes)
         return reason, TIMEOUT if timed_out else PEER_DEAD
+
+    @staticmethod
+    def _sessions_open(peer, batch) -> bool:
+        """Every (local, remote) region pair of `batch` was opened (`_open_sessions`): posting it
+        dials nothing. Read without the peer's session lock: a pair only ever joins the set."""
+        opened = peer.open_pairs
+        if batch.sessions_key is not None and ("columns", batch.sessions_key) in opened:
+            return True
+        return all((local.id, remote.id) in opened for local, remote in zip(batch.local, batch.remote))
 
     def _open_sessions(self, peer, batch) -> Optional[str]:
         """First contact with every (local, remote) region pair of a write before it is posted;
@@ -325,7 +403,7 @@ class ChunkSubmitter:
         return None
 
     def post(self, chunk: Chunk, targets, writes: List[TrackedWrite], life=None, defer_held: bool = False,
-             announce: Optional[list] = None):
+             announce: Optional[list] = None, inline: bool = False):
         """Post the chunk to every destination, appending each issued write to `writes`;
         (reason, label) of the first failure, None, or DEFERRED (`defer_held`: the first write
         would be held, and nothing was posted). The caller holds a submit token on the room and
@@ -348,25 +426,26 @@ class ChunkSubmitter:
             chunk.wait_event.synchronize()  # source KV is ready only after the forward pass
         outcome = _RAISED
         try:
-            outcome = self._post_targets(chunk, targets, writes, life, defer_held, announce)
+            outcome = self._post_targets(chunk, targets, writes, life, defer_held, announce, inline)
             return outcome
         finally:
             lazy = chunk.is_last and self.announcer.enabled and outcome is not _RAISED and outcome is not DEFERRED
-            if not lazy:
-                self._announce(chunk, targets, announce)
+            if not lazy and outcome is not HAND_OFF:  # a handed-over chunk is announced by its shard
+                self._announce(chunk, targets, announce, block=not inline)
 
-    def _announce(self, chunk: Chunk, targets, pending: list) -> None:
-        """TransferStarted to each destination of `chunk`, once (`pending[0]` says if still due)."""
+    def _announce(self, chunk: Chunk, targets, pending: list, block: bool = True) -> None:
+        """TransferStarted to each destination of `chunk`, once (`pending[0]` says if still due).
+        `block` False on a thread that must not wait (an inline post): a full queue drops it."""
         if not pending[0]:
             return
         pending[0] = False
         p = self.p
         for t in targets:  # each destination under its own attempt
             p.messenger.send(t.address, protocol.TransferStarted(room=chunk.room, attempt=t.attempt,
-                                                                 prefill_rank=p.sglang.prefill_rank))
+                                                                 prefill_rank=p.sglang.prefill_rank), block=block)
 
     def _post_targets(self, chunk: Chunk, targets, writes: List[TrackedWrite], life, defer_held: bool,
-                      announce: list):
+                      announce: list, inline: bool = False):
         p = self.p
         deadline = p.clock() + p.timeout_s
         ended = self._ended(life)
@@ -379,11 +458,15 @@ class ChunkSubmitter:
                 batch = p.planner.write_batch(peer, chunk, t)
             except PlanningError as exc:
                 return f"room {chunk.room}: {exc}", BAD_INDEX
+            if inline and not writes and len(batch) and not self._sessions_open(peer, batch):
+                return HAND_OFF  # opening one dials the peer: its shard does that
             failure = self._open_sessions(peer, batch) if len(batch) else None
             if failure is not None:
                 return failure, PEER_DEAD
             if self.effects.try_slot(peer.engine_key, batch.nbytes):
                 admission = Admission.ADMITTED
+            elif inline and not writes:
+                return HAND_OFF  # the budget would hold it: its shard waits, not this thread
             elif defer_held and not writes:
                 return DEFERRED
             else:  # held: decode hears the chunk started before the wait
