@@ -2,14 +2,18 @@
 stalled (a link that stopped moving bytes), so that "posted" and "finished" are apart, and a record
 of every write batch the prefill engine was asked to post."""
 
+import time
+
 import sglang_mori.softio.faults as faults
 
 
 class FakeClock:
-    """The budget's clock (InflightBudget.use_clock), moved by the test."""
+    """The budget's clock (InflightBudget.use_clock), moved by the test. It starts at the real
+    monotonic time: the budget also compares it with deadlines the submitter takes from the real
+    clock (a fixed start of 1000 s put every deadline in the past on a host up less than that)."""
 
     def __init__(self):
-        self.now = 1000.0
+        self.now = time.monotonic()
 
     def __call__(self):
         return self.now
