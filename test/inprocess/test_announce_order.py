@@ -58,16 +58,21 @@ def _sent(events, room, cls) -> list:
             if kind == "send" and isinstance(what, cls) and what.room == room]
 
 
+def _two_chunks_to_success(rig) -> None:
+    """Room 1 in two chunks, then its Success status and message."""
+    open_room(rig, 1, pages=[10, 11])
+    rig.send(1, pages=[0], last=False)
+    rig.send(1, pages=[1], start=1, last=True, aux_index=2)
+    rig.wait_status(1, S.SUCCESS)
+    rig.wait(lambda: rig.messenger.of_type(protocol.RoomStatus, 1), "room 1's Success message")
+
+
 def test_a_quick_last_chunk_sends_decode_its_success_only():
     # A grace far longer than this in-process link needs: the writes finish within it.
     with PrefillRig(config=_config(1000)) as rig:
         rig.register()
         events = _timeline(rig)
-        open_room(rig, 1, pages=[10, 11])
-        rig.send(1, pages=[0], last=False)
-        rig.send(1, pages=[1], start=1, last=True, aux_index=2)
-        rig.wait_status(1, S.SUCCESS)
-        rig.wait(lambda: rig.messenger.of_type(protocol.RoomStatus, 1), "room 1's Success message")
+        _two_chunks_to_success(rig)
         # The first chunk at once, from the shard that posted it; the last one: nothing but Success.
         assert _kinds(events, 1) == ["post", "TransferStarted", "post", f"status {S.SUCCESS}"]
         assert [thread for _, thread in _sent(events, 1, protocol.TransferStarted)] == ["mori-shard-1"]
@@ -141,11 +146,7 @@ def test_with_no_grace_every_chunk_is_announced_after_its_post_and_before_succes
     with PrefillRig(config=_config(0)) as rig:
         rig.register()
         events = _timeline(rig)
-        open_room(rig, 1, pages=[10, 11])
-        rig.send(1, pages=[0], last=False)
-        rig.send(1, pages=[1], start=1, last=True, aux_index=2)
-        rig.wait_status(1, S.SUCCESS)
-        rig.wait(lambda: rig.messenger.of_type(protocol.RoomStatus, 1), "room 1's Success message")
+        _two_chunks_to_success(rig)
         assert _kinds(events, 1) == ["post", "TransferStarted", "post", "TransferStarted", f"status {S.SUCCESS}"]
 
 

@@ -172,8 +172,11 @@ def test_a_full_budget_hands_the_chunk_to_its_shard_without_waiting():
         assert_landed(rig, [1, 2], [44, 45])
 
 
-def test_off_every_chunk_goes_through_its_shard():
-    with PrefillRig(MoriConfig(transfer_shards=1, transfer_timeout_ms=30000, inline_post="off")) as rig:
+# `off`, and the default `auto` in SGLang's own process (its scheduler thread keeps its time).
+@pytest.mark.parametrize("mode", ["off", None])
+def test_off_and_auto_in_process_send_every_chunk_through_its_shard(mode):
+    extra = {} if mode is None else {"inline_post": mode}
+    with PrefillRig(MoriConfig(transfer_shards=1, transfer_timeout_ms=30000, **extra)) as rig:
         rig.register()
         warm_up(rig)
         posts = record_post_threads(rig)
@@ -192,14 +195,3 @@ def test_the_mode_decides_by_who_hands_the_chunks_over(mode, scheduler_hands_ove
     parts = SimpleNamespace(config=MoriConfig(transfer_shards=1, inline_post=mode),
                             scheduler_hands_over=scheduler_hands_over)
     assert ChunkSubmitter(parts, None, None, None).inline_post is inline
-
-
-def test_auto_in_process_goes_through_the_shard():
-    with PrefillRig(MoriConfig(transfer_shards=1, transfer_timeout_ms=30000)) as rig:
-        rig.register()
-        warm_up(rig)
-        posts = record_post_threads(rig)
-        open_room(rig, 1, pages=[10])
-        rig.send(1, pages=[0], last=True)
-        rig.wait_status(1, S.SUCCESS)
-        assert posts == [(page_bytes(1), "mori-shard-0")]

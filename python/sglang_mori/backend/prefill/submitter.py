@@ -119,7 +119,7 @@ class ChunkSubmitter:
                 chunk.queued = True
         if chunk.life is None:
             return
-        q = self.queues[chunk.room % len(self.queues)]
+        q = self.queues[shard]
         if q.qsize() >= self.max_queued:
             with self.p.rooms.lock:
                 chunk.life.queued -= 1
