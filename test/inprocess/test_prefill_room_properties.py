@@ -11,6 +11,9 @@ tables, and the completion thread's pass after each event. After every step:
 - a room that concluded never changes its outcome or reason, and phases only move forward;
 - Success is concluded only while every write of the life succeeded, its last chunk is tracked
   and no submitter holds a token on it.
+- a room's chunks handed over through `enqueue` with inline posts on (SGLANG_MORI_INLINE_POST,
+  `hand_over`: posted on the handing-over thread, handed off to the shard, or queued) are posted
+  in the order they were handed over.
 
 The completion pass also runs split in two (`completion_reads`, `completion_decides`): held on a
 thread right after its verdict, while submitter steps (`begin_submit`, `end_submit` with or
@@ -31,7 +34,7 @@ from sglang_mori.backend.peers import InflightBudget
 from sglang_mori.backend.prefill.failures import ABORTED, ABORTED_ON_PREFILL
 from sglang_mori.backend.prefill.rooms import Phase, PrefillRoomRegistry, RoomTarget, TrackedWrite
 from sglang_mori.backend.prefill.service import PrefillService
-from sglang_mori.backend.prefill.submitter import Chunk, ChunkSubmitter
+from sglang_mori.backend.prefill.submitter import HAND_OFF, Chunk, ChunkSubmitter
 from sglang_mori.config import MoriConfig
 from sglang_mori.engine import FailureKind, WriteState
 
@@ -124,10 +127,15 @@ class FakeSubmitter(ChunkSubmitter):
         self.machine = machine
 
     def post(self, chunk, targets, writes, life=None, defer_held=False, announce=None, inline=False):
+        if inline and self.machine.hand_off:
+            return HAND_OFF  # something would wait (a session to open, a full budget): nothing posted
         # Announces nothing itself: a last chunk's TransferStarted stays due in `announce` and is
         # held back by post_tracked as the real post's is (announce.py); earlier chunks' are not sent.
         if announce is not None and not chunk.is_last:
             announce[0] = False
+        seq = getattr(chunk, "seq", None)
+        if seq is not None:  # handed over through `enqueue` (inline or queued): posting order
+            self.machine.posted.append((id(life), seq))
         for t in targets:  # never held (the budget is far above the load): nothing to defer
             for _ in range(chunk.num_kv_tokens):
                 assert self.effects.take_slot(t.engine_key, self.p.clock() + TIMEOUT_S)
@@ -202,6 +210,11 @@ class RoomMachine(RuleBasedStateMachine):
         self.split = None  # a completion pass held between its reads and its decision
         self.tokens: list = []  # (life, targets): submit tokens the split submitter steps hold
         self.successes: list = []  # (room, write states, submit tokens, last chunk) as Success concluded
+        # SGLANG_MORI_INLINE_POST=on (`hand_over`): chunks handed over through `enqueue`, posted on
+        # this thread or queued for their shard (no shard threads run: `shard_takes` drains).
+        self.hand_off = False  # the next inline post finds something that would wait
+        self.seq = 0
+        self.posted: list = []  # (id(life), seq) of each chunk handed over through `enqueue`, as posted
         succeed = self.parts.rooms.succeed
 
         def recorded_succeed(r, *args):
@@ -270,6 +283,39 @@ class RoomMachine(RuleBasedStateMachine):
         if landed:
             for w in self.writes[issued:]:
                 w.finish("ok")
+
+    # --- SGLang's send(): `enqueue`, with inline posts (SGLANG_MORI_INLINE_POST=on) ------------------
+    @rule(room=st.sampled_from(ROOMS), writes=st.integers(0, 2), last=st.booleans(), hand_off=st.booleans(),
+          chunks=st.integers(1, 2))
+    def hand_over(self, room, writes, last, hand_off, chunks):
+        """Chunks handed over as SGLang's scheduler does: each posted inline when its room and shard
+        are idle, else queued for its shard; `hand_off`: the first one's inline post finds
+        something that would wait (post returns HAND_OFF before posting anything), so it is queued
+        and the next one (`chunks` 2) finds its room with a chunk queued. The room is served first
+        (a sender, decode's metadata), as in `serve`: most chunks find a live room."""
+        self.claim(room)
+        with self.parts.rooms.lock:
+            waiting = self.parts.rooms.get(room).phase is Phase.AWAITING_METADATA
+        if waiting:
+            self.metadata(room, PEERS[room % 2], 1)
+        self.submitter.inline_post = True
+        for i in range(chunks):
+            self.seq += 1
+            chunk = Chunk(room=room, kv_indices=np.arange(4), index_slice=slice(0, 4), is_last=last and i == chunks - 1,
+                          aux_index=0, state_indices=None, num_kv_tokens=writes)
+            chunk.seq = self.seq
+            self.hand_off = hand_off and i == 0
+            try:
+                self.submitter.enqueue(chunk)
+            finally:
+                self.hand_off = False
+
+    @precondition(lambda self: self.submitter.queued())
+    @rule(data=st.data())
+    def shard_takes(self, data):
+        """A shard takes the oldest chunk of its queue and submits it (run_shard)."""
+        q = data.draw(st.sampled_from([q for q in self.submitter.queues if q.qsize()]))
+        self.submitter.submit(q.get(), defer_held=True)
 
     # --- a submitter in steps: its token, then its writes tracked ---------------------------------
     @rule(room=st.sampled_from(ROOMS))
@@ -426,6 +472,13 @@ class RoomMachine(RuleBasedStateMachine):
                 assert key not in concluded, key
 
     @invariant()
+    def a_rooms_chunks_are_posted_in_the_order_handed_over(self):
+        last = {}
+        for life, seq in self.posted:
+            assert seq > last.get(life, 0), (life, seq, last.get(life))
+            last[life] = seq
+
+    @invariant()
     def budget_slots_return_at_most_once(self):
         assert all(n == 1 for n in self.rec.finished_writes.values()), self.rec.finished_writes
         released = [w for w in self.writes if w.released]
@@ -456,6 +509,10 @@ class RoomMachine(RuleBasedStateMachine):
     def teardown(self):
         if self.split is not None:
             self.completion_decides()
+        for q in self.submitter.queues:  # the shards take what is queued
+            while q.qsize():
+                self.submitter.submit(q.get(), defer_held=True)
+        self.a_rooms_chunks_are_posted_in_the_order_handed_over()
         while self.tokens:  # the submitters finish: their tokens come back
             self._end_submit(*self.tokens.pop(), 0, False)
         # Half the writes end, the others never do; time passes (their rooms time out, then are

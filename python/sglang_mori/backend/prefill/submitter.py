@@ -142,13 +142,24 @@ class ChunkSubmitter:
         (a session still to open, a budget that would hold the write) hands the chunk over
         before anything is posted. The one exception is the engine's resubmission of pairs the
         NIC's send queue refused (SGLANG_MORI_SUBMIT_RETRY_MAX), which backs off once posted."""
-        with self.effects.transition(never_block=True) as fx:
-            r, targets = self._inline_targets(chunk, fx)
-        if r is None:
-            return targets is None  # None: dealt with (dropped or failed); False: hand over
-        chunk.life = r
-        # A failure, a bug's included, fails this room inside (post_tracked), never the caller.
-        handed_off = self.post_tracked(chunk, r, targets, inline=True) is HAND_OFF
+        try:
+            with self.effects.transition(never_block=True) as fx:
+                r, targets = self._inline_targets(chunk, fx)
+            if r is None:
+                return targets is None  # None: dealt with (dropped or failed); False: hand over
+            chunk.life = r
+            # A failure of the post, a bug's included, fails this room inside (post_tracked).
+            handed_off = self.post_tracked(chunk, r, targets, inline=True) is HAND_OFF
+        except Exception as exc:
+            # A bug around the post (tracking it, its Success attempt) fails this room, as a shard
+            # does (run_shard), never the caller: SGLang's send() or the transfer process's reader,
+            # which would only log it and leave the room open with its chunk lost.
+            logger.exception("sglang-mori: chunk of room %s failed", chunk.room)
+            with self.effects.transition(never_block=True) as fx:
+                life = chunk.life if chunk.life is not None else self.p.rooms.get(chunk.room)
+                if life is not None:
+                    self.failures.conclude_locked(life, f"internal error while sending KV: {exc!r}", OTHER, fx)
+            return True
         if not handed_off:
             self.inline_posts += 1
         return not handed_off
