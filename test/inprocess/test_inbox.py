@@ -427,3 +427,49 @@ def test_decode_status_thread_backs_off_for_its_sweep_interval_while_polled(sock
         assert service.inbox.poller_backoff_s == pytest.approx(0.08)
     finally:
         service.inbox.close()
+
+
+def test_a_pass_of_check_status_over_many_rooms_reads_every_success_within_one_more_pass():
+    """Polls name their room (check_status), so one look may serve a whole pass (Inbox.drain_nowait):
+    Successes already in the socket when a pass starts are all applied by the end of that pass,
+    whichever rooms' polls looked, and SGLang's poll of each room reads Success in the next pass."""
+    from sglang_mori.backend.manager import DECODE_INBOX_WAITS
+
+    ctx = zmq.Context()
+    status_sock, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    for s in (status_sock, push):
+        s.setsockopt(zmq.LINGER, 0)
+    # inproc: a message is in the socket when send() returns, so "already in the socket" is exact
+    status_sock.bind("inproc://dec18-pass-test")
+    push.connect("inproc://dec18-pass-test")
+    try:
+        with PrefillRig(decode_socket=status_sock, start_threads=False) as rig:
+            decode_mgr = manager_over(rig.decode_service, rig.decode_sglang, DECODE_INBOX_WAITS)
+            rooms = [11, 12, 13, 14]
+            attempts = {}
+            for slot, room in enumerate(rooms):
+                attempts[room] = rig.new_attempt(room)
+                rig.decode_service.record_destination(
+                    bootstrap_room=room, required_dst_info_num=1, kv_indices=np.asarray([slot]), aux_index=slot,
+                    state_indices=None, decode_prefix_len=None, is_dummy=False)
+
+            def one_pass():
+                return [decode_mgr.check_status(room) for room in rooms]
+
+            assert S.SUCCESS not in one_pass()  # nothing sent yet
+            auxes = {room: bytes([room]) * AUX_BYTES for room in rooms}
+            for room in rooms:
+                push.send_multipart(protocol.encode(protocol.RoomStatus(
+                    room=room, attempt=attempts[room], status=S.SUCCESS, prefill_rank=0, aux=[auxes[room]])))
+            one_pass()
+            assert [rig.decode_sglang.status(room) for room in rooms] == [S.SUCCESS] * 4
+            assert one_pass() == [S.SUCCESS] * 4
+            for slot, room in enumerate(rooms):
+                assert rig.decode.aux[slot * AUX_BYTES:(slot + 1) * AUX_BYTES].tobytes() == auxes[room]
+            inbox = rig.decode_service.inbox
+            assert (inbox.by_poller, inbox.by_thread) == (4, 0)
+            assert 1 <= inbox.poller_looks <= 8  # at most one per poll of the two passes that read
+    finally:
+        push.close(0)
+        status_sock.close(0)
+        ctx.term()

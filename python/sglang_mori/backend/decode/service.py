@@ -206,12 +206,13 @@ class DecodeService:
             except Exception:
                 logger.exception("sglang-mori: decode status handling failed")
 
-    def poll_inbox(self) -> None:
+    def poll_inbox(self, room=None) -> None:
         """SGLang polls a room not concluded yet: apply what prefill sent (Success with its aux,
         Failed), here, instead of waiting for the status thread to wake and take the GIL
-        (inbox.py). What SGLang's poll then reads is the room's newest status."""
+        (inbox.py). What SGLang's poll then reads is the room's newest status. `room`: the
+        polled room, so that one look at the socket serves a scheduler pass (Inbox.drain_nowait)."""
         if self.inbox is not None:
-            self.inbox.drain_nowait()
+            self.inbox.drain_nowait(room)
 
     def handle(self, frames, polled: bool = False) -> None:
         """One message from prefill, on the status thread or SGLang's (`polled`: decode's handlers
