@@ -41,8 +41,10 @@ class Driver:
         self.next_room = 1000
         # check_status names the polled room where the build's poll_inbox takes it (one look per
         # pass, issue 28); an older build's (--backend-root) is called as its check_status does.
-        takes_room = "room" in inspect.signature(pair.decode.poll_inbox).parameters
-        self.poll_inbox = pair.decode.poll_inbox if takes_room else (lambda room: pair.decode.poll_inbox())
+        # (One wrapper frame either way: the two builds' timed polls carry the same overhead.)
+        poll = pair.decode.poll_inbox
+        takes_room = "room" in inspect.signature(poll).parameters
+        self.poll_inbox = (lambda room: poll(room)) if takes_room else (lambda room: poll())
 
     def draw_window(self):
         """The next window's rooms, and each request's prefill and decode pages (shuffled, disjoint)."""
