@@ -37,12 +37,6 @@ logger = logging.getLogger(__name__)
 
 # A scheduler pass polls every queued room in a row; one look at the socket serves the whole pass.
 POLLER_MIN_GAP_S = 20e-6
-# A poll that names its room (check_status does) skips the look, too, while the last look was this
-# recent and this room was not polled since: it is a later room of the pass that look served
-# (on a cold CPU a look is 15-20 us, so the 20 us gap alone let most rooms of a pass look again:
-# 2-3 looks per request, issue 28). A room polled again since the look is the next pass, which
-# looks: a message is never read later than the poll after the first one that could have read it.
-PASS_LOOK_S = 200e-6
 # While a poller looked at the socket this recently, it is polling a room that waits for a message and
 # reads every arrival itself: the reading thread does not wait on the socket then (waking on an
 # arrival would only make it take the GIL from that same scheduler), it looks again this much later.
@@ -67,10 +61,6 @@ class Inbox:
         self.lock = threading.Lock()
         self.closed = False
         self._last_poll = 0.0
-        # The last look that read the socket (the lock was free), and the rooms polled since:
-        # drain_nowait's pass rule. Touched only by the poller's thread.
-        self._looked_at = float("-inf")
-        self._polled_since_look: set = set()
         # The wake-up path into the reading thread's receive (made by that thread on its first
         # wait, closed by it on the way out or by close()): a PUSH socket connected to our own
         # socket's inproc endpoint, used by one thread at a time under `_wake_lock`.
@@ -82,21 +72,16 @@ class Inbox:
         # tests and the benchmark read them to see which path a message took.
         self.by_poller = 0
         self.by_thread = 0
-        self.poller_looks = 0  # drain_nowait calls that read the socket (found something or not)
 
     # --- the scheduler's side ------------------------------------------------------------------
-    def drain_nowait(self, key=None) -> int:
+    def drain_nowait(self) -> int:
         """Handle what has arrived, on the calling thread, without waiting for anything: not for
         the lock (the reading thread holds it while it waits in the socket or handles a message)
-        and not for the socket. At most one look per POLLER_MIN_GAP_S; with `key` (the polled
-        room), none either for a room not polled since a look less than PASS_LOOK_S ago. Returns
-        the number of messages handled."""
+        and not for the socket. At most one look per POLLER_MIN_GAP_S. Returns the number of
+        messages handled."""
         now = time.perf_counter()
         since = now - self._last_poll
         if since < POLLER_MIN_GAP_S:
-            return 0
-        if key is not None and now - self._looked_at < PASS_LOOK_S and key not in self._polled_since_look:
-            self._polled_since_look.add(key)
             return 0
         self._last_poll = now
         if since >= POLLER_ACTIVE_S:
@@ -108,11 +93,6 @@ class Inbox:
                 return 0
             n = self._drain_locked(polled=True)
             self.by_poller += n
-            self.poller_looks += 1
-            # Everything that arrived before `now` is handled: the pass's next rooms may skip.
-            # (A look the reading thread's lock kept out sets no stamp: the next poll looks.)
-            self._looked_at = now
-            self._polled_since_look = {key}
             return n
         finally:
             self.lock.release()

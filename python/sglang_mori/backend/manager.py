@@ -274,14 +274,14 @@ class MoriKVManager(compat.CompatKVManager):
             self._sync_status(bootstrap_room)
         status = super().check_status(bootstrap_room)
         if status in self._inbox_waits:
-            self.service.poll_inbox(bootstrap_room)
+            self.service.poll_inbox()
             status = super().check_status(bootstrap_room)
         return status
 
     def check_status_pp_consensus(self, bootstrap_room: int):
         status = super().check_status_pp_consensus(bootstrap_room)
         if status in self._inbox_waits:
-            self.service.poll_inbox(bootstrap_room)
+            self.service.poll_inbox()
             status = super().check_status_pp_consensus(bootstrap_room)
         return status
 

@@ -42,7 +42,7 @@ class TransferProcessService:
         self._status.release()
         self.process.close()
 
-    def poll_inbox(self, room=None) -> None:
+    def poll_inbox(self) -> None:
         pass  # decode's messages go to the transfer process
 
     def claim(self, room_id: int) -> Optional[str]:

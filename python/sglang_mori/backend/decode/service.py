@@ -206,13 +206,12 @@ class DecodeService:
             except Exception:
                 logger.exception("sglang-mori: decode status handling failed")
 
-    def poll_inbox(self, room=None) -> None:
+    def poll_inbox(self) -> None:
         """SGLang polls a room not concluded yet: apply what prefill sent (Success with its aux,
         Failed), here, instead of waiting for the status thread to wake and take the GIL
-        (inbox.py). What SGLang's poll then reads is the room's newest status. `room`: the
-        polled room, so that one look at the socket serves a scheduler pass (Inbox.drain_nowait)."""
+        (inbox.py). What SGLang's poll then reads is the room's newest status."""
         if self.inbox is not None:
-            self.inbox.drain_nowait(room)
+            self.inbox.drain_nowait()
 
     def handle(self, frames, polled: bool = False) -> None:
         """One message from prefill, on the status thread or SGLang's (`polled`: decode's handlers

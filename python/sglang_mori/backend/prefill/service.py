@@ -113,12 +113,11 @@ class PrefillService:
                 logger.exception("sglang-mori: completion loop error")
 
     # --- the scheduler's side ---------------------------------------------------------------
-    def poll_inbox(self, room=None) -> None:
+    def poll_inbox(self) -> None:
         """SGLang polls a room still waiting for decode's destinations: handle what decode sent,
-        here, instead of waiting for the control thread to wake and take the GIL (inbox.py).
-        `room`: the polled room (one look serves a scheduler pass: Inbox.drain_nowait)."""
+        here, instead of waiting for the control thread to wake and take the GIL (inbox.py)."""
         if self.inbox is not None:
-            self.inbox.drain_nowait(room)
+            self.inbox.drain_nowait()
 
     def claim(self, room_id: int) -> Optional[str]:
         """A sender for `room_id` starts here. Returns the reason it must fail at once (decode
