@@ -62,8 +62,6 @@ def test_decode_polls_count_the_poll_as_decodes_scheduler_call():
     rooms = requests + 2 * window
     assert rooms <= read["poll"] + read["thread"] < 2 * rooms
     assert read["poll"] > 0 and result["decode_polls_per_request"] >= 1
-    # the polls name their rooms, so a pass may skip looks, but something read every poll-read message
-    assert 0 < result["decode_poll_looks_per_request"] <= result["decode_polls_per_request"]
     assert result["decode_status_polled_idle_us_per_s"] >= 0
 
 
