@@ -61,7 +61,9 @@ def test_decode_polls_count_the_poll_as_decodes_scheduler_call():
     read = result["decode_read_by"]
     rooms = requests + 2 * window
     assert rooms <= read["poll"] + read["thread"] < 2 * rooms
-    assert read["poll"] > 0 and result["decode_polls_per_request"] >= 1
+    # Some rooms' only message (their Success) may reach the status thread before their first poll
+    # on a loaded host: fewer than one poll per request then (0.8 in a CI run), never none at all.
+    assert read["poll"] > 0 and result["decode_polls_per_request"] > 0
     assert result["decode_status_polled_idle_us_per_s"] >= 0
 
 
