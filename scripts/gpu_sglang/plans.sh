@@ -1,7 +1,7 @@
 # Sourced by device_run.sh (wheels installed, environment set): runs side by side on a 4-GPU
 # machine, one plan per device call. Each run writes under $W; the JSONs are copied to $OUT and
 # every log travels back in $OUT/<plan>.tgz (a call returns at most 8 files).
-# Usage: device_run.sh plan plan1|plan2|plan3|tp_proof|tp_fp32_ieee|ttft8k_hotpath|ttft8k_pair (ORDER=...)|ttft8k_pollreads|ttft8k_ce|ttft8k_front (ORDER=...)|ttft8k_fwd (ORDER=...)|s16_final|s17_interf (ROUTE=, COPIES=, MODES=, ROUNDS=, SECONDS_W=, DSTEPS=, LOADS=)|s17_link
+# Usage: device_run.sh plan plan1|plan2|plan3|tp_proof|tp_fp32_ieee|ttft8k_hotpath|ttft8k_pair (ORDER=...)|ttft8k_pollreads|ttft8k_ce|ttft8k_front (ORDER=...)|ttft8k_fwd (ORDER=...)|s16_final|s17_interf (ROUTE=, COPIES=, MODES=, ROUNDS=, SECONDS_W=, DSTEPS=, LOADS=)|s17_link|s19_gpu1 (s17_interf + hotpath)
 # Port bases stay in 10000-21999: below the kernel's ephemeral range (32768+ there), where any
 # outgoing connection of a server beside it (HTTP, NCCL, softio) may hold a port as its source, and
 # below SGLang's own nccl_port range (22000-29999). With bases at 37000/38000 a PD prefill server of
@@ -357,4 +357,23 @@ s17_link() {
   python3 "$S/link_summary.py" $W/link/*.json > $W/link_summary.txt 2>&1
   tail -1 $W/gputest.out >> $W/link_summary.txt
   cat $W/link_summary.txt
+}
+
+# Session 19, issue 28 on one GPU: the interference run of s17_interf with decode's session 17-18
+# changes (the decode step loop's goal), then, on that host's CPU, `bench hotpath` of both sides at
+# 1K and 8K for both shapes, decode read by its thread and by SGLang-style polls, two rounds each
+# (decode's 100 us goal), each bounded by HOT_S. JSON lines in hot_s19.jsonl.
+s19_gpu1() {
+  s17_interf
+  mkdir -p $W/hot
+  local cases=mla61p64:1024,mla61p64:8192,gqa32p16:1024,gqa32p16:8192
+  for r in 1 2; do
+    for polls in "" --decode-polls; do
+      timeout -k 5 ${HOT_S:-60} python3 "$ROOT/scripts/bench_backend.py" hotpath --engine instant --requests 96 --json \
+        --cases $cases $polls >> $W/hot/hot_s19.jsonl 2>> $W/hot/hot_s19.err
+      echo "hotpath round $r ${polls:-thread-reads}: rc $?" >> $W/s17.out
+    done
+  done
+  cp $W/hot/hot_s19.jsonl $W/s17_summary.txt $W/
+  PLAN_JSONS="$W/s17_summary.txt $W/hot_s19.jsonl"
 }
