@@ -37,16 +37,20 @@ class PolledSGLang(TimedSGLang):
     """TimedSGLang whose statuses arrive only through polls (the side's `poll`), as SGLang's do."""
 
     poll = None  # set by the side
+    # Between polls; a part sets its own (link_bench: LINK_POLL_S, recorded with its figures). The
+    # stamp of a room's Success is its poll's, so this interval is part of every latency measured.
+    poll_s = POLL_S
 
     def wait_concluded(self, rooms, timeout_s: float) -> Dict[int, float]:
         end = time.monotonic() + timeout_s
-        while not all(r in self.concluded_at for r in rooms):
+        while True:
+            self.poll()
+            if all(r in self.concluded_at for r in rooms):
+                return {r: self.concluded_at[r] for r in rooms}
             if time.monotonic() > end:
                 missing = [r for r in rooms if r not in self.concluded_at]
                 raise TimeoutError(f"rooms {missing[:5]} did not conclude in {timeout_s} s")
-            self.poll()
-            time.sleep(POLL_S)
-        return {r: self.concluded_at[r] for r in rooms}
+            time.sleep(self.poll_s)
 
 
 class ProcessPrefillSide:

@@ -9,9 +9,10 @@ too (harness/hotpath/rig.py). Stamps (time.perf_counter: CLOCK_MONOTONIC, one cl
 processes) are taken by wrappers this script installs in the child, so the backend pays nothing
 for them when it is not measured:
 
-- `send`: the scheduler's send() call (start to return)
+- `send`: the scheduler's send() call (start to return); `send_cpu` its thread's CPU time
 - `to_reader`: send() start -> the child's reader has the record
-- `to_engine`: the record read -> the engine call starts (the reader's inline post, or a shard's)
+- `to_engine`: the record read -> the engine call starts (the reader's inline post, or a shard's);
+  `reader_cpu` the reader thread's CPU time over it (an inline post: wall - CPU = waits)
 - `engine_call`: the engine call itself
 - `done_late`: the copy's end -> the engine thread completed the statuses (its wake-up)
 - `to_table`: completion -> Success written to the status table (completion thread, Success)
@@ -45,6 +46,7 @@ COPY_MS = 1.6  # the gather kernel of MLA 8K on 2x H200 (docs/benchmarks.md, iss
 POLL_MS = 0.1  # test/gpu/link_bench.py's LINK_POLL_S
 _STAMPS_ENV = "HOP_LATENCY_STAMPS"  # where the child writes its stamps when it ends
 _COPY_ENV = "HOP_LATENCY_COPY_MS"
+_PROFILE_ENV = "HOP_LATENCY_PROFILE"  # set: the child profiles its reader's chunk records into this pstats file
 
 
 def stamped_child_main(spec, channel) -> None:
@@ -55,7 +57,7 @@ def stamped_child_main(spec, channel) -> None:
 
     from link_latency_cpu import StreamLikeWrites
 
-    stamps = {"read": [], "table": [], "threads": []}
+    stamps = {"read": [], "read_cpu": [], "post_cpu": [], "table": [], "threads": []}
     now = time.perf_counter
     next_record = handoff.Receiver.next
 
@@ -63,6 +65,7 @@ def stamped_child_main(spec, channel) -> None:
         rec = next_record(self)
         if rec is not None and rec.kind == handoff.CHUNK:
             stamps["read"].append(now())
+            stamps["read_cpu"].append(time.thread_time())
         return rec
     handoff.Receiver.next = next_
     write = StatusTable.write
@@ -72,6 +75,22 @@ def stamped_child_main(spec, channel) -> None:
         if status == S.SUCCESS:
             stamps["table"].append(now())
     StatusTable.write = write_
+    profile_path = os.environ.get(_PROFILE_ENV)
+    if profile_path:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        def handle_(self, rec):
+            if rec.kind != handoff.CHUNK:
+                return handle(self, rec)
+            profiler.enable()
+            try:
+                return handle(self, rec)
+            finally:
+                profiler.disable()
+        import sglang_mori.transfer_process.child_parts as child_parts
+        handle = child_parts.ChildService.handle
+        child_parts.ChildService.handle = handle_
 
     with StreamLikeWrites(float(os.environ[_COPY_ENV]) / 1e3) as probe:
         from sglang_mori.softio.engine import IOEngine
@@ -80,6 +99,7 @@ def stamped_child_main(spec, channel) -> None:
 
         def batch_write(*a, **kw):  # which thread made the call: the reader (inline) or a shard
             stamps["threads"].append(threading.current_thread() is threading.main_thread())
+            stamps["post_cpu"].append(time.thread_time())
             return fake(*a, **kw)
         IOEngine.batch_write = batch_write
         prove = proof.prove
@@ -95,15 +115,17 @@ def stamped_child_main(spec, channel) -> None:
             child.main(spec, channel)
         finally:
             stamps["posts"], stamps["done"] = probe.posts, probe.done
+            if profile_path:
+                profiler.dump_stats(profile_path)
             with open(os.environ[_STAMPS_ENV], "w") as f:
                 json.dump(stamps, f)
 
 
-def _phases(t0, sent, seen, child: dict, i: int, copy_s: float) -> dict:
+def _phases(t0, sent, seen, send_cpu, child: dict, i: int, copy_s: float) -> dict:
     (p0, p1), (end, done) = child["posts"][i], child["done"][i]
     read, table = child["read"][i], child["table"][i]
-    return {"send": sent - t0, "to_reader": read - t0, "to_engine": p0 - read, "engine_call": p1 - p0,
-            "done_late": done - end, "to_table": table - done, "to_poll": seen - table,
+    return {"send": sent - t0, "send_cpu": send_cpu, "to_reader": read - t0, "to_engine": p0 - read, "engine_call": p1 - p0,
+            "reader_cpu": child["post_cpu"][i] - child["read_cpu"][i], "done_late": done - end, "to_table": table - done, "to_poll": seen - table,
             "beyond_copy": seen - t0 - copy_s}
 
 
@@ -168,14 +190,14 @@ def main(shape_key: str = "mla61p64", tokens: int = 8192, requests: int = 40, po
             assert service.claim(room) is None
             end = time.monotonic() + 30
             poll_until(room, (S.WAITING_FOR_INPUT,), end)
-            t0 = time.perf_counter()
+            c0, t0 = time.thread_time(), time.perf_counter()
             service.add_chunk(room, src, slice(0, per), True, aux_index=room % AUX_SLOTS)
-            sent = time.perf_counter()
+            sent, c1 = time.perf_counter(), time.thread_time()
             seen = poll_until(room, (S.SUCCESS, S.FAILED), end)
             if sglang.status(room) != S.SUCCESS:
                 raise RuntimeError(f"room {room} failed: {sglang.failure_reason(room)}")
             pair.decode_sglang.wait_all([room], (S.SUCCESS, S.FAILED), 30)
-            rounds.append((t0, sent, seen))
+            rounds.append((t0, sent, seen, c1 - c0))
             sglang.clear(room)
             service.release(room)
             pair.decode.forget(room, attempt)
@@ -190,7 +212,7 @@ def main(shape_key: str = "mla61p64", tokens: int = 8192, requests: int = 40, po
     os.unlink(stamps_path)
     if not (len(child["read"]) == len(child["posts"]) == len(child["done"]) == len(child["table"]) == len(rounds)):
         raise RuntimeError(f"stamps do not pair up: {[(k, len(v)) for k, v in child.items()]}, {len(rounds)} requests")
-    rows = [_phases(t0, sent, seen, child, i, copy_s) for i, (t0, sent, seen) in enumerate(rounds)][3:]
+    rows = [_phases(*stamps, child, i, copy_s) for i, stamps in enumerate(rounds)][3:]
     medians = {k: round(1e3 * statistics.median(r[k] for r in rows), 3) for k in rows[0]}
     on_reader = sum(child["threads"][3:])
     print(f"{shape_key} {tokens} tok, copy {COPY_MS} ms, poll {poll_ms} ms, {requests} requests: "
