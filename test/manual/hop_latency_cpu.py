@@ -15,7 +15,8 @@ for them when it is not measured:
   `reader_cpu` the reader thread's CPU time over it (an inline post: wall - CPU = waits)
 - `engine_call`: the engine call itself
 - `done_late`: the copy's end -> the engine thread completed the statuses (its wake-up)
-- `to_table`: completion -> Success written to the status table (completion thread, Success)
+- `to_table`: completion -> Success written to the status table (completion thread, Success; the
+  stamp is taken just before the write, so that a poll that sees it always comes after)
 - `to_poll`: written -> the scheduler's poll saw it (half a poll interval plus the sleep's slack)
 - `beyond_copy`: seen - send() start - COPY_MS: everything that is not the copy
 
@@ -71,9 +72,9 @@ def stamped_child_main(spec, channel) -> None:
     write = StatusTable.write
 
     def write_(self, slot, status, *a, **kw):
-        write(self, slot, status, *a, **kw)
-        if status == S.SUCCESS:
+        if status == S.SUCCESS:  # before the write: a poll that sees it comes after this stamp
             stamps["table"].append(now())
+        write(self, slot, status, *a, **kw)
     StatusTable.write = write_
     profile_path = os.environ.get(_PROFILE_ENV)
     if profile_path:
@@ -124,8 +125,10 @@ def stamped_child_main(spec, channel) -> None:
 def _phases(t0, sent, seen, send_cpu, child: dict, i: int, copy_s: float) -> dict:
     (p0, p1), (end, done) = child["posts"][i], child["done"][i]
     read, table = child["read"][i], child["table"][i]
-    return {"send": sent - t0, "send_cpu": send_cpu, "to_reader": read - t0, "to_engine": p0 - read, "engine_call": p1 - p0,
-            "reader_cpu": child["post_cpu"][i] - child["read_cpu"][i], "done_late": done - end, "to_table": table - done, "to_poll": seen - table,
+    return {"send": sent - t0, "send_cpu": send_cpu, "to_reader": read - t0, "to_engine": p0 - read,
+            "engine_call": p1 - p0,  # the reader's CPU means something only where it made the call
+            "reader_cpu": child["post_cpu"][i] - child["read_cpu"][i] if child["threads"][i] else math.nan,
+            "done_late": done - end, "to_table": table - done, "to_poll": seen - table,
             "beyond_copy": seen - t0 - copy_s}
 
 
@@ -213,13 +216,14 @@ def main(shape_key: str = "mla61p64", tokens: int = 8192, requests: int = 40, po
     if not (len(child["read"]) == len(child["posts"]) == len(child["done"]) == len(child["table"]) == len(rounds)):
         raise RuntimeError(f"stamps do not pair up: {[(k, len(v)) for k, v in child.items()]}, {len(rounds)} requests")
     rows = [_phases(*stamps, child, i, copy_s) for i, stamps in enumerate(rounds)][3:]
-    medians = {k: round(1e3 * statistics.median(r[k] for r in rows), 3) for k in rows[0]}
+    medians = {k: round(1e3 * statistics.median([r[k] for r in rows if not math.isnan(r[k])] or [math.nan]), 3)
+               for k in rows[0]}
     on_reader = sum(child["threads"][3:])
     print(f"{shape_key} {tokens} tok, copy {COPY_MS} ms, poll {poll_ms} ms, {requests} requests: "
           + ", ".join(f"{k} {v:.3f}" for k, v in medians.items())
           + f" ms; engine call on the reader {on_reader}/{requests}", flush=True)
     return {"shape": shape_key, "tokens": tokens, "poll_ms": poll_ms, "phases_ms": medians, "on_reader": on_reader,
-            "requests": requests}
+            "requests": requests, "rows": rows}
 
 
 if __name__ == "__main__":
