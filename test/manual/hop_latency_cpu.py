@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 
 TEST = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(TEST / "harness"), str(TEST / "inprocess"), str(TEST / "manual"), str(TEST)]
+sys.path[:0] = [str(p) for p in (TEST / "harness", TEST / "inprocess", TEST / "manual", TEST) if str(p) not in sys.path]
 
 COPY_MS = 1.6  # the gather kernel of MLA 8K on 2x H200 (docs/benchmarks.md, issue 28)
 POLL_MS = 0.1  # test/gpu/link_bench.py's LINK_POLL_S
@@ -159,7 +159,11 @@ def main(shape_key: str = "mla61p64", tokens: int = 8192, requests: int = 40, po
     fd, stamps_path = tempfile.mkstemp(prefix="hop-stamps-", suffix=".json")
     os.close(fd)
     os.environ[_STAMPS_ENV], os.environ[_COPY_ENV] = stamps_path, str(COPY_MS)
-    process = TransferProcess(spec, slots=256, target=stamped_child_main)
+    try:
+        process = TransferProcess(spec, slots=256, target=stamped_child_main)
+    finally:  # the spawned child has its copy of the environment; the caller's stays as it was
+        os.environ.pop(_STAMPS_ENV, None)
+        os.environ.pop(_COPY_ENV, None)
     sglang = ConcludedSGLang()
     service = TransferProcessService(process, sglang, read_aux=lambda i: None if i is None else
                                      [pool.aux[i * AUX_BYTES:(i + 1) * AUX_BYTES].tobytes()])
