@@ -4,7 +4,8 @@ real ZMQ PULL socket, and SGLang's per-room tables stood in by FakeSGLang.
 
 The parent drives it over a multiprocessing pipe with small commands (`serve`): open rooms (new
 receivers and their RoomMetadata for the prefill), digests of pages (byte checks), a decode step
-loop timed while the prefill transfers (interference on decode), per-thread CPU.
+loop timed while the prefill transfers (interference on decode), per-thread CPU and the CPU inside
+our calls (decode_calls.py).
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from __future__ import annotations
 import time
 
 import numpy as np
+
+WARM_STEPS = 20  # untimed steps before a window's timed ones (_DecodeStep.run)
+CPU_LAYERS = 6  # the stand-in step's layers on the rig's CPU check (a step of a few ms there)
 
 
 def serve(conn, shape_key: str, page_size: int, pages: int, config_kwargs: dict, paths: list,
@@ -30,6 +34,7 @@ def serve(conn, shape_key: str, page_size: int, pages: int, config_kwargs: dict,
     from sglang_mori.config import MoriConfig
     from sglang_mori.metrics import NullTransferMetrics
 
+    from decode_calls import SCHEDULER_CALLS, STEP_CALLS, TimedCalls
     from device_pool import AUX_BYTES, DevicePool
     from fake_sglang import FakeSGLang
     from shapes import SHAPES
@@ -53,9 +58,14 @@ def serve(conn, shape_key: str, page_size: int, pages: int, config_kwargs: dict,
     service.start()
     conn.send(protocol.encode(service.registration()))
     cpu = ThreadCpu()
+    # Thread CPU inside our calls (the scheduler's: receiver init, metadata, clear; the step loop's
+    # poll), apart from the rig's command handling on the same thread
+    calls = TimedCalls(service, SCHEDULER_CALLS + STEP_CALLS)
     # The loop polls our inbox once per step, as SGLang's decode loop polls its receivers: the
     # messages prefill sent are then applied on the loop's thread, and their cost is in the loop's time.
-    step = _DecodeStep(shape.layers, poll=service.poll_inbox)
+    # (On the CPU check, a few layers: a step of a few ms, as on the GPU, so the poll comes as often
+    # relative to the inbox's poller timing, POLLER_ACTIVE_S, as it does there.)
+    step = _DecodeStep(shape.layers if rig_device.ON_GPU else CPU_LAYERS, poll=service.poll_inbox)
     try:
         while True:
             cmd, arg = conn.recv()
@@ -69,10 +79,14 @@ def serve(conn, shape_key: str, page_size: int, pages: int, config_kwargs: dict,
                     service.new_receiver(room)
                     # what the receiver sends each prefill rank it pairs with (SGLang's receiver:
                     # with MLA and prefill TP > decode TP, all but the first get dummy metadata)
-                    out.append([protocol.encode(service.record_destination(
+                    metadata = [service.record_destination(
                         bootstrap_room=room, required_dst_info_num=1, kv_indices=np.asarray(dst_pages),
-                        aux_index=room % 64, state_indices=None, decode_prefix_len=None, is_dummy=dummy))
-                        for dummy in dummies])
+                        aux_index=room % 64, state_indices=None, decode_prefix_len=None, is_dummy=dummy)
+                        for dummy in dummies]
+                    # the frames the receiver sends (ours in a deployment: receiver.py encodes them)
+                    t0 = time.thread_time()
+                    out.append([protocol.encode(m) for m in metadata])
+                    calls.add("encode", time.thread_time() - t0, len(metadata))
                 conn.send(out)
             elif cmd == "statuses":
                 conn.send({room: sglang.status(room) for room in arg})
@@ -91,13 +105,17 @@ def serve(conn, shape_key: str, page_size: int, pages: int, config_kwargs: dict,
                 conn.send(pool.digest(arg))
             elif cmd == "steps":
                 conn.send(step.run(int(arg)))
-            elif cmd == "steps_start":  # a step loop beside the command loop (transfers arrive meanwhile)
+            elif cmd == "steps_run":
+                # A step loop on its own thread while prefill's transfers arrive: this thread only
+                # waits in the join (no GIL), so in every window kind the step loop competes with
+                # our status thread alone, never with the rig's commands. Answers when the loop
+                # ends: (step times in ms, {thread role: CPU s} of this process over the loop).
+                window_cpu = ThreadCpu()
                 step.start(int(arg))
-                conn.send(None)
-            elif cmd == "steps_done":  # has the step loop beside the command loop ended?
-                conn.send(step.done())
-            elif cmd == "steps_result":
-                conn.send(step.result(float(arg or 120)))
+                times = step.result(150)
+                conn.send((times, window_cpu.since()))
+            elif cmd == "calls":  # our calls' CPU by name since the last "calls" (decode_calls.py)
+                conn.send(calls.take())
             elif cmd == "cpu_reset":
                 cpu = ThreadCpu()
                 conn.send(None)
@@ -144,18 +162,18 @@ class _DecodeStep:
         self._thread = threading.Thread(target=lambda: self._out.extend(self.run(steps)), name="decode-steps")
         self._thread.start()
 
-    def done(self) -> bool:
-        return not self._thread.is_alive()
-
     def result(self, timeout_s: float) -> list:
         self._thread.join(timeout_s)
         return list(self._out)
 
     def run(self, steps: int) -> list:
         """Wall time of each loop pass (ms): a step ended by a device synchronize, then the poll."""
-        for _ in range(3):
+        # Warm steps before the timed ones: the window's first steps after an idle gap (the GPU's
+        # clocks, the launch path's caches) are not what the load costs.
+        for _ in range(WARM_STEPS):
             self.once()
-        self.sync()
+            self.sync()
+            self.poll()
         times = []
         for _ in range(steps):
             t0 = time.perf_counter()
