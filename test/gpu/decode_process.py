@@ -109,11 +109,14 @@ def serve(conn, shape_key: str, page_size: int, pages: int, config_kwargs: dict,
                 # A step loop on its own thread while prefill's transfers arrive: this thread only
                 # waits in the join (no GIL), so in every window kind the step loop competes with
                 # our status thread alone, never with the rig's commands. Answers when the loop
-                # ends: (step times in ms, {thread role: CPU s} of this process over the loop).
+                # ends: (step times in ms, {thread role: CPU s} of this process over the loop,
+                # {reader: prefill's messages read} over the loop: the step loop's polls, our thread).
                 window_cpu = ThreadCpu()
+                read0 = _messages_read(service)
                 step.start(int(arg))
                 times = step.result(150)
-                conn.send((times, window_cpu.since()))
+                read = {k: v - read0[k] for k, v in _messages_read(service).items()}
+                conn.send((times, window_cpu.since(), read))
             elif cmd == "calls":  # our calls' CPU by name since the last "calls" (decode_calls.py)
                 conn.send(calls.take())
             elif cmd == "cpu_reset":
@@ -130,6 +133,11 @@ def serve(conn, shape_key: str, page_size: int, pages: int, config_kwargs: dict,
         pool.close()
         sock.close(0)
         ctx.term()
+
+
+def _messages_read(service) -> dict:
+    inbox = service.inbox
+    return {"by_poll": inbox.by_poller if inbox else 0, "by_thread": inbox.by_thread if inbox else 0}
 
 
 class _DecodeStep:

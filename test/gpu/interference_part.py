@@ -124,7 +124,7 @@ class OpenedRooms:
     window, so that no command reaches the decode process while its steps run: the window's sends
     claim them in order (prefill's side of the open), and all of them are cleared on decode in one
     command after the window. `short` counts sends that were due but found no room left (the
-    pool is sized for twice the window's expected length: a window with any sent less than its
+    pool is sized for three times the window's expected length: a window with any sent less than its
     rate; they are not sent later, the schedule goes on)."""
 
     def __init__(self, rig, bg, count: int):
@@ -145,10 +145,10 @@ class OpenedRooms:
 
 def rooms_for(rate: float, steps: int, step_ms: float) -> int:
     """Rooms to open before a decode window of `steps` steps (and the loop's warm steps) of about
-    `step_ms`: what the rate sends over twice that, the lead included, and a few more."""
+    `step_ms`: what the rate sends over three times that, the lead included, and a few more."""
     from decode_process import WARM_STEPS
 
-    return int(math.ceil(rate * (LEAD_S + 2.0 * (steps + WARM_STEPS) * step_ms / 1e3))) + 8
+    return int(math.ceil(rate * (LEAD_S + 3.0 * (steps + WARM_STEPS) * step_ms / 1e3))) + 8
 
 
 def send_due(rig, bg, rate: float, start: float, sent: int, live: list, opened: OpenedRooms | None = None) -> int:
@@ -237,7 +237,8 @@ class Part:
         the rig's work there is equal across kinds; ours opens its rooms' decode side before the
         window and clears them after it (OpenedRooms), timed as our calls but outside the steps.
         Returns the step times (ms), the requests sent, the decode process's CPU by thread role
-        over the steps, our calls' CPU ({name: (s, calls)}, decode_calls.py) and the sends that
+        over the steps, our calls' CPU ({name: (s, calls)}, decode_calls.py), prefill's messages
+        read over the steps by the step loop's polls and by our status thread, and the sends that
         found no room."""
         rig = self.rig
         opened = OpenedRooms(rig, self.bg, rooms_for(self.rate, steps, step_ms)) if kind == "ours" else None
@@ -259,14 +260,14 @@ class Part:
                 break
             elif time.perf_counter() - start > 150:
                 raise TimeoutError(f"decode steps did not end in 150 s (alive: {rig.proc.is_alive()})")
-        times, cpu = rig._recv()
+        times, cpu, read = rig._recv()
         drain(rig, live, clear=opened is None)
         if copies is not None:
             sent = copies.stop()
         if opened is not None:
             rig.ask("clear", opened.rooms)  # every room opened, sent or not
             sent -= opened.short
-        return {"times": times, "sent": sent, "cpu": cpu, "calls": rig.ask("calls"),
+        return {"times": times, "sent": sent, "cpu": cpu, "calls": rig.ask("calls"), "read": read,
                 "short": 0 if opened is None else opened.short}
 
 
@@ -309,11 +310,13 @@ def measure(part: Part, kinds: list, args) -> dict:
     step_ms = median(part.decode_window(min(args.decode_steps, 100), "alone", 0.0)["times"])
     dec_calls = {k: {} for k in kinds}
     short = 0
-    for r in range(args.rounds):
+    decode_rounds = getattr(args, "decode_rounds", 0) or args.rounds
+    for r in range(decode_rounds):
         for kind in window_order(kinds, r):
             w = part.decode_window(args.decode_steps, kind, step_ms)
             dec.add(kind, w["times"], w["sent"], w["cpu"])
             merge(dec_calls[kind], w["calls"])
+            merge(dec_calls[kind], {f"read_{k}": (0.0, v) for k, v in w["read"].items()})
             short += w["short"]
             if kind == "ours":  # the next ours window's rooms: for steps as long as this one's
                 step_ms = max(step_ms, statistics.fmean(w["times"]))
@@ -346,7 +349,7 @@ def measure(part: Part, kinds: list, args) -> dict:
         "decode_slowdown_pct_by_round": dec.slowdown_pct_by_round(),
         "decode_requests_sent": dec.sent["ours"], "decode_requests_sent_by_kind": dec.sent,
         **decode_owners(dec, dec_calls, kinds, args.decode_steps, fwd_decode_calls, fwd.sent["ours"]),
-        "decode_rooms_short": short,
+        "decode_rooms_short": short, "decode_rounds": decode_rounds,
     }
 
 
@@ -356,7 +359,8 @@ def decode_owners(dec: Windows, dec_calls: dict, kinds: list, steps: int,
     poll per step in each kind and ours beyond alone per request, every thread's CPU over the
     steps beyond alone's, and each kind's slowdown as the median of the rounds' own ratios."""
     sent = max(dec.sent["ours"], 1)
-    ours = dec_calls["ours"]
+    ours = {n: v for n, v in dec_calls["ours"].items() if not n.startswith("read_")}
+    read = {n[5:]: v[1] for n, v in dec_calls["ours"].items() if n.startswith("read_")}
     polls = {k: dec_calls[k].get("poll_inbox", (0.0, 0)) for k in kinds}  # (s, calls): warm steps too
     poll_s = {k: v[0] for k, v in polls.items()}
     by_round = dec.slowdown_pct_by_round()
@@ -369,6 +373,8 @@ def decode_owners(dec: Windows, dec_calls: dict, kinds: list, steps: int,
             {n: v for n, v in ours.items() if n != "poll_inbox"}, sent),
         # the same calls in the forward windows (no step loop polls there: the status thread reads)
         "decode_calls_us_per_request_fwd_windows": us_per_request(fwd_calls, fwd_sent),
+        # prefill's messages (TransferStarted, RoomStatus) per request, by who read them
+        "decode_messages_per_request": {k: round(v / sent, 2) for k, v in read.items()},
         "decode_poll_us_per_step": {k: round(s * 1e6 / max(n, 1), 2) for k, (s, n) in polls.items()},
         # (every kind's windows run the same number of steps, so alone's polls are the baseline)
         "decode_poll_extra_us_per_request": round((poll_s["ours"] - poll_s["alone"]) * 1e6 / sent, 1),
@@ -421,6 +427,7 @@ def summary_line(p: dict) -> str:
         dextra = " ".join(f"{k} {_top(v)}" for k, v in p["decode_window_extra_cpu_ms_per_request"].items())
         line += (f" | decode paired {paired_k} | decode ours calls {c['total']} us/req {_top(c, 5)}"
                  f", poll beyond alone {p['decode_poll_extra_us_per_request']} us/req"
+                 f", messages/req {p['decode_messages_per_request']}"
                  f" | decode-window extra ms/req {dextra}")
         if p.get("decode_rooms_short"):
             line += f" | decode sends short {p['decode_rooms_short']}"

@@ -163,10 +163,10 @@ def test_send_due_with_opened_rooms_claims_sends_and_never_asks_decode(monkeypat
     assert rig2.asked == [("clear", [100, 101])]
 
 
-def test_rooms_for_covers_twice_the_window_and_the_lead():
+def test_rooms_for_covers_three_times_the_window_and_the_lead():
     from decode_process import WARM_STEPS
 
-    expected = 200 * (ip.LEAD_S + 2 * (300 + WARM_STEPS) * 2.5 / 1e3) + 8
+    expected = 200 * (ip.LEAD_S + 3 * (300 + WARM_STEPS) * 2.5 / 1e3) + 8
     assert ip.rooms_for(200.0, 300, 2.5) == pytest.approx(expected, abs=1)
     assert ip.rooms_for(0.0, 300, 2.5) == 8
 
@@ -190,13 +190,15 @@ def test_decode_owners_splits_our_calls_from_the_polls_and_the_rounds():
         w.add("ours", [2.0 * ratio] * 5, 50, {"mori-decode-status": 0.02})
     calls = {"alone": {"poll_inbox": (0.010, 1000)},
              "ours": {"new_receiver": (0.002, 200), "record_destination": (0.004, 200), "encode": (0.001, 200),
-                      "forget": (0.001, 200), "poll_inbox": (0.030, 1000)}}
+                      "forget": (0.001, 200), "poll_inbox": (0.030, 1000), "read_by_poll": (0.0, 390),
+                      "read_by_thread": (0.0, 10)}}
     out = ip.decode_owners(w, calls, ["alone", "ours"], 250, {"new_receiver": (0.004, 100)}, 100)
     assert out["decode_scheduler_calls_us_per_request"] == {
         "new_receiver": 10.0, "record_destination": 20.0, "encode": 5.0, "forget": 5.0, "total": 40.0}
     assert out["decode_calls_us_per_request"]["total"] == 190.0
     assert out["decode_calls_us_per_request_fwd_windows"] == {"new_receiver": 40.0, "total": 40.0}
     assert out["decode_poll_us_per_step"] == {"alone": 10.0, "ours": 30.0}
+    assert out["decode_messages_per_request"] == {"by_poll": 1.95, "by_thread": 0.05}
     assert out["decode_poll_extra_us_per_request"] == 100.0  # (30 - 10 ms) over 200 requests
     assert out["decode_window_extra_cpu_ms_per_request"]["ours"] == {"mori-decode-status": 0.2}
     assert out["decode_slowdown_pct_paired"]["ours"] == 3.0  # rounds +10, 0, +2, +4
@@ -233,7 +235,8 @@ def test_decode_process_runs_a_window_on_one_command_and_counts_our_calls(monkey
         assert conn.poll(120)
         assert isinstance(protocol.decode(conn.recv()), protocol.Register)
         ask("calls")  # from here on
-        times, cpu = ask("steps_run", 5)
+        times, cpu, read = ask("steps_run", 5)
+        assert read == {"by_poll": 0, "by_thread": 0}  # no prefill here: nothing to read
         assert len(times) == 5 and all(t > 0 for t in times)
         assert cpu.get("decode-steps", 0.0) >= 0.0 and isinstance(cpu, dict)
         taken = ask("calls")
