@@ -12,6 +12,14 @@ Window kinds, each `--seconds` of forwards back to back (decode: `--decode-steps
 traffic, context switching) cost by themselves. Every round runs each kind once, in an order
 rotated by round (window_order), so drift over minutes falls on every kind alike; the figures are
 medians over all rounds' samples, and each round's own ratio is kept to show the spread.
+
+Decode windows (session 19) are counted by owner: the decode process gets one command per window
+while its steps run (`steps_run`, answered when they end), the same in every kind; ours opens its
+rooms' decode side before the window and clears it after, in one command each (OpenedRooms), so
+the rig's pipe work and FakeSGLang never share the step loop's GIL. Our calls (receiver init,
+metadata and its encode, clear: the scheduler thread's in SGLang; the step loop's inbox poll) are
+timed by thread CPU inside them (decode_calls.py), and each kind's slowdown is also given as the
+median of the rounds' own ratios with a ~95 % interval (`paired`), over --decode-rounds rounds.
 """
 
 from __future__ import annotations
