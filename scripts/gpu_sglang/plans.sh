@@ -1,7 +1,7 @@
 # Sourced by device_run.sh (wheels installed, environment set): runs side by side on a 4-GPU
 # machine, one plan per device call. Each run writes under $W; the JSONs are copied to $OUT and
 # every log travels back in $OUT/<plan>.tgz (a call returns at most 8 files).
-# Usage: device_run.sh plan plan1|plan2|plan3|tp_proof|tp_fp32_ieee|ttft8k_hotpath|ttft8k_pair (ORDER=...)|ttft8k_pollreads|ttft8k_ce|ttft8k_front (ORDER=...)|ttft8k_fwd (ORDER=...)|s16_final|s17_interf (ROUTE=, COPIES=, MODES=, ROUNDS=, SECONDS_W=, DSTEPS=, DROUNDS=, LOADS=)|s17_link
+# Usage: device_run.sh plan plan1|plan2|plan3|tp_proof|tp_fp32_ieee|ttft8k_hotpath|ttft8k_pair (ORDER=...)|ttft8k_pollreads|ttft8k_ce|ttft8k_front (ORDER=...)|ttft8k_fwd (ORDER=...)|s16_final|s17_interf (ROUTE=, COPIES=, MODES=, ROUNDS=, SECONDS_W=, DSTEPS=, DROUNDS=, LOADS=)|s17_link|s19_gpu1 (s17_interf + hotpath)|s19_link (RUNS=...)
 # Port bases stay in 10000-21999: below the kernel's ephemeral range (32768+ there), where any
 # outgoing connection of a server beside it (HTTP, NCCL, softio) may hold a port as its source, and
 # below SGLang's own nccl_port range (22000-29999). With bases at 37000/38000 a PD prefill server of
@@ -359,5 +359,54 @@ s17_link() {
   done
   python3 "$S/link_summary.py" $W/link/*.json > $W/link_summary.txt 2>&1
   tail -1 $W/gputest.out >> $W/link_summary.txt
+  cat $W/link_summary.txt
+}
+
+# Session 19, issue 28 on one GPU: the interference run of s17_interf with decode's session 17-18
+# changes (the decode step loop's goal), then, on that host's CPU, `bench hotpath` of both sides at
+# 1K and 8K for both shapes, decode read by its thread and by SGLang-style polls, two rounds each
+# (decode's 100 us goal), each bounded by HOT_S. JSON lines in hot_s19.jsonl.
+s19_gpu1() {
+  s17_interf
+  mkdir -p $W/hot
+  local cases=mla61p64:1024,mla61p64:8192,gqa32p16:1024,gqa32p16:8192
+  for r in 1 2; do
+    for polls in "" --decode-polls; do
+      timeout -k 5 ${HOT_S:-60} python3 "$ROOT/scripts/bench_backend.py" hotpath --engine instant --requests 96 --json \
+        --cases $cases $polls >> $W/hot/hot_s19.jsonl 2>> $W/hot/hot_s19.err
+      echo "hotpath round $r ${polls:-thread-reads}: rc $?" >> $W/s17.out
+    done
+  done
+  cp $W/hot/hot_s19.jsonl $W/s17_summary.txt $W/
+  PLAN_JSONS="$W/s17_summary.txt $W/hot_s19.jsonl"
+}
+
+# Session 19, issue 28's link goal on two GPUs: s17_link's GPU tests, then the link part for the runs
+# in RUNS (space-separated; default below), each `NAME` one of new_*/base_* (base: .gpu/cand/python,
+# skipped where absent), `*_tp*` through the transfer process, `*_inl*` with SGLANG_MORI_INLINE_POST=on
+# (in-process: the scheduler's thread posts when nothing waits). Bounded as s17_link (LINK_RUN_S,
+# LINK_BUDGET_S, GPUTEST_S); summary lines in link_summary.txt.
+s19_link() {
+  PLAN_JSONS="$W/link_summary.txt"
+  mkdir -p $W/link
+  local start=$SECONDS run=${LINK_RUN_S:-70} budget=${LINK_BUDGET_S:-480}
+  if [ "${GPUTEST_S:-120}" -gt 0 ]; then
+    SGLANG_MORI_GPU_TESTS=1 timeout -k 10 ${GPUTEST_S:-120} python3 -m pytest -q -x -p no:cacheprovider \
+      "$ROOT/test/gpu/test_two_gpus.py" "$ROOT/test/gpu/test_copy_engine_route.py" "$ROOT/test/gpu/test_softio_device_path.py" \
+      > $W/gputest.out 2>&1
+    echo "gpu tests: rc $? at $(( SECONDS - start )) s: $(tail -1 $W/gputest.out)" >> $W/link.out
+  fi
+  for v in ${RUNS:-new_in base_in new_inl new_tp base_tp new_in2 base_in2 new_inl2}; do
+    local backend="" tp="" inline=auto
+    case $v in base*) [ -d "$ROOT/cand/python" ] || continue; backend="--backend-root $ROOT/cand/python";; esac
+    case $v in *_tp*) tp=--transfer-process;; esac
+    case $v in *_inl*) inline=on;; esac
+    if [ $(( SECONDS - start + run + 10 )) -gt $budget ]; then echo "$v skipped at $(( SECONDS - start )) s" >> $W/link.out; continue; fi
+    SGLANG_MORI_INLINE_POST=$inline timeout -s INT -k 10 $run python3 "$ROOT/scripts/gpu_bench.py" --parts link --decode-device 1 \
+      --shapes mla:64,gqa:16 --link-tokens 8192,32768 --iters 6 $tp $backend --json $W/link/$v.json > $W/link/$v.log 2>&1
+    echo "$v: rc $? at $(( SECONDS - start )) s" >> $W/link.out
+  done
+  python3 "$S/link_summary.py" $W/link/*.json > $W/link_summary.txt 2>&1
+  [ -f $W/gputest.out ] && tail -1 $W/gputest.out >> $W/link_summary.txt
   cat $W/link_summary.txt
 }
