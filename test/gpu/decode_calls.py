@@ -33,9 +33,7 @@ class TimedCalls:
             setattr(target, name, self._timed(name, getattr(target, name)))
 
     def _timed(self, name: str, call):
-        clock = time.thread_time
-
-        local = self._local
+        clock, local = time.thread_time, self._local
 
         def timed(*args, **kwargs):
             depth = getattr(local, "depth", 0)
