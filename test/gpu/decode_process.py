@@ -111,12 +111,13 @@ def serve(conn, shape_key: str, page_size: int, pages: int, config_kwargs: dict,
                 # our status thread alone, never with the rig's commands. Answers when the loop
                 # ends: (step times in ms, {thread role: CPU s} of this process over the loop,
                 # {reader: prefill's messages read} over the loop: the step loop's polls, our thread).
-                window_cpu = ThreadCpu()
+                window_cpu, used = ThreadCpu(), {}
                 read0 = _messages_read(service)
-                step.start(int(arg))
+                # (read by the step thread as it ends: an ended thread's CPU is gone from /proc)
+                step.start(int(arg), on_end=lambda: used.update(window_cpu.since()))
                 times = step.result(150)
                 read = {k: v - read0[k] for k, v in _messages_read(service).items()}
-                conn.send((times, window_cpu.since(), read))
+                conn.send((times, used, read))
             elif cmd == "calls":  # our calls' CPU by name since the last "calls" (decode_calls.py)
                 conn.send(calls.take())
             elif cmd == "cpu_reset":
@@ -163,11 +164,17 @@ class _DecodeStep:
             for w in self.w:
                 x = x @ w
 
-    def start(self, steps: int) -> None:
+    def start(self, steps: int, on_end=None) -> None:
+        """The loop on a thread "decode-steps"; `on_end` runs on that thread after the last step."""
         import threading
 
+        def body():
+            self._out.extend(self.run(steps))
+            if on_end is not None:
+                on_end()
+
         self._out = []
-        self._thread = threading.Thread(target=lambda: self._out.extend(self.run(steps)), name="decode-steps")
+        self._thread = threading.Thread(target=body, name="decode-steps")
         self._thread.start()
 
     def result(self, timeout_s: float) -> list:

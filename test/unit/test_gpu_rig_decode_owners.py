@@ -235,12 +235,13 @@ def test_decode_process_runs_a_window_on_one_command_and_counts_our_calls(monkey
         assert conn.poll(120)
         assert isinstance(protocol.decode(conn.recv()), protocol.Register)
         ask("calls")  # from here on
-        times, cpu, read = ask("steps_run", 5)
+        times, cpu, read = ask("steps_run", 60)
         assert read == {"by_poll": 0, "by_thread": 0}  # no prefill here: nothing to read
-        assert len(times) == 5 and all(t > 0 for t in times)
-        assert cpu.get("decode-steps", 0.0) >= 0.0 and isinstance(cpu, dict)
+        assert len(times) == 60 and all(t > 0 for t in times)
+        # the step thread's own CPU is in the window's (read before that thread ends)
+        assert cpu.get("decode-steps", 0.0) > 0.0
         taken = ask("calls")
-        assert taken["poll_inbox"][1] == 5 + WARM_STEPS
+        assert taken["poll_inbox"][1] == 60 + WARM_STEPS
         assert taken["new_receiver"][1] == 0
         frames = ask("open", ([(77, np.array([1, 2]))], [False]))
         metadata = protocol.decode(frames[0][0])
