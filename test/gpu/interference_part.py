@@ -303,6 +303,7 @@ def measure(part: Part, kinds: list, args) -> dict:
     for kind in kinds[1:]:
         part.forwards(1.0, kind)  # warm-up of each load: sessions, plans, the copy kernel
     rig.ask("cpu_reset")
+    rig.ask("calls")  # our decode calls from here on (the warm-ups' dropped)
     calls = SideCalls(rig.prefill)
     with metered_engine() as engine_meter:
         for r in range(args.rounds):
@@ -313,9 +314,12 @@ def measure(part: Part, kinds: list, args) -> dict:
         engine_cpu = engine_meter.since_reset()
     calls_us = calls.us_per_request(fwd.sent["ours"])  # only the ours windows call the side
     decode_cpu = rig.ask("cpu")
-    fwd_decode_calls = rig.ask("calls")  # our decode calls of the forward windows (and warm-ups)
-    # a warm-up decode window, which also sizes the rooms ours opens before each window
+    fwd_decode_calls = rig.ask("calls")  # our decode calls of the measured forward windows
+    # warm-up decode windows, alone then ours, which also size the rooms ours opens before each
+    # window (for steps as long as ours' warm-up's; updated after every ours window)
     step_ms = median(part.decode_window(min(args.decode_steps, 100), "alone", 0.0)["times"])
+    warm = part.decode_window(min(args.decode_steps, 100), "ours", step_ms)
+    step_ms = max(step_ms, statistics.fmean(warm["times"]))
     dec_calls = {k: {} for k in kinds}
     short = 0
     decode_rounds = getattr(args, "decode_rounds", 0) or args.rounds
