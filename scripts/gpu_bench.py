@@ -163,6 +163,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3,
                     help="interference: rounds of one window of each kind (alone, ours, copies...), in rotated order (each --seconds long)")
     ap.add_argument("--decode-steps", type=int, default=300, help="interference: decode steps of one window")
+    ap.add_argument("--decode-rounds", type=int, default=0,
+                    help="interference: rounds of decode windows (0: --rounds); each round runs every kind once, "
+                         "and the paired figure is the median of the rounds' own ratios")
     ap.add_argument("--copies", default="process",
                     help="interference: copies-only loads beside 'ours' (test/gpu/copy_load.py), comma-separated: "
                          "process (a spawned process: its own CUDA context), thread (a thread of the forward's "

@@ -1,7 +1,7 @@
 # Sourced by device_run.sh (wheels installed, environment set): runs side by side on a 4-GPU
 # machine, one plan per device call. Each run writes under $W; the JSONs are copied to $OUT and
 # every log travels back in $OUT/<plan>.tgz (a call returns at most 8 files).
-# Usage: device_run.sh plan plan1|plan2|plan3|tp_proof|tp_fp32_ieee|ttft8k_hotpath|ttft8k_pair (ORDER=...)|ttft8k_pollreads|ttft8k_ce|ttft8k_front (ORDER=...)|ttft8k_fwd (ORDER=...)|s16_final|s17_interf (ROUTE=, COPIES=, MODES=, ROUNDS=, SECONDS_W=, DSTEPS=, LOADS=)|s17_link|s19_gpu1 (s17_interf + hotpath)|s19_link (RUNS=...)
+# Usage: device_run.sh plan plan1|plan2|plan3|tp_proof|tp_fp32_ieee|ttft8k_hotpath|ttft8k_pair (ORDER=...)|ttft8k_pollreads|ttft8k_ce|ttft8k_front (ORDER=...)|ttft8k_fwd (ORDER=...)|s16_final|s17_interf (ROUTE=, COPIES=, MODES=, ROUNDS=, SECONDS_W=, DSTEPS=, DROUNDS=, LOADS=)|s17_link|s19_gpu1 (s17_interf + hotpath)|s19_link (RUNS=...)
 # Port bases stay in 10000-21999: below the kernel's ephemeral range (32768+ there), where any
 # outgoing connection of a server beside it (HTTP, NCCL, softio) may hold a port as its source, and
 # below SGLang's own nccl_port range (22000-29999). With bases at 37000/38000 a PD prefill server of
@@ -297,28 +297,31 @@ s16_final() {
 
 # Session 17 (issue 28: what is left of the forward's slowdown with the transfer process): on ONE GPU
 # (GPU, default 0), the interference part at both loads (50/s x 1K, 200/s x 128; 48 GB/s pacing),
-# in-process then with the transfer process, forward windows (4 s) and decode windows (1000 steps)
-# interleaved over 3 rounds, beside copies-only loads (test/gpu/copy_load.py: the same copies at the same rate with none of
+# with the transfer process (MODES="off on": in-process first, doubling the time), forward windows
+# (1 s, 8 rounds) and decode windows (200 steps, 32 rounds: session 19) interleaved, beside
+# copies-only loads (test/gpu/copy_load.py: the same copies at the same rate with none of
 # our Python): from a spawned process (its own CUDA context, as the transfer process) in both modes,
 # and in the in-process mode also from a thread of the forward's process (the forward's context: the
 # copies' SM and memory traffic without the context switching). COPIES=... sets the list for both
 # modes. ROUTE=memcpy (or kernel) sets softio's device copy route for every engine of the run
-# (default: the gather kernel). Each mode is bounded by INTERF_S (default 180 s; SIGINT keeps the
-# points done; expected about 150 s in-process, 120 s with the transfer process). Returns
+# (default: the gather kernel). Each mode is bounded by INTERF_S (default 330 s; SIGINT keeps the
+# points done; expected about 270 s with the transfer process: per load ~20 s of start-up, 24 s of
+# forward windows, ~90 s of decode windows). Returns
 # s17_interf.tgz (logs, JSONs) and s17_summary.txt (one line per point, also printed: run_plan tails
 # $W/s17.out).
 s17_interf() {
   PLAN_JSONS="$W/s17_summary.txt"
   mkdir -p $W/interf
   local route=""; [ -n "${ROUTE:-}" ] && route="--device-copy $ROUTE"
-  # MODES / ROUNDS / SECONDS_W / DSTEPS / LOADS: short windows, many rounds resolve a few percent
-  # where 4 s windows drift by tens of percent between rounds on this launch-bound forward.
-  for v in ${MODES:-off on}; do
+  # MODES / ROUNDS / SECONDS_W / DSTEPS / DROUNDS / LOADS: short windows, many rounds resolve a few
+  # percent where 4 s windows drift by tens of percent between rounds on this launch-bound forward;
+  # the decode windows get their own rounds (DROUNDS), the decode goal's +2 % needs more of them.
+  for v in ${MODES:-on}; do
     local tp="" copies=${COPIES:-process,thread}
     [ $v = on ] && tp=--transfer-process copies=${COPIES:-process}
     local t0=$(date +%s)
-    CUDA_VISIBLE_DEVICES=${GPU:-0} SGLANG_MORI_SOFTIO_LINK_GBPS=48 timeout -s INT -k 15 ${INTERF_S:-180} \
-      python3 "$ROOT/scripts/gpu_bench.py" --parts interference --rounds ${ROUNDS:-3} --seconds ${SECONDS_W:-4} --decode-steps ${DSTEPS:-1000} --copies "$copies" --loads ${LOADS:-50x1024,200x128} \
+    CUDA_VISIBLE_DEVICES=${GPU:-0} SGLANG_MORI_SOFTIO_LINK_GBPS=48 timeout -s INT -k 15 ${INTERF_S:-330} \
+      python3 "$ROOT/scripts/gpu_bench.py" --parts interference --rounds ${ROUNDS:-8} --seconds ${SECONDS_W:-1} --decode-steps ${DSTEPS:-200} --decode-rounds ${DROUNDS:-32} --copies "$copies" --loads ${LOADS:-50x1024,200x128} \
       $route $tp --json $W/interf/interf_$v.json > $W/interf/interf_$v.log 2>&1
     echo "transfer_process=$v rc=$? $(( $(date +%s) - t0 )) s" >> $W/s17.out
     grep "^interference\|^  built-in\|Error\|rror:" $W/interf/interf_$v.log | tail -6 >> $W/s17.out

@@ -4,7 +4,8 @@ real ZMQ PULL socket, and SGLang's per-room tables stood in by FakeSGLang.
 
 The parent drives it over a multiprocessing pipe with small commands (`serve`): open rooms (new
 receivers and their RoomMetadata for the prefill), digests of pages (byte checks), a decode step
-loop timed while the prefill transfers (interference on decode), per-thread CPU.
+loop timed while the prefill transfers (interference on decode), per-thread CPU and the CPU inside
+our calls (decode_calls.py).
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from __future__ import annotations
 import time
 
 import numpy as np
+
+WARM_STEPS = 20  # untimed steps before a window's timed ones (_DecodeStep.run)
+CPU_LAYERS = 6  # the stand-in step's layers on the rig's CPU check (a step of a few ms there)
 
 
 def serve(conn, shape_key: str, page_size: int, pages: int, config_kwargs: dict, paths: list,
@@ -30,6 +34,7 @@ def serve(conn, shape_key: str, page_size: int, pages: int, config_kwargs: dict,
     from sglang_mori.config import MoriConfig
     from sglang_mori.metrics import NullTransferMetrics
 
+    from decode_calls import SCHEDULER_CALLS, STEP_CALLS, TimedCalls
     from device_pool import AUX_BYTES, DevicePool
     from fake_sglang import FakeSGLang
     from shapes import SHAPES
@@ -53,9 +58,14 @@ def serve(conn, shape_key: str, page_size: int, pages: int, config_kwargs: dict,
     service.start()
     conn.send(protocol.encode(service.registration()))
     cpu = ThreadCpu()
+    # Thread CPU inside our calls (the scheduler's: receiver init, metadata, clear; the step loop's
+    # poll), apart from the rig's command handling on the same thread
+    calls = TimedCalls(service, SCHEDULER_CALLS + STEP_CALLS)
     # The loop polls our inbox once per step, as SGLang's decode loop polls its receivers: the
     # messages prefill sent are then applied on the loop's thread, and their cost is in the loop's time.
-    step = _DecodeStep(shape.layers, poll=service.poll_inbox)
+    # (On the CPU check, a few layers: a step of a few ms, as on the GPU, so the poll comes as often
+    # relative to the inbox's poller timing, POLLER_ACTIVE_S, as it does there.)
+    step = _DecodeStep(shape.layers if rig_device.ON_GPU else CPU_LAYERS, poll=service.poll_inbox)
     try:
         while True:
             cmd, arg = conn.recv()
@@ -69,10 +79,14 @@ def serve(conn, shape_key: str, page_size: int, pages: int, config_kwargs: dict,
                     service.new_receiver(room)
                     # what the receiver sends each prefill rank it pairs with (SGLang's receiver:
                     # with MLA and prefill TP > decode TP, all but the first get dummy metadata)
-                    out.append([protocol.encode(service.record_destination(
+                    metadata = [service.record_destination(
                         bootstrap_room=room, required_dst_info_num=1, kv_indices=np.asarray(dst_pages),
-                        aux_index=room % 64, state_indices=None, decode_prefix_len=None, is_dummy=dummy))
-                        for dummy in dummies])
+                        aux_index=room % 64, state_indices=None, decode_prefix_len=None, is_dummy=dummy)
+                        for dummy in dummies]
+                    # the frames the receiver sends (ours in a deployment: receiver.py encodes them)
+                    t0 = time.thread_time()
+                    out.append([protocol.encode(m) for m in metadata])
+                    calls.add("encode", time.thread_time() - t0, len(metadata))
                 conn.send(out)
             elif cmd == "statuses":
                 conn.send({room: sglang.status(room) for room in arg})
@@ -91,13 +105,21 @@ def serve(conn, shape_key: str, page_size: int, pages: int, config_kwargs: dict,
                 conn.send(pool.digest(arg))
             elif cmd == "steps":
                 conn.send(step.run(int(arg)))
-            elif cmd == "steps_start":  # a step loop beside the command loop (transfers arrive meanwhile)
-                step.start(int(arg))
-                conn.send(None)
-            elif cmd == "steps_done":  # has the step loop beside the command loop ended?
-                conn.send(step.done())
-            elif cmd == "steps_result":
-                conn.send(step.result(float(arg or 120)))
+            elif cmd == "steps_run":
+                # A step loop on its own thread while prefill's transfers arrive: this thread only
+                # waits in the join (no GIL), so in every window kind the step loop competes with
+                # our status thread alone, never with the rig's commands. Answers when the loop
+                # ends: (step times in ms, {thread role: CPU s} of this process over the loop,
+                # {reader: prefill's messages read} over the loop: the step loop's polls, our thread).
+                window_cpu, used = ThreadCpu(), {}
+                read0 = _messages_read(service)
+                # (read by the step thread as it ends: an ended thread's CPU is gone from /proc)
+                step.start(int(arg), on_end=lambda: used.update(window_cpu.since()))
+                times = step.result(150)
+                read = {k: v - read0[k] for k, v in _messages_read(service).items()}
+                conn.send((times, used, read))
+            elif cmd == "calls":  # our calls' CPU by name since the last "calls" (decode_calls.py)
+                conn.send(calls.take())
             elif cmd == "cpu_reset":
                 cpu = ThreadCpu()
                 conn.send(None)
@@ -112,6 +134,11 @@ def serve(conn, shape_key: str, page_size: int, pages: int, config_kwargs: dict,
         pool.close()
         sock.close(0)
         ctx.term()
+
+
+def _messages_read(service) -> dict:
+    inbox = service.inbox
+    return {"by_poll": inbox.by_poller if inbox else 0, "by_thread": inbox.by_thread if inbox else 0}
 
 
 class _DecodeStep:
@@ -137,15 +164,18 @@ class _DecodeStep:
             for w in self.w:
                 x = x @ w
 
-    def start(self, steps: int) -> None:
+    def start(self, steps: int, on_end=None) -> None:
+        """The loop on a thread "decode-steps"; `on_end` runs on that thread after the last step."""
         import threading
 
-        self._out = []
-        self._thread = threading.Thread(target=lambda: self._out.extend(self.run(steps)), name="decode-steps")
-        self._thread.start()
+        def body():
+            self._out.extend(self.run(steps))
+            if on_end is not None:
+                on_end()
 
-    def done(self) -> bool:
-        return not self._thread.is_alive()
+        self._out = []
+        self._thread = threading.Thread(target=body, name="decode-steps")
+        self._thread.start()
 
     def result(self, timeout_s: float) -> list:
         self._thread.join(timeout_s)
@@ -153,9 +183,12 @@ class _DecodeStep:
 
     def run(self, steps: int) -> list:
         """Wall time of each loop pass (ms): a step ended by a device synchronize, then the poll."""
-        for _ in range(3):
+        # Warm steps before the timed ones: the window's first steps after an idle gap (the GPU's
+        # clocks, the launch path's caches) are not what the load costs.
+        for _ in range(WARM_STEPS):
             self.once()
-        self.sync()
+            self.sync()
+            self.poll()
         times = []
         for _ in range(steps):
             t0 = time.perf_counter()

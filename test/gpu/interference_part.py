@@ -12,12 +12,23 @@ Window kinds, each `--seconds` of forwards back to back (decode: `--decode-steps
 traffic, context switching) cost by themselves. Every round runs each kind once, in an order
 rotated by round (window_order), so drift over minutes falls on every kind alike; the figures are
 medians over all rounds' samples, and each round's own ratio is kept to show the spread.
+
+Decode windows (session 19) are counted by owner: the decode process gets one command per window
+while its steps run (`steps_run`, answered when they end), the same in every kind; ours opens its
+rooms' decode side before the window and clears it after, in one command each (OpenedRooms), so
+the rig's pipe work and FakeSGLang never share the step loop's GIL. Our calls (receiver init,
+metadata and its encode, clear: the scheduler thread's in SGLang; the step loop's inbox poll) are
+timed by thread CPU inside them (decode_calls.py), and each kind's slowdown is also given as the
+median of the rounds' own ratios with a ~95 % interval (`paired`), over --decode-rounds rounds.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
+
+from decode_calls import merge, us_per_request
 
 LEAD_S = 0.1  # a decode window's load runs this long before the steps start (transfers in flight)
 COPY_KINDS = {"process": "copies", "thread": "copies_thread"}
@@ -116,9 +127,43 @@ class SideCalls:
         return out
 
 
-def send_due(rig, bg, rate: float, start: float, sent: int, live: list) -> int:
+class OpenedRooms:
+    """Rooms whose decode side (receivers, their metadata) was opened in one command before a decode
+    window, so that no command reaches the decode process while its steps run: the window's sends
+    claim them in order (prefill's side of the open), and all of them are cleared on decode in one
+    command after the window. `short` counts sends that were due but found no room left (the
+    pool is sized for three times the window's expected length: a window with any sent less than its
+    rate; they are not sent later, the schedule goes on)."""
+
+    def __init__(self, rig, bg, count: int):
+        self.rooms = rig.next_rooms(count)
+        self.rows = [k % bg.count for k in range(count)]
+        self.frames = rig.open_decode(bg, self.rooms, self.rows) if count else []
+        self.used = 0
+        self.short = 0
+
+    def take(self, n: int) -> list:
+        """Up to `n` (room, row, frames) not used yet."""
+        k = min(n, len(self.rooms) - self.used)
+        out = [(self.rooms[i], self.rows[i], self.frames[i]) for i in range(self.used, self.used + k)]
+        self.used += k
+        self.short += n - k
+        return out
+
+
+def rooms_for(rate: float, steps: int, step_ms: float) -> int:
+    """Rooms to open before a decode window of `steps` steps (and the loop's warm steps) of about
+    `step_ms`: what the rate sends over three times that, the lead included, and a few more."""
+    from decode_process import WARM_STEPS
+
+    return int(math.ceil(rate * (LEAD_S + 3.0 * (steps + WARM_STEPS) * step_ms / 1e3))) + 8
+
+
+def send_due(rig, bg, rate: float, start: float, sent: int, live: list, opened: OpenedRooms | None = None) -> int:
     """Open and send the background requests due by now at `rate`; release the concluded ones.
-    Returns the new count sent."""
+    With `opened`, the rooms come from it (decode's side opened already) and decode's side is not
+    cleared here (OpenedRooms: after the window). Returns the new count due so far (sent, and
+    with `opened` any sends that found no room: opened.short)."""
     from copy_load import due
 
     poll = getattr(rig.prefill, "poll", None)  # a transfer process's statuses come by polls
@@ -126,28 +171,37 @@ def send_due(rig, bg, rate: float, start: float, sent: int, live: list) -> int:
         poll()
     n = due(time.perf_counter() - start, rate, sent)
     if n > 0:
-        rooms = rig.next_rooms(n)
-        rig.open_rooms(bg, rooms, [k % bg.count for k in range(len(rooms))])
-        for k, room in enumerate(rooms):
-            rig.prefill.send_all(room, bg.src[k % bg.count])
+        if opened is None:
+            rooms = rig.next_rooms(n)
+            rows = [k % bg.count for k in range(len(rooms))]
+            rig.open_rooms(bg, rooms, rows)
+        else:
+            taken = opened.take(n)
+            rooms, rows = [t[0] for t in taken], [t[1] for t in taken]
+            for room, row, frames in taken:
+                rig.claim(bg, room, row, frames)
+        for room, row in zip(rooms, rows):
+            rig.prefill.send_all(room, bg.src[row])
         live += rooms
-        sent += n
+        sent += n  # the schedule: with `opened`, sends that found no room are in opened.short
     done = [r for r in live if r in rig.prefill.sglang.concluded_at]
     if done:
         for r in done:
             rig.prefill.release(r)
-        rig.ask("clear", done)
+        if opened is None:
+            rig.ask("clear", done)
         gone = set(done)
         live[:] = [r for r in live if r not in gone]
     return sent
 
 
-def drain(rig, live: list) -> None:
+def drain(rig, live: list, clear: bool = True) -> None:
     if live:
         rig.prefill.sglang.wait_concluded(live, 60)
         for r in live:
             rig.prefill.release(r)
-        rig.ask("clear", live)
+        if clear:
+            rig.ask("clear", live)
         live.clear()
 
 
@@ -184,34 +238,57 @@ class Part:
             sent = copies.stop()
         return times, sent
 
-    def decode_window(self, steps: int, kind: str):
+    def decode_window(self, steps: int, kind: str, step_ms: float) -> dict:
         """The decode process's step loop (`steps` steps) beside `kind`'s load, the load started
-        LEAD_S before the steps and kept up until they end: (step times in ms, requests sent).
-        Every kind runs the same loop here (the same polls of the decode process), only the load
-        differs."""
+        LEAD_S before the steps and kept up until they end. Every kind sends the decode process
+        the same single command while its steps run (`steps_run`, answered when they end), so
+        the rig's work there is equal across kinds; ours opens its rooms' decode side before the
+        window and clears them after it (OpenedRooms), timed as our calls but outside the steps.
+        Returns the step times (ms), the requests sent, the decode process's CPU by thread role
+        over the steps, our calls' CPU ({name: (s, calls)}, decode_calls.py), prefill's messages
+        read over the steps by the step loop's polls and by our status thread, and the sends that
+        found no room."""
         rig = self.rig
+        opened = OpenedRooms(rig, self.bg, rooms_for(self.rate, steps, step_ms)) if kind == "ours" else None
         copies = self.copy_loads.get(kind)
         if copies is not None:
             copies.start(self.rate)
-        live, sent, started, last_check = [], 0, False, 0.0
+        live, sent, started = [], 0, False
         start = time.perf_counter()
         while True:
-            if kind == "ours":
-                sent = send_due(rig, self.bg, self.rate, start, sent, live)
-            now = time.perf_counter()
-            if not started and now - start >= LEAD_S:
-                rig.ask("steps_start", steps)
-                started = True
-            elif started and now - last_check > 0.01:
-                last_check = now
-                if rig.ask("steps_done") or now - start > 120:
-                    break
-            time.sleep(0.002)
-        times = rig.ask("steps_result", 120, timeout=150)
-        drain(rig, live)
+            if opened is not None:
+                sent = send_due(rig, self.bg, self.rate, start, sent, live, opened)
+            if not started:
+                if time.perf_counter() - start >= LEAD_S:
+                    rig.conn.send(("steps_run", steps))
+                    started = True
+                else:
+                    time.sleep(0.002)
+            elif rig.conn.poll(0.002):  # the answer comes when the steps end (a wait, not a command)
+                break
+            elif time.perf_counter() - start > 150:
+                raise TimeoutError(f"decode steps did not end in 150 s (alive: {rig.proc.is_alive()})")
+        times, cpu, read = rig._recv()
+        drain(rig, live, clear=opened is None)
         if copies is not None:
             sent = copies.stop()
-        return times, sent
+        if opened is not None:
+            rig.ask("clear", opened.rooms)  # every room opened, sent or not
+            sent -= opened.short
+        return {"times": times, "sent": sent, "cpu": cpu, "calls": rig.ask("calls"), "read": read,
+                "short": 0 if opened is None else opened.short}
+
+
+def paired(by_round: list) -> tuple:
+    """The median of the rounds' own ratios (%) and the half-width of its ~95 % interval (the
+    boxplot notch: 1.58 IQR / sqrt(n)); drift between rounds falls out of each round's ratio."""
+    if not by_round:
+        return float("nan"), float("nan")
+    xs = sorted(by_round)
+    if len(xs) < 4:
+        return statistics.median(xs), float("nan")
+    q = statistics.quantiles(xs, n=4)
+    return statistics.median(xs), 1.58 * (q[2] - q[0]) / math.sqrt(len(xs))
 
 
 def measure(part: Part, kinds: list, args) -> dict:
@@ -226,6 +303,7 @@ def measure(part: Part, kinds: list, args) -> dict:
     for kind in kinds[1:]:
         part.forwards(1.0, kind)  # warm-up of each load: sessions, plans, the copy kernel
     rig.ask("cpu_reset")
+    rig.ask("calls")  # our decode calls from here on (the warm-ups' dropped)
     calls = SideCalls(rig.prefill)
     with metered_engine() as engine_meter:
         for r in range(args.rounds):
@@ -236,10 +314,24 @@ def measure(part: Part, kinds: list, args) -> dict:
         engine_cpu = engine_meter.since_reset()
     calls_us = calls.us_per_request(fwd.sent["ours"])  # only the ours windows call the side
     decode_cpu = rig.ask("cpu")
-    for r in range(args.rounds):
+    fwd_decode_calls = rig.ask("calls")  # our decode calls of the measured forward windows
+    # warm-up decode windows, alone then ours, which also size the rooms ours opens before each
+    # window (for steps as long as ours' warm-up's; updated after every ours window)
+    step_ms = median(part.decode_window(min(args.decode_steps, 100), "alone", 0.0)["times"])
+    warm = part.decode_window(min(args.decode_steps, 100), "ours", step_ms)
+    step_ms = max(step_ms, statistics.fmean(warm["times"]))
+    dec_calls = {k: {} for k in kinds}
+    short = 0
+    decode_rounds = getattr(args, "decode_rounds", 0) or args.rounds
+    for r in range(decode_rounds):
         for kind in window_order(kinds, r):
-            times, sent = part.decode_window(args.decode_steps, kind)
-            dec.add(kind, times, sent)
+            w = part.decode_window(args.decode_steps, kind, step_ms)
+            dec.add(kind, w["times"], w["sent"], w["cpu"])
+            merge(dec_calls[kind], w["calls"])
+            merge(dec_calls[kind], {f"read_{k}": (0.0, v) for k, v in w["read"].items()})
+            short += w["short"]
+            if kind == "ours":  # the next ours window's rooms: for steps as long as this one's
+                step_ms = max(step_ms, statistics.fmean(w["times"]))
     sent = fwd.sent["ours"]
     ours_cpu = fwd.cpu["ours"]
     m, d = fwd.medians(), dec.medians()
@@ -268,6 +360,41 @@ def measure(part: Part, kinds: list, args) -> dict:
         "decode_step_ms_by_kind": d, "decode_slowdown_pct_by_kind": dec.slowdown_pct(),
         "decode_slowdown_pct_by_round": dec.slowdown_pct_by_round(),
         "decode_requests_sent": dec.sent["ours"], "decode_requests_sent_by_kind": dec.sent,
+        **decode_owners(dec, dec_calls, kinds, args.decode_steps, fwd_decode_calls, fwd.sent["ours"]),
+        "decode_rooms_short": short, "decode_rounds": decode_rounds,
+    }
+
+
+def decode_owners(dec: Windows, dec_calls: dict, kinds: list, steps: int,
+                  fwd_calls: dict, fwd_sent: int) -> dict:
+    """The decode side by owner: our calls' CPU (decode_calls.py) per request, the step loop's
+    poll per step in each kind and ours beyond alone per request, every thread's CPU over the
+    steps beyond alone's, and each kind's slowdown as the median of the rounds' own ratios."""
+    sent = max(dec.sent["ours"], 1)
+    ours = {n: v for n, v in dec_calls["ours"].items() if not n.startswith("read_")}
+    read = {n[5:]: v[1] for n, v in dec_calls["ours"].items() if n.startswith("read_")}
+    polls = {k: dec_calls[k].get("poll_inbox", (0.0, 0)) for k in kinds}  # (s, calls): warm steps too
+    poll_s = {k: v[0] for k, v in polls.items()}
+    by_round = dec.slowdown_pct_by_round()
+    pairs = {k: paired(v) for k, v in by_round.items()}
+    return {
+        # The scheduler thread's calls of ours (new_receiver, record_destination, the metadata's
+        # encode, forget) and the step loop's polls, in the ours windows, us per request
+        "decode_calls_us_per_request": us_per_request(ours, sent),
+        "decode_scheduler_calls_us_per_request": us_per_request(
+            {n: v for n, v in ours.items() if n != "poll_inbox"}, sent),
+        # the same calls in the forward windows (no step loop polls there: the status thread reads)
+        "decode_calls_us_per_request_fwd_windows": us_per_request(fwd_calls, fwd_sent),
+        # prefill's messages (TransferStarted, RoomStatus) per request, by who read them
+        "decode_messages_per_request": {k: round(v / sent, 2) for k, v in read.items()},
+        "decode_poll_us_per_step": {k: round(s * 1e6 / max(n, 1), 2) for k, (s, n) in polls.items()},
+        # (every kind's windows run the same number of steps, so alone's polls are the baseline)
+        "decode_poll_extra_us_per_request": round((poll_s["ours"] - poll_s["alone"]) * 1e6 / sent, 1),
+        "decode_window_extra_cpu_ms_per_request": {k: dec.extra_cpu_ms_per_request(k) for k in kinds[1:]},
+        "decode_window_cpu_ms_per_request": per_request(dec.cpu["ours"], sent, 8),
+        "decode_slowdown_pct_paired": {k: round(v[0], 2) for k, v in pairs.items()},
+        "decode_slowdown_ci95_pct": {k: round(v[1], 2) for k, v in pairs.items()},
+        "decode_steps": steps,
     }
 
 
@@ -304,7 +431,18 @@ def summary_line(p: dict) -> str:
             f"{kinds(p['slowdown_pct_by_kind'], p['slowdown_pct_by_round'])} | decode alone "
             f"{p['decode_step_ms']['alone']:.3f} ms, {kinds(p['decode_slowdown_pct_by_kind'], p['decode_slowdown_pct_by_round'])}"
             f" | sent {p['requests_sent_by_kind']} | scheduler calls {p['scheduler_calls_cpu_us_per_request']['total']} us/req"
-            f" | fwd-process extra ms/req {extra} | decode ms/req {_top(p['decode_cpu_ms_per_request'])}")
+            f" | fwd-process extra ms/req {extra} | decode ms/req (fwd windows) {_top(p['decode_cpu_ms_per_request'])}")
+    if "decode_calls_us_per_request" in p:
+        c = p["decode_calls_us_per_request"]
+        paired_k = " ".join(f"{k} {v:+.1f}±{p['decode_slowdown_ci95_pct'][k]:.1f}%"
+                            for k, v in p["decode_slowdown_pct_paired"].items())
+        dextra = " ".join(f"{k} {_top(v)}" for k, v in p["decode_window_extra_cpu_ms_per_request"].items())
+        line += (f" | decode paired {paired_k} | decode ours calls {c['total']} us/req {_top(c, 5)}"
+                 f", poll beyond alone {p['decode_poll_extra_us_per_request']} us/req"
+                 f", messages/req {p['decode_messages_per_request']}"
+                 f" | decode-window extra ms/req {dextra}")
+        if p.get("decode_rooms_short"):
+            line += f" | decode sends short {p['decode_rooms_short']}"
     if "transfer_process_cpu_ms_per_request" in p:
         line += f" | transfer process {p['transfer_process_cpu_ms_per_request']} ms/req"
     return line

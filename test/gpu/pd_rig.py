@@ -160,10 +160,19 @@ class GpuPD:
         """Decode's receivers send their metadata to every prefill rank; every rank claims.
         `rows`: request index of each room (default: room i is request i)."""
         rows = list(range(len(rooms))) if rows is None else rows
-        frames = self.ask("open", ([(room, reqs.dst[rows[k]]) for k, room in enumerate(rooms)], self.dummies))
+        frames = self.open_decode(reqs, rooms, rows)
         for k, room in enumerate(rooms):
-            for side in self.prefills:
-                side.open(room, frames[k][side.tp_rank], reqs.row(rows[k]))
+            self.claim(reqs, room, rows[k], frames[k])
+
+    def open_decode(self, reqs: Requests, rooms: List[int], rows: List[int]) -> list:
+        """Decode's side of opening `rooms` (receivers, their metadata), in one command: per room,
+        the frames for each prefill rank."""
+        return self.ask("open", ([(room, reqs.dst[rows[k]]) for k, room in enumerate(rooms)], self.dummies))
+
+    def claim(self, reqs: Requests, room: int, row: int, frames: list) -> None:
+        """Every prefill rank claims `room` with the metadata decode sent it."""
+        for side in self.prefills:
+            side.open(room, frames[side.tp_rank], reqs.row(row))
 
     def prefill_batch(self, reqs: Requests, *, layerwise: bool, side_stream: bool = False,
                       store_delay_cycles: int = 0, seed: int = 0, wait_s: float = WAIT_S) -> StepResult:

@@ -72,12 +72,17 @@ class DecodeRoomRegistry:
         # terminal and never reopens a cleared room. Re-entrant: the applier calls finish() under it.
         self.lock = threading.RLock()
         self._rooms: Dict[int, DecodeRoom] = {}
+        # The TRANSFERRING rooms, the only ones a deadline sweep must look at: the status thread
+        # sweeps every SGLANG_MORI_WAIT_POLL_MS under this lock, and a decode under load holds
+        # many more rooms awaiting prefill (receivers whose metadata is out) than transferring.
+        self._transferring: Dict[int, DecodeRoom] = {}
 
     def open(self, room: int, attempt: Optional[int] = None) -> DecodeRoom:
         """A receiver starts on `room`: a new attempt (a previous one is replaced)."""
         r = DecodeRoom(room=room, attempt=attempt or new_attempt_id(), aux_index=None)
         with self.lock:
             self._rooms[room] = r
+            self._transferring.pop(room, None)  # the replaced attempt's
         return r
 
     def set_aux_index(self, room: int, aux_index: Optional[int]) -> DecodeRoom:
@@ -114,6 +119,7 @@ class DecodeRoomRegistry:
                 return False
             r.phase = DecodePhase.TRANSFERRING
             r.started_at = now
+            self._transferring[room] = r
             return True
 
     def finish(self, room: int, ok: bool) -> bool:
@@ -123,13 +129,14 @@ class DecodeRoomRegistry:
             if r is None or not r.open:
                 return False
             r.phase = DecodePhase.SUCCEEDED if ok else DecodePhase.FAILED
+            self._transferring.pop(room, None)
             return True
 
     def expired(self, now: float, deadline_s: float) -> List[DecodeRoom]:
         """Transferring rooms with no progress for `deadline_s`; each is reported once."""
         out = []
         with self.lock:
-            for r in self._rooms.values():
+            for r in self._transferring.values():
                 if r.phase is DecodePhase.TRANSFERRING and now - r.started_at > deadline_s:
                     r.started_at = now  # report once per deadline, the caller fails it
                     out.append(r)
@@ -141,6 +148,7 @@ class DecodeRoomRegistry:
             r = self._rooms.get(room)
             if r is not None and (attempt is None or r.attempt == attempt):
                 del self._rooms[room]
+                self._transferring.pop(room, None)
 
     def __len__(self) -> int:
         with self.lock:
