@@ -1,7 +1,7 @@
 # Sourced by device_run.sh (wheels installed, environment set): runs side by side on a 4-GPU
 # machine, one plan per device call. Each run writes under $W; the JSONs are copied to $OUT and
 # every log travels back in $OUT/<plan>.tgz (a call returns at most 8 files).
-# Usage: device_run.sh plan plan1|plan2|plan3|tp_proof|tp_fp32_ieee|ttft8k_hotpath|ttft8k_pair (ORDER=...)|ttft8k_pollreads|ttft8k_ce|ttft8k_front (ORDER=...)|ttft8k_fwd (ORDER=...)|s16_final|s17_interf (ROUTE=, COPIES=, MODES=, ROUNDS=, SECONDS_W=, DSTEPS=, DROUNDS=, LOADS=)|s17_link|s19_gpu1 (s17_interf + hotpath)|s19_link (RUNS=...)
+# Usage: device_run.sh plan plan1|plan2|plan3|tp_proof|tp_fp32_ieee|ttft8k_hotpath|ttft8k_pair (ORDER=...)|ttft8k_pollreads|ttft8k_ce|ttft8k_front (ORDER=...)|ttft8k_fwd (ORDER=...)|s16_final|s17_interf (ROUTE=, COPIES=, MODES=, DDEV=, GPU=, ROUNDS=, SECONDS_W=, DSTEPS=, DROUNDS=, LOADS=)|s17_link|s19_gpu1 (s17_interf + hotpath)|s19_link (RUNS=...)
 # Port bases stay in 10000-21999: below the kernel's ephemeral range (32768+ there), where any
 # outgoing connection of a server beside it (HTTP, NCCL, softio) may hold a port as its source, and
 # below SGLang's own nccl_port range (22000-29999). With bases at 37000/38000 a PD prefill server of
@@ -316,12 +316,13 @@ s17_interf() {
   # MODES / ROUNDS / SECONDS_W / DSTEPS / DROUNDS / LOADS: short windows, many rounds resolve a few
   # percent where 4 s windows drift by tens of percent between rounds on this launch-bound forward;
   # the decode windows get their own rounds (DROUNDS), the decode goal's +2 % needs more of them.
+  # DDEV=1 GPU=0,1: decode (its step loop, its KV) on the second GPU, as in a deployment.
   for v in ${MODES:-on}; do
     local tp="" copies=${COPIES:-process,thread}
     [ $v = on ] && tp=--transfer-process copies=${COPIES:-process}
     local t0=$(date +%s)
     CUDA_VISIBLE_DEVICES=${GPU:-0} SGLANG_MORI_SOFTIO_LINK_GBPS=48 timeout -s INT -k 15 ${INTERF_S:-330} \
-      python3 "$ROOT/scripts/gpu_bench.py" --parts interference --rounds ${ROUNDS:-8} --seconds ${SECONDS_W:-1} --decode-steps ${DSTEPS:-200} --decode-rounds ${DROUNDS:-32} --copies "$copies" --loads ${LOADS:-50x1024,200x128} \
+      python3 "$ROOT/scripts/gpu_bench.py" --parts interference ${DDEV:+--decode-device $DDEV} --rounds ${ROUNDS:-8} --seconds ${SECONDS_W:-1} --decode-steps ${DSTEPS:-200} --decode-rounds ${DROUNDS:-32} --copies "$copies" --loads ${LOADS:-50x1024,200x128} \
       $route $tp --json $W/interf/interf_$v.json > $W/interf/interf_$v.log 2>&1
     echo "transfer_process=$v rc=$? $(( $(date +%s) - t0 )) s" >> $W/s17.out
     grep "^interference\|^  built-in\|Error\|rror:" $W/interf/interf_$v.log | tail -6 >> $W/s17.out

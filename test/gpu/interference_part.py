@@ -469,7 +469,10 @@ def run_interference(args, results: list) -> None:
         fwd = Requests(page, args.fwd_tokens, 1, 0, np.random.default_rng(1))
         bg = Requests(page, bg_tokens, 16, fwd.pages, np.random.default_rng(2))
         pages = fwd.pages + bg.pages
-        with GpuPD("mla", page, pages) as rig:
+        # decode on its own GPU (--decode-device 1) as in a deployment: the decode step loop then
+        # shares no GPU with the prefill's forward, its transfer process or the copies-only load
+        # (time-sliced contexts on one GPU spread the decode rounds by tens of percent, every kind alike)
+        with GpuPD("mla", page, pages, decode_device=args.decode_device) as rig:
             loads = {}
             try:
                 load_spec = dict(shape_key="mla", page_size=page, pages=pages, src_pages=bg.src, dst_pages=bg.dst)
