@@ -97,7 +97,7 @@ class RoomTarget:
     reject_reason: Optional[str] = None
     # The planner that found every KV index within decode's buffers (plans.check_destination):
     # the chunks planned by that same planner skip the per-chunk check of decode's indices.
-    kv_checked_by: object = None
+    kv_checked_by: object = field(default=None, repr=False, compare=False)
 
     @property
     def address(self) -> Tuple[str, int]:
