@@ -19,9 +19,13 @@ with decode_device=1), pages scattered on both sides, it measures:
   (SGLang does not install on the GPU host), which only flatters it.
 
 `ops` counts, per request, the engine calls, the (local, remote) pairs and the copy ranges.
-`phases` splits a lone request's `ours` (in-process, on a GPU) at the device engine: send() to the
-copies' submit, the submit itself (range table, launch), submit to the batch's event seen done
-(the copy, and the wait for it), and that to the room's Success (completion, aux, status);
+`phases` splits a lone request's `ours` (in-process) where our code and the engine's meet
+(`lone_phases`): on a GPU, send() to the engine call (ours) / softio's Python before its device
+submit / the submit (range table, launch) / the copy and the wait for it / softio's completion
+handing the statuses back / that to the room's Success (ours); on the CPU check, ours before the
+call / the call / the rest. `engine_python_zero` is a projection for a C++ engine (MORI-IO): the
+whole path with softio's Python before the submit and in its completion taken out, as a fraction
+of the plain copy beside the measured one, which it never replaces.
 `burst_phases` of a burst: send() to the first submit, the time the stream may have waited for a
 next request's submit (a submit ending after the previous batch was seen done; a lower bound), and
 the last batch seen done to the last Success.
@@ -155,16 +159,33 @@ def wait_sendable(rig: GpuPD, rooms: list, timeout_s: float = 30.0) -> None:
 
 
 class PhaseClock:
-    """Stamps of the device engine's submits and completions while `ours` runs (one thread each:
-    the shard's submit, the engine's completion thread), for `phases`."""
+    """Stamps while `ours` runs, for `phases`: where our code enters the engine (softio's
+    `IOEngine.batch_write`, on the thread that posts) and leaves it, the device engine's submits
+    (one thread: the poster's) and its completions (`succeed_all` on the engine's completion
+    thread: entered once the copy is seen done, left once the statuses are handed back to us).
+    `dev` None (the rig on the CPU: softio's host path): the engine calls only."""
 
-    def __init__(self, dev):
+    def __init__(self, dev, io_engine=None):
         self.dev = dev
+        self.io_engine = io_engine
+        self.calls: list = []  # (start, end) of batch_write
         self.submits: list = []  # (start, end)
-        self.done: list = []
+        self.done: list = []  # (start, end) of succeed_all
         self._original = None
 
     def __enter__(self):
+        if self.io_engine is not None:
+            calls, call = self.calls, self.io_engine.batch_write
+
+            def batch_write(*args, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return call(*args, **kwargs)
+                finally:
+                    calls.append((start, time.perf_counter()))
+            self.io_engine.batch_write = batch_write
+        if self.dev is None:
+            return self
         stamps = self.submits
         for name in SUBMITS:
             original = getattr(self.dev, name, None)
@@ -182,24 +203,93 @@ class PhaseClock:
         done, succeed = self.done, self._original
 
         def succeed_all(statuses):
-            done.append(time.perf_counter())
-            succeed(statuses)
+            start = time.perf_counter()
+            try:
+                succeed(statuses)
+            finally:
+                done.append((start, time.perf_counter()))
         device_path.succeed_all = succeed_all
         return self
 
     def __exit__(self, *exc):
+        if self.io_engine is not None:
+            self.io_engine.__dict__.pop("batch_write", None)  # the class's method again
+        if self.dev is None:
+            return
         for name in SUBMITS:
             self.dev.__dict__.pop(name, None)  # the class's methods again
         device_path.succeed_all = self._original
 
     def clear(self) -> None:
+        self.calls.clear()
         self.submits.clear()
         self.done.clear()
+
+    def lone(self, t0: float, end: float) -> dict | None:
+        """`lone_phases` of the one request sent at `t0` and concluded at `end`; None when the
+        stamps are not those of one engine call (and one device batch, on a GPU)."""
+        if len(self.calls) != 1:
+            return None
+        if self.dev is None:
+            return lone_phases(t0, end, self.calls[0])
+        if len(self.submits) != 1 or len(self.done) != 1:
+            return None
+        return lone_phases(t0, end, self.calls[0], self.submits[0], self.done[0])
+
+
+def lone_phases(t0: float, end: float, call: tuple, submit: tuple | None = None, done: tuple | None = None) -> dict:
+    """A lone request's phases (s) from send() at `t0` to its room's Success at `end`, split where
+    our code and the engine's meet: `call` the engine call's (start, end), `submit` the device
+    submit's, `done` the completion's (copy seen done, statuses handed back).
+
+    On a GPU, in path order (they add up to the whole): `ours_to_engine` (send() to the engine
+    call: planner, tracking, the shard's hand-off unless inline), `engine_to_submit` (softio's
+    Python in `batch_write` before the device submit), `submit` (range table, launch),
+    `copy_wait` (the submit's end to the copy seen done), `engine_completion` (softio's
+    completion handing the statuses back), `ours_to_success` (our completion thread's wake-up,
+    the Success and its aux). `engine_after_submit` (the call's rest, the statuses returned to
+    us) runs while the copy does: off the path, given apart. The session-17 keys stay with their
+    meaning: `to_submit` (= ours_to_engine + engine_to_submit), `to_success` (the copy seen done
+    to Success: engine_completion + ours_to_success).
+
+    On the CPU (softio's host path; no submit or completion stamps): `ours_to_engine`,
+    `engine_call` and `call_to_success`."""
+    c0, c1 = call
+    out = {"ours_to_engine": c0 - t0}
+    if submit is None or done is None:
+        out.update(engine_call=c1 - c0, call_to_success=end - c1)
+        return out
+    (s0, s1), (d0, d1) = submit, done
+    out.update(engine_to_submit=s0 - c0, submit=s1 - s0, copy_wait=d0 - s1, engine_completion=d1 - d0,
+               ours_to_success=end - d1, engine_after_submit=c1 - s1, to_submit=s0 - t0, to_success=end - d0)
+    return out
+
+
+def engine_python_s(phases: dict) -> float:
+    """The engine's own Python on a lone request's path (`lone_phases`, a GPU's): before its
+    device submit and in its completion. MORI-IO does both in C++ with the GIL released; the
+    submit itself (launch included) is kept."""
+    return phases.get("engine_to_submit", 0.0) + phases.get("engine_completion", 0.0)
+
+
+def engine_python_zero(whole_s: list, phases: list, plain_gbps: float, gb: float) -> dict | None:
+    """A projection, never a measurement: the whole path per request with the engine's own
+    Python (`engine_python_s`) at zero, as a C++ engine would leave it, over the requests whose
+    phases were stamped; its GB/s as a fraction of the plain copy next to the measured one."""
+    pairs = [(w, p) for w, p in zip(whole_s, phases) if p is not None and "engine_to_submit" in p]
+    if not pairs:
+        return None
+    projected = median([w - engine_python_s(p) for w, p in pairs])
+    measured = median([w for w, _ in pairs])
+    return {"projection": "engine's Python before its submit and in its completion at zero (a C++ engine)",
+            "s": projected, "measured_s": measured, "engine_python_ms": round(1e3 * (measured - projected), 3),
+            "vs_plain_copy": gb / projected / plain_gbps, "measured_vs_plain_copy": gb / measured / plain_gbps}
 
 
 def ours_s(rig: GpuPD, reqs: Requests, rows: list, phases: list | None = None, clock: PhaseClock | None = None) -> float:
     """Send the requests of `rows` back to back; seconds until the last room's Success. With
-    `clock` (one request, one device batch), its phases are appended to `phases` (ms)."""
+    `clock`, phases are appended to `phases` (s): a lone request's (`PhaseClock.lone`, None when
+    its stamps do not fit), a burst's on a GPU."""
     rooms = rig.next_rooms(len(rows))
     rig.open_rooms(reqs, rooms, rows)
     wait_sendable(rig, rooms)
@@ -210,13 +300,13 @@ def ours_s(rig: GpuPD, reqs: Requests, rows: list, phases: list | None = None, c
         rig.prefill.send_all(room, reqs.src[row])
     done = rig.prefill.sglang.wait_concluded(rooms, 120)
     t = max(done.values()) - t0
-    if clock is not None and phases is not None and len(clock.submits) == len(clock.done) == len(rows):
+    if clock is not None and phases is not None:
         end = max(done.values())
         if len(rows) == 1:
-            (s0, s1), d = clock.submits[0], clock.done[0]
-            phases.append({"to_submit": s0 - t0, "submit": s1 - s0, "copy_wait": d - s1, "to_success": end - d})
-        else:  # a burst: is the stream ever left waiting for the next request's submit?
-            submits, seen = sorted(clock.submits), sorted(clock.done)
+            phases.append(clock.lone(t0, end))
+        elif clock.dev is not None and len(clock.submits) == len(clock.done) == len(rows):
+            # a burst: is the stream ever left waiting for the next request's submit?
+            submits, seen = sorted(clock.submits), sorted(d for d, _ in clock.done)
             idle = sum(max(0.0, submits[k][1] - seen[k - 1]) for k in range(1, len(rows)))
             phases.append({"to_first_submit": submits[0][0] - t0, "stream_idle": idle, "to_last_success": end - seen[-1]})
     failed = [room for room in rooms if rig.prefill.failure(room)]
@@ -315,8 +405,8 @@ def link_point(rig: GpuPD, tokens: int, count: int, iters: int, seed: int) -> di
     ours_s(rig, reqs, [0])  # warm-up: plans, peer, kernel
     before = (dev.batches, dev.ranges) if dev else (0, 0)
     phases: list = []
-    if dev is not None:
-        with PhaseClock(dev) as clock:
+    if not process:  # in-process: the engine calls are stamped, on the CPU too
+        with PhaseClock(dev, side.pool.engine.engine) as clock:
             single = [ours_s(rig, reqs, [i % count], phases, clock) for i in range(iters)]
     else:
         single = [ours_s(rig, reqs, [i % count]) for i in range(iters)]
@@ -331,8 +421,12 @@ def link_point(rig: GpuPD, tokens: int, count: int, iters: int, seed: int) -> di
                    "burst_s": median(burst), "gbps_per_s": gb * count / median(burst),
                    "ops": {"device_calls": batches / iters, "ranges": ranges / iters}}
     for key, found in (("phases_ms", phases), ("burst_phases_ms", burst_phases)):
+        found = [p for p in found if p is not None]
         if found:
             out["ours"][key] = {k: round(1e3 * median([p[k] for p in found]), 3) for k in found[0]}
+    projection = engine_python_zero(single, phases, out["plain_copy"]["gbps"], gb) if phases else None
+    if projection is not None:
+        out["ours"]["engine_python_zero"] = projection
     base = out["plain_copy"]["gbps"]
     if process:  # the engine is the child's: no engine calls or kernel from here
         out["ours"]["vs_plain_copy"] = out["ours"]["gbps"] / base

@@ -165,3 +165,61 @@ def test_any_negative_index_fails_the_chunk_on_either_side(dst):
         planner.plan_kv_columns(np.array([0, 1]), np.array(dst, dtype=np.int64))
     with pytest.raises(PlanError, match="negative"):
         planner.plan_kv_columns(np.array(dst, dtype=np.int64), np.array([0, 1]))
+
+
+# --- the send path's shortcuts (issue 28: send() to the engine call) ---------------------------
+
+def _mha(tp_size, tp_rank, heads, item_lens):
+    return KVLayout(is_mla=False, tp_size=tp_size, tp_rank=tp_rank, page_size=16, kv_cache_dtype="bfloat16",
+                    kv_item_lens=tuple(item_lens), kv_data_lens=tuple(PAGES * i for i in item_lens),
+                    kv_head_num=heads, total_kv_head_num=2)
+
+
+@pytest.mark.parametrize("planner", [
+    TransferPlanner(layout([64, 96, 64]), layout([64, 96, 64])),  # two item lengths
+    TransferPlanner(_mha(1, 0, 2, [256] * 2), _mha(2, 1, 1, [128] * 2)),  # a head slice (summed)
+], ids=["item lengths", "head slice"])
+def test_total_bytes_equal_the_ranges_sizes_for_any_chunk(planner):
+    rng = np.random.default_rng(7)
+    for n in (1, 2, 5, PAGES):
+        for _ in range(20):
+            src, dst = rng.permutation(PAGES)[:n], rng.permutation(PAGES)[:n]
+            if rng.random() < 0.5:  # runs too
+                src, dst = np.sort(src), np.sort(dst)
+            local, remote, sizes, total = planner.plan_kv_columns(src, dst)
+            assert total == sum(int(s.sum()) for s in sizes)
+
+
+def test_large_ranges_split_keep_the_total():
+    item = 600 << 20  # a run of two pages is over MAX_RANGE_BYTES (1 GiB): cut in pieces
+    planner = TransferPlanner(layout([item, item]), layout([item, item]))
+    local, remote, sizes, total = planner.plan_kv_columns([0, 1, 2, 7], [3, 4, 5, 0])
+    assert sizes[0].size > 2 and total == 2 * 4 * item == sum(int(s.sum()) for s in sizes)
+
+
+def test_a_checked_destination_skips_only_decodes_bound_check():
+    planner = TransferPlanner(layout([64, 64]), layout([64, 64]))
+    good = planner.plan_kv_columns([1, 2, 5], [0, 4, 9])
+    vouched = planner.plan_kv_columns([1, 2, 5], [0, 4, 9], dst_checked=True)
+    for a, b in zip(good[:3], vouched[:3]):
+        assert [x.tolist() for x in a] == [x.tolist() for x in b]
+    assert good[3] == vouched[3]
+    with pytest.raises(PlanError, match="decode KV buffer"):
+        planner.plan_kv_columns([0, 1], [0, PAGES])
+    # Prefill's indices are still checked, and so are the pairing and the types.
+    with pytest.raises(PlanError, match="prefill KV buffer"):
+        planner.plan_kv_columns([0, PAGES], [0, 1], dst_checked=True)
+    with pytest.raises(PlanError, match="equal length"):
+        planner.plan_kv_columns([0, 1, 2], [0, 1], dst_checked=True)
+
+
+def test_run_cuts_match_flatnonzero():
+    from sglang_mori.planning.ranges import run_cuts
+    rng = np.random.default_rng(3)
+    for n in (1, 2, 3, 50):
+        for _ in range(30):
+            src = rng.integers(0, 8, n).cumsum()
+            dst = rng.integers(0, 3, n).cumsum()
+            want = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1))
+            got = run_cuts(src, dst)
+            assert got.dtype == want.dtype and got.tolist() == want.tolist()

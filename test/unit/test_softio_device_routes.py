@@ -167,3 +167,27 @@ def test_succeed_all_keeps_failures_and_wakes_waiters():
     t.join(5)
     assert woke == [StatusCode.SUCCESS] and fresh.Succeeded()
     assert failed.Code() == StatusCode.ERR_GPU_OP and failed.Message() == "broken"
+
+
+def test_the_routes_statuses_are_fresh_in_progress_and_wake_their_waiter(rig):
+    statuses = write(rig, *shared([0, 16], [8, 40], [4, 8]))
+    assert rig.routed == [True] and len(statuses) == 3 and len({id(s) for s in statuses}) == 3
+    assert all(type(s) is TransferStatus and s.InProgress() and s.Message() == "" for s in statuses)
+    given = rig.copies.calls[0][3]
+    assert given == statuses and given is not statuses  # the engine's own list
+    woke = []
+    t = threading.Thread(target=lambda: woke.append(statuses[1].WaitFor(5000)))
+    t.start()
+    while statuses[1]._event is None:
+        pass  # the waiter has armed its wake-up event
+    succeed_all(given)
+    t.join(5)
+    assert woke == [StatusCode.SUCCESS] and all(s.Succeeded() for s in statuses)
+
+
+def test_equal_arrays_that_are_not_one_object_are_not_shared(rig):
+    lo = np.array([0], dtype=np.int64)
+    (ro, sz) = shared([0], [4])
+    statuses = write(rig, [lo, lo.copy(), lo], ro, sz)  # equal values, but one pair has its own array
+    assert rig.routed == [] and all(s.InProgress() for s in statuses)  # the general path took it
+    assert rig.copies.calls[-1][0] == [1_000_000, 2_000_000, 3_000_000]

@@ -102,7 +102,10 @@ class KVPlanner:
         return planner
 
     def check_destination(self, peer, target) -> Optional[str]:
-        """Validate a room's decode indices against the peer's buffers; the reason if invalid."""
+        """Validate a room's decode indices against the peer's buffers; the reason if invalid.
+        Indices found within every decode KV buffer mark the target as checked by this planner
+        (`kv_checked_by`): its chunks skip that bound check when they are planned (write_batch),
+        on the send path, as long as the peer's planner is still this one."""
         planner = self._planners.get(peer.engine_key) if peer is not None else None
         if planner is None:
             return None
@@ -112,6 +115,7 @@ class KVPlanner:
             if low < 0 or high >= kv_pages:
                 return (f"decode page index out of range: indices span {low}..{high}, "
                         f"decode KV buffers hold {kv_pages} pages")
+            target.kv_checked_by = planner
         if target.aux_index is not None and aux_slots is not None:
             if not 0 <= target.aux_index < aux_slots:
                 return f"decode aux index {target.aux_index} out of range"
@@ -122,7 +126,7 @@ class KVPlanner:
         all layers from arrays planned once per distinct geometry, no object per pair."""
         planner = self.registered_planner(peer)
         columns = None if planner.dcp_relayout else planner.plan_kv_columns(
-            chunk.kv_indices, target.kv_indices[chunk.index_slice])
+            chunk.kv_indices, target.kv_indices[chunk.index_slice], target.kv_checked_by is planner)
         if columns is None:  # decode context parallel, an empty chunk, or a pair with no range
             return WriteBatch.of_pairs(self.write_pairs(peer, chunk, target))
         local, remote = self._desc_columns(peer, planner)

@@ -311,6 +311,10 @@ def make_engine_key(role: str, host: str) -> str:
     return f"sglang-mori-{role}-{host}-pid{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
+# How many batch sizes TransferEngine keeps a list of spare uids for (`_stock_uids`).
+SPARE_UID_SIZES = 8
+
+
 class TransferEngine:
     def __init__(
         self,
@@ -345,6 +349,12 @@ class TransferEngine:
         self.has_peer_failure_events = hasattr(self.engine, "pop_peer_failure")
         self._ignored_failures: set = set()  # engine keys gone on purpose (ignore_failures_of)
         self.clock = time.monotonic
+        # A list of fresh transfer uids per batch size, allocated from the engine after a post
+        # for the next post of that size (`_take_uids`), so that a call of 61 pairs does not
+        # allocate its 61 uids one engine call at a time between send() and batch_write (issue 28).
+        # Each list is taken whole (dict.pop: one thread gets it); a list two threads stocked at
+        # once loses one of them, whose uids are then never used, which nothing requires.
+        self._spare_uids: dict = {}
 
     def use_clock(self, clock) -> None:
         """The clock handles are stamped with and retries are bounded by: the service's, which
@@ -383,6 +393,7 @@ class TransferEngine:
             self.engine.remove_backend(self.io.BackendType.RDMA)
         except Exception as exc:  # teardown is best effort
             logger.warning("remove_backend failed: %s", exc)
+        self._spare_uids.clear()  # the closed engine's: a next engine allocates its own
         self.engine = None  # MORI's destructor (softio's finalizer) closes what is left
 
     def unpack_memory(self, blob: bytes):
@@ -460,7 +471,10 @@ class TransferEngine:
         handle = TransferHandle(peer_key=peer_key, nbytes=batch.nbytes, started_at=self.clock())
         if not len(batch):
             return handle
-        handle.live = self._submit(batch, handle)
+        try:
+            handle.live = self._submit(batch, handle)
+        finally:
+            self._stock_uids(len(batch))  # after the post: off the path to the engine call
         for attempt in range(1, retry_max + 1):
             retry = handle.first_look()
             if not retry:
@@ -476,9 +490,26 @@ class TransferEngine:
                 handle.live[i] = status
         return handle
 
-    def _submit(self, batch: WriteBatch, handle: TransferHandle) -> list:
+    def _take_uids(self, n: int) -> list:
+        """`n` fresh transfer uids: the list stocked for `n` after an earlier post, else allocated
+        now. Never one list for two calls: dict.pop hands it to one thread."""
+        uids = self._spare_uids.pop(n, None)
+        if uids is None:
+            allocate = self.engine.allocate_transfer_uid
+            uids = [allocate() for _ in range(n)]
+        return uids
+
+    def _stock_uids(self, n: int) -> None:
+        """Allocate the next post's uids for a batch of `n` pairs, unless a list is stocked; sizes
+        are few (a model's pairs per chunk, its last chunk's with state), the table is bounded."""
+        spare = self._spare_uids
+        if n in spare or len(spare) >= SPARE_UID_SIZES or self.engine is None:
+            return
         allocate = self.engine.allocate_transfer_uid
-        uids = [allocate() for _ in range(len(batch))]
+        spare[n] = [allocate() for _ in range(n)]
+
+    def _submit(self, batch: WriteBatch, handle: TransferHandle) -> list:
+        uids = self._take_uids(len(batch))
         columns = [batch.local_offsets, batch.remote_offsets, batch.sizes]
         if not self.takes_arrays:
             columns = _as_lists(columns)

@@ -138,25 +138,36 @@ class TransferPlanner:
         return TransferPlan("kv", tuple(
             BufferTransfer.of_frozen(i, j, ranges[k]) for (i, j), k in zip(self.kv_pairs, self._kv_geometry_slots)))
 
-    def plan_kv_columns(self, src_pages, dst_pages) -> Optional[Tuple[list, list, list, int]]:
+    def plan_kv_columns(self, src_pages, dst_pages, dst_checked: bool = False) -> Optional[Tuple[list, list, list, int]]:
         """plan_kv as the columns of one engine call over every KV pair, in `kv_pairs` order:
         (local offsets, remote offsets, sizes) with one entry per pair (the same read-only
         arrays shared by every pair of a geometry) and the total bytes. No object per pair.
-        None when nothing moves, or when some pair gets no range (plan_kv drops such pairs)."""
-        ranges = self._kv_ranges(src_pages, dst_pages)
+        None when nothing moves, or when some pair gets no range (plan_kv drops such pairs).
+        `dst_checked`: the caller vouches that every decode index is within
+        `decode_capacity_floors` (checked when the room's destination arrived, by this planner:
+        plans.check_destination), so the per-chunk bound check on decode's side is skipped."""
+        ranges, pages = self._kv_ranges_sized(src_pages, dst_pages, dst_checked)
         if ranges is None or any(r[2].size == 0 for r in ranges):
             return None
         slots = self._kv_geometry_slots
+        # Whole pages move for an item-length geometry: its bytes are pages x item length, no
+        # sum over its sizes on the send path (issue 28); a head slice's are summed.
+        per_slot = [int(r[2].sum()) if isinstance(g, HeadSlice) else pages * int(g)
+                    for r, g in zip(ranges, self._kv_unique_geometries)]
         if len(ranges) == 1:
             local, remote, sizes = ranges[0]
             n = len(slots)
-            return [local] * n, [remote] * n, [sizes] * n, int(sizes.sum()) * n
-        per_slot = [int(r[2].sum()) for r in ranges]
+            return [local] * n, [remote] * n, [sizes] * n, per_slot[0] * n
         return ([ranges[k][0] for k in slots], [ranges[k][1] for k in slots], [ranges[k][2] for k in slots],
                 sum(per_slot[k] for k in slots))
 
     def _kv_ranges(self, src_pages, dst_pages) -> Optional[List[Ranges]]:
         """The checked, read-only ranges of each distinct KV geometry; None for no pages."""
+        return self._kv_ranges_sized(src_pages, dst_pages)[0]
+
+    def _kv_ranges_sized(self, src_pages, dst_pages, dst_checked: bool = False) -> tuple:
+        """(`_kv_ranges`, the number of pages); the bound check of decode's indices skipped
+        where `dst_checked` (plan_kv_columns)."""
         if self.dcp_relayout:
             raise PlanError(
                 f"decode context parallel (decode dcp_size={self.decode.dcp_size}) needs the token "
@@ -166,16 +177,16 @@ class TransferPlanner:
         dst = as_index_array(dst_pages, "decode KV page indices")
         check_paired(src, dst, "KV page indices")
         if src.size == 0:
-            return None
+            return None, 0
         # The smallest buffer bounds every index: one max each (read unsigned, a negative index
         # is above any bound), the buffer and the index named only on a miss.
         if int(src.view(np.uint64).max()) >= self._src_kv_floor:
             check_in_range(src, self._src_kv_limits, self._src_kv_names, "page")
-        if int(dst.view(np.uint64).max()) >= self._dst_kv_floor:
+        if not dst_checked and int(dst.view(np.uint64).max()) >= self._dst_kv_floor:
             check_in_range(dst, self._dst_kv_limits, self._dst_kv_names, "page")
         return [_read_only(head_sliced_ranges(src, dst, g)) if isinstance(g, HeadSlice)
                 else frozen_item_ranges(src, dst, g, self._unit_sizes)
-                for g in self._kv_unique_geometries]
+                for g in self._kv_unique_geometries], int(src.size)
 
     def plan_kv_dcp(self, src_pages, dst_pages, *, page_offset: int, decode_prefix_len: int = 0,
                     num_tokens: Optional[int] = None) -> TransferPlan:

@@ -171,17 +171,21 @@ class EngineCore:
     def batch_transfer(self, locals_, local_offsets, remotes, remote_offsets, sizes, uids,
                        is_read):
         count = len(sizes)
-        statuses = [TransferStatus() for _ in range(count)]
         if not (len(locals_) == len(local_offsets) == len(remotes) == len(remote_offsets)
                 == len(uids) == count):
             # MORI only asserts this in debug builds; fail the whole call, nothing is sent.
+            statuses = [TransferStatus() for _ in range(count)]
             for status in statuses:
                 status.Update(StatusCode.ERR_INVALID_ARGS,
                               "batch lists (descs, offsets, sizes, uids) differ in length")
             return statuses
-        if count and self._device_engines and self._device_routes.post(
-                locals_, local_offsets, remotes, remote_offsets, sizes, statuses, is_read):
-            return statuses  # every pair an open device session with shared arrays (device_routes.py)
+        if count and self._device_engines:
+            # Every pair an open device session with shared arrays (device_routes.py): the route
+            # makes the call's statuses, already IN_PROGRESS, once it posts; None when it does not.
+            statuses = self._device_routes.post(locals_, local_offsets, remotes, remote_offsets, sizes, is_read)
+            if statuses is not None:
+                return statuses
+        statuses = [TransferStatus() for _ in range(count)]
         device = DeviceBatch()  # device pairs of this call: one copy call and one event for all
         try:
             for i in range(count):

@@ -17,15 +17,29 @@ On MORI-IO the same call is C++ that releases the GIL; softio's Python stands in
 
 from __future__ import annotations
 
+import itertools
+import operator
+
 import numpy as np
 
 from .descriptors import MemoryDesc
 from .device_path import DeviceSession
 from .enums import BackendType
 from .remote_mapping import begin_all
-from .status import start_all
+from .status import started
 
 _MAX_ROUTES = 256  # distinct descriptor lists kept (chunk plans per peer); cleared when full
+# Per call, on the way to the device submit (issue 28): the ufuncs' reductions without the
+# ndarray methods' Python wrappers, and "every entry is this very object" as one C-level pass.
+_min = np.minimum.reduce
+_max = np.maximum.reduce
+_is = operator.is_
+_repeat = itertools.repeat
+
+
+def _all_are(items: list, first) -> bool:
+    """Every entry of `items` is `first` itself (identity, never equality)."""
+    return all(map(_is, items, _repeat(first)))
 
 
 class _Route:
@@ -50,31 +64,32 @@ class DeviceRoutes:
         self.core = core
         self._routes: dict = {}
 
-    def post(self, locals_, local_offsets, remotes, remote_offsets, sizes, statuses, is_read: bool) -> bool:
-        """Post the whole call by the fast route; False (nothing done) where it does not apply."""
+    def post(self, locals_, local_offsets, remotes, remote_offsets, sizes, is_read: bool):
+        """Post the whole call by the fast route: its statuses (one per pair, IN_PROGRESS), or
+        None, nothing done, where the route does not apply."""
         if is_read:
-            return False
+            return None
         lo, ro, sz = local_offsets[0], remote_offsets[0], sizes[0]
         if not (type(lo) is np.ndarray and type(ro) is np.ndarray and type(sz) is np.ndarray):
-            return False
-        if (len(set(map(id, local_offsets))) != 1 or len(set(map(id, remote_offsets))) != 1
-                or len(set(map(id, sizes))) != 1):
-            return False
+            return None
+        if not (_all_are(local_offsets, lo) and _all_are(remote_offsets, ro) and _all_are(sizes, sz)):
+            return None
         if lo.ndim != 1 or lo.shape != ro.shape or lo.shape != sz.shape or len(sz) == 0:
-            return False
+            return None
         backend = self.core.backends.get(BackendType.RDMA)
         if backend is None:
-            return False
+            return None
         key = (tuple(map(id, locals_)), tuple(map(id, remotes)))
         route = self._routes.get(key)
         if route is None or route.generation != backend.sessions_generation or route.backend is not backend:
             route = self._resolve(backend, locals_, remotes)
             if route is None:
-                return False
+                return None
             if len(self._routes) >= _MAX_ROUTES:
                 self._routes.clear()
             self._routes[key] = route
-        return _post(route, lo, ro, sz, statuses)
+        statuses: list = []
+        return statuses if _post(route, lo, ro, sz, statuses, len(sizes)) else None
 
     @staticmethod
     def _resolve(backend, locals_, remotes):
@@ -95,17 +110,19 @@ class DeviceRoutes:
         return _Route(generation, backend, (tuple(locals_), tuple(remotes)), sessions)
 
 
-def _post(route: _Route, lo: np.ndarray, ro: np.ndarray, sz: np.ndarray, statuses: list) -> bool:
+def _post(route: _Route, lo: np.ndarray, ro: np.ndarray, sz: np.ndarray, statuses: list, count: int) -> bool:
+    """Post the call's copies; True once posted, with `count` statuses (IN_PROGRESS) added to
+    `statuses`; False, nothing done, where the general path must handle the call."""
     lo = lo.astype(np.int64, copy=False)
     ro = ro.astype(np.int64, copy=False)
     sz = sz.astype(np.int64, copy=False)
-    if sz.min() <= 0 or lo.min() < 0 or ro.min() < 0:
+    if _min(sz) <= 0 or _min(lo) < 0 or _min(ro) < 0:
         return False
-    if (lo + sz).max() > route.local_limit or (ro + sz).max() > route.remote_limit:
+    if _max(lo + sz) > route.local_limit or _max(ro + sz) > route.remote_limit:
         return False
     if not begin_all(route.mappings):
         return False  # one is released: the general path fails those pairs one by one
-    start_all(statuses)
+    statuses += started(count)
     # The table is built by the engine, for all pairs at once, where its copies read it.
     route.engine.submit_shared(route.remote_base, route.local_ptr, ro, lo, sz, list(statuses), route.to_peer,
                                route.mappings)

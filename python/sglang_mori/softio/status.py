@@ -25,8 +25,8 @@ _TRANSITION_LOCK = threading.Lock()
 class TransferStatus:
     __slots__ = ("_code", "_msg", "_event", "__weakref__")
 
-    def __init__(self):
-        self._code = _INIT
+    def __init__(self, _code=_INIT):
+        self._code = _code  # `started`: IN_PROGRESS from birth, for a call that posts at once
         self._msg = ""
         self._event: threading.Event | None = None
 
@@ -120,6 +120,12 @@ def start_all(statuses) -> None:
     """_start() of statuses this call just created (nobody can wait on them yet)."""
     for status in statuses:
         status._start()
+
+
+def started(count: int) -> list:
+    """`count` new statuses, IN_PROGRESS: what start_all makes of fresh ones, for a call that
+    creates its statuses only once it posts (device_routes.py), without a pass over them."""
+    return [TransferStatus(_IN_PROGRESS) for _ in range(count)]
 
 
 def succeed_all(statuses) -> None:

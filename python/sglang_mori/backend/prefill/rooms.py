@@ -95,6 +95,9 @@ class RoomTarget:
     decode_prefix_len: Optional[int]
     is_dummy: bool
     reject_reason: Optional[str] = None
+    # The planner that found every KV index within decode's buffers (plans.check_destination):
+    # the chunks planned by that same planner skip the per-chunk check of decode's indices.
+    kv_checked_by: object = field(default=None, repr=False, compare=False)
 
     @property
     def address(self) -> Tuple[str, int]:
