@@ -1,6 +1,5 @@
 """TransferEngine over a fake `io` module with mori.io's API, and load_io_module's errors."""
 
-import enum
 import os
 import sys
 import types
@@ -8,184 +7,27 @@ import types
 import pytest
 
 import sglang_mori.softio
-from sglang_mori.engine import transfer_engine as te
 from sglang_mori.engine.loader import EngineUnavailable, load_io_module
 from sglang_mori.engine.transfer_engine import (
     ERR_RDMA_OP,
     IN_PROGRESS,
     SUCCESS,
     SubmitError,
-    TransferEngine,
     WritePair,
 )
 
-SQ_FULL = "post send failed: SQ full"
-
-
-# --- a fake mori.io ---------------------------------------------------------------------------
-
-class Status:
-    def __init__(self, code, message=""):
-        self.code, self.message = code, message
-
-    def Code(self):
-        return self.code
-
-    def Message(self):
-        return self.message
-
-    def Failed(self):
-        return self.code > 10
-
-    def __repr__(self):
-        return f"Status({self.code}, {self.message!r})"
-
-
-def ok():
-    return Status(SUCCESS)
-
-
-def sq_full():
-    return Status(ERR_RDMA_OP, SQ_FULL)
-
-
-class EngineDesc:
-    def __init__(self, key, port):
-        self.key, self.port = key, port
-
-    def pack(self):
-        return f"{self.key}|{self.port}".encode()
-
-    @staticmethod
-    def unpack(blob):
-        key, port = blob.decode().split("|")
-        return EngineDesc(key, int(port))
-
-    __hash__ = None  # like pybind11's EngineDesc
-
-
-class MemoryDesc:
-    def __init__(self, ptr, size, loc):
-        self.ptr, self.size, self.loc = ptr, size, loc
-
-    @staticmethod
-    def unpack(blob):
-        ptr, size = blob.split(b":")
-        return MemoryDesc(int(ptr), int(size), None)
-
-
-class IOEngine:
-    def __init__(self, key, config):
-        self.key, self.config = key, config
-        self.backends = []
-        self.registered = []
-        self.deregistered = []
-        self.remotes = []
-        self.remotes_removed = []
-        self.sessions = []
-        self.next_uid = 0
-        self.calls = []  # batch_write arguments, one tuple per call
-        # One entry per batch_write call: a list of statuses, or an exception to raise.
-        self.script = []
-        self.waited = []
-        self.fail_deregister = False
-
-    def create_backend(self, kind, config):
-        self.backends.append((kind, config))
-
-    def get_engine_desc(self):
-        return EngineDesc(self.key, 40000 + len(self.backends))
-
-    def register_memory(self, ptr, size, device_id, loc):
-        desc = MemoryDesc(ptr, size, loc)
-        self.registered.append((ptr, size, device_id, loc))
-        return desc
-
-    def deregister_memory(self, desc):
-        if self.fail_deregister:
-            raise RuntimeError("deregister failed")
-        self.deregistered.append(desc)
-
-    def register_remote_engine(self, desc):
-        self.remotes.append(desc.key)
-
-    def deregister_remote_engine(self, desc):
-        self.remotes_removed.append(desc.key)
-
-    def create_session(self, local, remote):
-        self.sessions.append((local, remote))
-
-    def allocate_transfer_uid(self):
-        self.next_uid += 1
-        return self.next_uid
-
-    def batch_write(self, locals_, local_offsets, remotes, remote_offsets, sizes, uids):
-        self.calls.append((locals_, local_offsets, remotes, remote_offsets, sizes, uids))
-        outcome = self.script.pop(0) if self.script else [ok() for _ in locals_]
-        if isinstance(outcome, BaseException):
-            raise outcome
-        assert len(outcome) == len(locals_), "test script gives one status per pair"
-        return outcome
-
-    def wait_all(self, statuses, timeout_ms):
-        self.waited.append((list(statuses), timeout_ms))
-        return SUCCESS
-
-
-class EngineWithFailureEvents(IOEngine):
-    def __init__(self, key, config):
-        super().__init__(key, config)
-        self.failure_events = []
-
-    def pop_peer_failure(self):
-        return self.failure_events.pop(0) if self.failure_events else None
-
-
-def fake_io(engine_cls=IOEngine):
-    return types.SimpleNamespace(
-        IOEngine=engine_cls,
-        IOEngineConfig=lambda host, port: ("IOEngineConfig", host, port),
-        RdmaBackendConfig=lambda *args: ("RdmaBackendConfig",) + args,
-        PollCqMode=enum.Enum("PollCqMode", "POLLING EVENT"),
-        BackendType=enum.Enum("BackendType", "XGMI RDMA TCP"),
-        MemoryLocationType=enum.Enum("MemoryLocationType", "CPU GPU"),
-        EngineDesc=EngineDesc,
-        MemoryDesc=MemoryDesc,
-    )
-
-
-def make_engine(io=None, **kw):
-    args = dict(role="prefill", host="127.0.0.1", qp_per_transfer=4, post_batch_size=-1,
-                num_workers=2)
-    args.update(kw)
-    return TransferEngine(io or fake_io(), **args)
-
-
-def pair(i):
-    return WritePair(local=f"L{i}", remote=f"R{i}", local_offsets=[i * 100, i * 100 + 10],
-                     remote_offsets=[i * 200, i * 200 + 20], sizes=[8, i + 1])
-
-
-class FakeTime:
-    """Replaces `time` inside transfer_engine: sleep advances a virtual clock, never blocks."""
-
-    def __init__(self, now=1000.0):
-        self.now = now
-        self.sleeps = []
-
-    def monotonic(self):
-        return self.now
-
-    def sleep(self, seconds):
-        self.sleeps.append(seconds)
-        self.now += seconds
-
-
-@pytest.fixture
-def clock(monkeypatch):
-    c = FakeTime()
-    monkeypatch.setattr(te, "time", c)
-    return c
+from fake_mori_io import (  # noqa: F401 (clock: a fixture)
+    SQ_FULL,
+    Status,
+    ok,
+    sq_full,
+    EngineDesc,
+    EngineWithFailureEvents,
+    fake_io,
+    make_engine,
+    pair,
+    clock,
+)
 
 
 # --- construction and keys ---------------------------------------------------------------------
@@ -560,62 +402,3 @@ def test_quiescent_reads_earlier_attempts_after_a_resubmission(clock):
     assert not h.quiescent()
     first[0].code = SUCCESS
     assert h.quiescent()
-
-
-# --- uids allocated after a post, for the next one of its size (issue 28) ----------------------
-
-class UidCountingEngine(IOEngine):
-    """Records how many uids were allocated since `_since` was last reset (by the test, as it
-    calls `write`) when each batch_write comes: those on the path to the call."""
-
-    def __init__(self, key, config):
-        super().__init__(key, config)
-        self.allocated_before_call = []
-        self._since = 0
-
-    def allocate_transfer_uid(self):
-        self._since += 1
-        return super().allocate_transfer_uid()
-
-    def batch_write(self, *args):
-        self.allocated_before_call.append(self._since)
-        self._since = 0
-        return super().batch_write(*args)
-
-
-def test_the_next_posts_uids_are_allocated_after_a_post_and_never_reused(clock):
-    eng = make_engine(fake_io(UidCountingEngine))
-    e = eng.engine
-    for n in (3, 3, 3, 3, 1, 1):  # a second size has its own list
-        e._since = 0  # write() starts
-        eng.write("decode-a", [pair(i) for i in range(n)], deadline=clock.now + 10, retry_max=0)
-    # The first call of a size allocates on its way to the engine; later ones take the list
-    # stocked after the call before them.
-    assert e.allocated_before_call == [3, 0, 0, 0, 1, 0]
-    uids = [u for call in e.calls for u in call[5]]
-    assert len(uids) == len(set(uids)) == 4 * 3 + 2  # every call's uids fresh
-    assert all(len(call[5]) == len(call[0]) for call in e.calls)
-    eng.close()
-    assert eng._spare_uids == {}
-
-
-def test_resubmitted_pairs_get_fresh_uids_and_a_failed_call_still_stocks(clock):
-    eng = make_engine()
-    e = eng.engine
-    e.script = [[ok(), sq_full()], [ok()], RuntimeError("boom")]
-    h = eng.write("decode-a", [pair(0), pair(1)], deadline=clock.now + 10, retry_max=3)
-    assert h.result() == SUCCESS
-    with pytest.raises(SubmitError):
-        eng.write("decode-a", [pair(0), pair(1)], deadline=clock.now + 10, retry_max=3)
-    eng.write("decode-a", [pair(0), pair(1)], deadline=clock.now + 10, retry_max=3)
-    uids = [u for call in e.calls for u in call[5]]
-    assert [len(call[5]) for call in e.calls] == [2, 1, 2, 2]
-    assert len(uids) == len(set(uids))
-
-
-def test_the_stock_is_bounded_in_sizes(clock, monkeypatch):
-    monkeypatch.setattr(te, "SPARE_UID_SIZES", 2)
-    eng = make_engine()
-    for n in (1, 2, 3, 4):
-        eng.write("decode-a", [pair(i) for i in range(n)], deadline=clock.now + 10, retry_max=0)
-    assert sorted(eng._spare_uids) == [1, 2]
