@@ -20,18 +20,7 @@ from sglang_mori.engine.transfer_engine import (
 )
 
 
-class Status:
-    def __init__(self, code, message=""):
-        self.code, self.message = code, message
-
-    def Code(self):
-        return self.code
-
-    def Message(self):
-        return self.message
-
-    def Failed(self):
-        return self.code > 10
+from fake_mori_io import Status  # mori.io's TransferStatus, as the backend reads it
 
 
 def handle(*codes, peer="decode-A", started_at=100.0, **kw):

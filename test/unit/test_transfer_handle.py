@@ -16,22 +16,7 @@ from sglang_mori.engine.transfer_engine import (
 )
 
 
-
-class Status:
-    """The three methods of mori.io's TransferStatus that the backend reads."""
-
-    def __init__(self, code, message=""):
-        self.code = code
-        self.message = message
-
-    def Code(self):
-        return self.code
-
-    def Message(self):
-        return self.message
-
-    def Failed(self):
-        return self.code > 10
+from fake_mori_io import Status  # mori.io's TransferStatus, as the backend reads it
 
 
 def handle(*codes, peer="decode-A", issued=None, started_at=100.0, nbytes=64, **kw):
