@@ -182,3 +182,66 @@ def test_first_look_of_a_non_retryable_failure_leaves_the_verdict_to_result():
 def test_first_look_of_nothing():
     h = handle()
     assert h.first_look() == [] and h.result() == SUCCESS
+
+
+# --- TransferHandle.result over a batch that finished together (issue 28) -------------------------
+
+class StrictCode:
+    """A code as MORI's pybind11 enum gives it: int() works, == holds only between members."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __int__(self):
+        return self.value
+
+    def __eq__(self, other):
+        return isinstance(other, StrictCode) and other.value == self.value
+
+    __hash__ = None
+
+
+def strict(*codes):
+    CountingStatus.reads = 0
+    return handle(*[CountingStatus(StrictCode(c)) for c in codes])
+
+
+@pytest.mark.parametrize("make", [counted, strict])
+def test_a_batch_that_finished_together_is_read_once_more_at_most(make):
+    h = make(*[IN_PROGRESS] * 61)
+    h._next_failure_scan = float("inf")  # the periodic scan behind a running status is not due
+    assert h.result() == IN_PROGRESS
+    assert CountingStatus.reads == 1  # while the first runs, the others are not read
+    for s in h.live:
+        s.code = StatusCodeLike(s.code, SUCCESS)
+    CountingStatus.reads = 0
+    assert h.result() == SUCCESS and h.state() is WriteState.SUCCEEDED
+    assert CountingStatus.reads <= 63  # each once, the last twice, the one after the pass once more
+
+
+def StatusCodeLike(old, value):
+    return StrictCode(value) if isinstance(old, StrictCode) else value
+
+
+@pytest.mark.parametrize("make", [counted, strict])
+@pytest.mark.parametrize("middle,expected", [(ERR_RDMA_OP, ERR_RDMA_OP), (INIT, ERR_BAD_STATE),
+                                             (IN_PROGRESS, IN_PROGRESS)])
+def test_a_status_between_finished_first_and_last_ones_decides(make, middle, expected):
+    codes = [SUCCESS] * 61
+    codes[37] = middle
+    h = make(*codes)
+    assert h.result() == expected
+    if expected == IN_PROGRESS:  # it finishes later: then the batch succeeded
+        h.live[37].code = StatusCodeLike(h.live[37].code, SUCCESS)
+        assert h.result() == SUCCESS
+    else:  # a failure wins, and stays the verdict
+        assert h.state() is WriteState.FAILED
+
+
+@pytest.mark.parametrize("make", [counted, strict])
+def test_statuses_finishing_one_by_one_are_followed(make):
+    h = make(*[IN_PROGRESS] * 5)
+    for i in range(5):
+        assert h.result() == IN_PROGRESS
+        h.live[i].code = StatusCodeLike(h.live[i].code, SUCCESS)
+    assert h.result() == SUCCESS

@@ -70,13 +70,19 @@ class Completion:
             self.advance(r, now)
         self.handle_peer_failures()
         p.metrics.set_open_rooms(p.rooms.open_count())
-        running = next((w.handle for r in rooms for w in r.writes if w.handle.state() is WriteState.RUNNING), None)
+        running = next(((r, w.handle) for r in rooms for w in r.writes if w.handle.state() is WriteState.RUNNING),
+                       None)
         if running is not None:
             # Bounded by the next held-back TransferStarted too (announce.py): it goes out on time.
             wait_ms = self.poll_ms
             if self.announcer.enabled:
                 wait_ms = max(1, math.ceil(self.announcer.wait_s(rooms, now, wait_ms / 1000.0) * 1000.0))
-            running.wait_running(wait_ms)
+            room, handle = running
+            if handle.wait_running(wait_ms) and handle.state() is not WriteState.RUNNING and not room.concluded:
+                # The write this thread waited on is done: its room is concluded now, on this
+                # wake-up, before the next pass gathers and settles every room (issue 28: a lone
+                # request's time from the copy's end to its Success). The next pass settles it.
+                self._maybe_conclude(room, p.clock())
         elif not any(not w.handle.released and w.handle.quiescent() for r in rooms for w in r.writes):
             # Nothing running, and no write turned quiescent since the pass (that one is settled
             # at once by the next pass): sleep until a submitter or an abort changes something.
@@ -119,7 +125,10 @@ class Completion:
         # the last chunk's writes may be tracked right after this verdict (success.try_succeed).
         state, reason = r.verdict(now)
         if state is WriteState.SUCCEEDED:
-            self.success.try_succeed(r)
+            # `last_submitted`, read outside the lock, only picks the way: one lock hold that
+            # concludes (the room is most likely ready), or a look first (a room between chunks
+            # is not, and a transition per pass would be spent on it). Both decide under the lock.
+            self.success.try_succeed(r, seen_done=r.last_submitted)
         elif state is WriteState.FAILED:
             # The room first, the peer after: once the peer is marked failed, a submitter fails
             # this room's next chunk with "failed recently", and the room's own failure (the

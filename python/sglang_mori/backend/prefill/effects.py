@@ -13,7 +13,7 @@ from the registry's.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from sglang_mori import protocol
@@ -40,26 +40,34 @@ class Success:
     aux: Optional[list]
 
 
-@dataclass
 class Effects:
-    """Everything a batch of transitions asks of the world, in the order it is applied."""
+    """Everything a batch of transitions asks of the world, in the order it is applied.
 
-    stale_failures: List[int] = field(default_factory=list)  # a new life: drop an old life's record
-    outstanding: Dict[int, Optional[int]] = field(default_factory=dict)  # room -> count (None: drop)
-    failures: List[Failure] = field(default_factory=list)
-    poisoned: List[int] = field(default_factory=list)
-    held_acks: List[Tuple[int, str, int, int]] = field(default_factory=list)  # (room, ip, port, generation)
-    changed: bool = False  # wake the completion thread
-    # --- after the lock ---
-    slots: list = field(default_factory=list)  # engine handles whose in-flight budget returns (once each)
-    statuses: List[Tuple[int, int]] = field(default_factory=list)  # (room, status) that let SGLang move on
-    published: List[Tuple[int, dict]] = field(default_factory=list)  # (room, destinations)
-    successes: List[Success] = field(default_factory=list)
-    acks: List[int] = field(default_factory=list)  # rooms whose held abort ACKs go out
-    sends: list = field(default_factory=list)  # (address, message)
-    # The caller is SGLang's scheduler thread: a message that cannot be queued at once is dropped
-    # (logged) rather than stall the scheduler up to the send timeout.
-    never_block: bool = False
+    A plain class with slots, not a dataclass: one is built per transition, several per request
+    on the scheduler's process and one between a copy's end and its room's Success, and the
+    dataclass's generated __init__ with a default factory per field cost about twice as much
+    (issue 28)."""
+
+    __slots__ = ("stale_failures", "outstanding", "failures", "poisoned", "held_acks", "changed", "slots",
+                 "statuses", "published", "successes", "acks", "sends", "never_block")
+
+    def __init__(self, never_block: bool = False):
+        self.stale_failures: List[int] = []  # a new life: drop an old life's record
+        self.outstanding: Dict[int, Optional[int]] = {}  # room -> count (None: drop)
+        self.failures: List[Failure] = []
+        self.poisoned: List[int] = []
+        self.held_acks: List[Tuple[int, str, int, int]] = []  # (room, ip, port, generation)
+        self.changed = False  # wake the completion thread
+        # --- after the lock ---
+        self.slots: list = []  # engine handles whose in-flight budget returns (once each)
+        self.statuses: List[Tuple[int, int]] = []  # (room, status) that let SGLang move on
+        self.published: List[Tuple[int, dict]] = []  # (room, destinations)
+        self.successes: List[Success] = []
+        self.acks: List[int] = []  # rooms whose held abort ACKs go out
+        self.sends: list = []  # (address, message)
+        # The caller is SGLang's scheduler thread: a message that cannot be queued at once is
+        # dropped (logged) rather than stall the scheduler up to the send timeout.
+        self.never_block = never_block
 
 
 class RoomEffects:
