@@ -191,3 +191,31 @@ def test_equal_arrays_that_are_not_one_object_are_not_shared(rig):
     statuses = write(rig, [lo, lo.copy(), lo], ro, sz)  # equal values, but one pair has its own array
     assert rig.routed == [] and all(s.InProgress() for s in statuses)  # the general path took it
     assert rig.copies.calls[-1][0] == [1_000_000, 2_000_000, 3_000_000]
+
+
+def test_statuses_stocked_after_a_post_are_each_handed_out_once_and_fresh(rig):
+    """The route makes the next call's statuses after its submit (issue 28): every call still gets
+    its own, IN_PROGRESS, and completing one call's never touches another's."""
+    first = write(rig, *shared([0], [0], [16]))
+    second = write(rig, *shared([16], [16], [16]))
+    two_pairs = write(rig, *shared([32], [32], [8], pairs=2), pairs=2)
+    ids = [id(s) for s in first + second + two_pairs]
+    assert len(set(ids)) == 8
+    succeed_all(first)
+    assert all(s.Succeeded() for s in first)
+    assert all(s.InProgress() for s in second + two_pairs)
+    assert [call[3] for call in rig.copies.calls] == [first, second, two_pairs]  # each call's own
+    assert rig.routed == [True, True, True]
+
+
+def test_a_call_the_route_hands_back_keeps_the_stocked_statuses_unseen(rig):
+    write(rig, *shared([0], [0], [16]))  # stocks statuses for the next 3-pair call
+    rig.sessions[1].local.size = 20
+    rig.backend.sessions_generation += 1
+    general = write(rig, *shared([16], [16], [8]))  # out of bounds for pair 1: the general path
+    assert general[1].Code() == StatusCode.ERR_INVALID_ARGS and rig.routed[-1] is False
+    rig.sessions[1].local.size = 100
+    rig.backend.sessions_generation += 1
+    routed = write(rig, *shared([0], [0], [8]))
+    assert rig.routed[-1] is True
+    assert all(s.InProgress() for s in routed) and not {id(s) for s in routed} & {id(s) for s in general}

@@ -33,6 +33,7 @@ _STREAM_NON_BLOCKING = 1
 _SRC_ACCESS_ORDER_STREAM = 1
 _LOCATION_DEVICE = 1
 _FLAG_PREFER_OVERLAP_WITH_COMPUTE = 1
+_ONE = ctypes.c_size_t(1)  # numAttrs of cudaMemcpyBatchAsync: one set for every copy
 
 
 class CudaError(RuntimeError):
@@ -90,6 +91,7 @@ class CudaRuntime:
         self.version = version.value
         lib.cudaGetErrorString.restype = ctypes.c_char_p
         self._batch = getattr(lib, "cudaMemcpyBatchAsync", None)
+        self._batch_attrs: dict = {}  # device -> (its copy attributes, attrsIdxs), by reference
         self.batch_calls = self._batch is not None  # confirmed or withdrawn by the first batch
         self._device_of_thread = threading.local()
         # (handle, device asking) -> (base address, device whose context mapped it)
@@ -272,14 +274,19 @@ class CudaRuntime:
                                ctypes.c_size_t(int(sizes[i])), ctypes.c_int(3), s), "cudaMemcpyAsync")
 
     def _copy_batch(self, dsts, srcs, sizes, count, stream, device) -> None:
-        attrs = _MemcpyAttributes(_SRC_ACCESS_ORDER_STREAM, _MemLocation(_LOCATION_DEVICE, device),
-                                  _MemLocation(_LOCATION_DEVICE, device), _FLAG_PREFER_OVERLAP_WITH_COMPUTE)
-        index = ctypes.c_size_t(0)
-        args = [dsts.ctypes.data_as(ctypes.c_void_p), srcs.ctypes.data_as(ctypes.c_void_p),
-                sizes.ctypes.data_as(ctypes.c_void_p), ctypes.c_size_t(count), ctypes.byref(attrs),
-                ctypes.byref(index), ctypes.c_size_t(1)]
+        attrs = self._batch_attrs.get(device)
+        if attrs is None:
+            # The same for every batch of a device (read by the call, never written): built
+            # once, not per submit (issue 28: softio's Python around a lone request's copy).
+            attrs = self._batch_attrs[device] = (
+                ctypes.byref(_MemcpyAttributes(_SRC_ACCESS_ORDER_STREAM, _MemLocation(_LOCATION_DEVICE, device),
+                                               _MemLocation(_LOCATION_DEVICE, device),
+                                               _FLAG_PREFER_OVERLAP_WITH_COMPUTE)),
+                ctypes.byref(ctypes.c_size_t(0)))  # attrsIdxs: every copy uses attributes 0
+        args = [ctypes.c_void_p(dsts.ctypes.data), ctypes.c_void_p(srcs.ctypes.data),
+                ctypes.c_void_p(sizes.ctypes.data), ctypes.c_size_t(count), attrs[0], attrs[1], _ONE]
         if self.version < 13000:
-            args.append(ctypes.byref(ctypes.c_size_t(0)))  # failIdx, dropped in CUDA 13
+            args.append(ctypes.byref(ctypes.c_size_t(0)))  # failIdx (written by the call), dropped in CUDA 13
         args.append(ctypes.c_void_p(stream))
         self._check(self._batch(*args), "cudaMemcpyBatchAsync")
 

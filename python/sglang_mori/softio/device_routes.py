@@ -29,6 +29,7 @@ from .remote_mapping import begin_all
 from .status import started
 
 _MAX_ROUTES = 256  # distinct descriptor lists kept (chunk plans per peer); cleared when full
+_SPARE_STATUS_COUNTS = 8  # call sizes (pairs per call) with a list of spare statuses stocked
 # Per call, on the way to the device submit (issue 28): the ufuncs' reductions without the
 # ndarray methods' Python wrappers, and "every entry is this very object" as one C-level pass.
 _min = np.minimum.reduce
@@ -63,6 +64,12 @@ class DeviceRoutes:
     def __init__(self, core):
         self.core = core
         self._routes: dict = {}
+        # A list of fresh statuses (IN_PROGRESS, never handed out) per call size, made after a
+        # post for the next post of that size, so that a call of 61 pairs does not build its 61
+        # status objects between its entry and its device submit (issue 28: softio's Python
+        # before the submit). Each list is taken whole (dict.pop: one thread gets it); a list
+        # two threads stocked at once loses one of them, which nothing requires.
+        self._spare: dict = {}
 
     def post(self, locals_, local_offsets, remotes, remote_offsets, sizes, is_read: bool):
         """Post the whole call by the fast route: its statuses (one per pair, IN_PROGRESS), or
@@ -88,8 +95,21 @@ class DeviceRoutes:
             if len(self._routes) >= _MAX_ROUTES:
                 self._routes.clear()
             self._routes[key] = route
-        statuses: list = []
-        return statuses if _post(route, lo, ro, sz, statuses, len(sizes)) else None
+        count = len(sizes)
+        statuses = self._spare.pop(count, None)
+        if statuses is None:
+            statuses = started(count)
+        if not _post(route, lo, ro, sz, statuses):
+            if count not in self._spare:
+                self._spare[count] = statuses  # still fresh: nobody saw them
+            return None
+        self._stock(count)  # after the submit: the copies run meanwhile
+        return statuses
+
+    def _stock(self, count: int) -> None:
+        spare = self._spare
+        if count not in spare and len(spare) < _SPARE_STATUS_COUNTS:
+            spare[count] = started(count)
 
     @staticmethod
     def _resolve(backend, locals_, remotes):
@@ -110,9 +130,10 @@ class DeviceRoutes:
         return _Route(generation, backend, (tuple(locals_), tuple(remotes)), sessions)
 
 
-def _post(route: _Route, lo: np.ndarray, ro: np.ndarray, sz: np.ndarray, statuses: list, count: int) -> bool:
-    """Post the call's copies; True once posted, with `count` statuses (IN_PROGRESS) added to
-    `statuses`; False, nothing done, where the general path must handle the call."""
+def _post(route: _Route, lo: np.ndarray, ro: np.ndarray, sz: np.ndarray, statuses: list) -> bool:
+    """Post the call's copies, completing `statuses` (fresh, IN_PROGRESS, one per pair) when
+    they are done; True once posted; False, nothing done and `statuses` untouched, where the
+    general path must handle the call."""
     lo = lo.astype(np.int64, copy=False)
     ro = ro.astype(np.int64, copy=False)
     sz = sz.astype(np.int64, copy=False)
@@ -122,7 +143,6 @@ def _post(route: _Route, lo: np.ndarray, ro: np.ndarray, sz: np.ndarray, statuse
         return False
     if not begin_all(route.mappings):
         return False  # one is released: the general path fails those pairs one by one
-    statuses += started(count)
     # The table is built by the engine, for all pairs at once, where its copies read it.
     route.engine.submit_shared(route.remote_base, route.local_ptr, ro, lo, sz, list(statuses), route.to_peer,
                                route.mappings)
