@@ -245,3 +245,21 @@ def test_statuses_finishing_one_by_one_are_followed(make):
         assert h.result() == IN_PROGRESS
         h.live[i].code = StatusCodeLike(h.live[i].code, SUCCESS)
     assert h.result() == SUCCESS
+
+
+def test_first_look_of_running_writes_stands_for_results_first_failure_scan():
+    h = counted(*[IN_PROGRESS] * 61)
+    assert h.first_look() == []
+    assert CountingStatus.reads == 61
+    assert h.result() == IN_PROGRESS
+    assert CountingStatus.reads == 62  # the running one only: first_look just scanned the rest
+    h.live[40].code = ERR_RDMA_OP  # a failure behind the running status is still found ...
+    h._next_failure_scan = 0.0  # ... by the next periodic scan
+    assert h.result() == ERR_RDMA_OP
+
+
+@pytest.mark.parametrize("behind", [ERR_NOT_FOUND, INIT])
+def test_first_look_that_saw_a_failure_leaves_results_scan_due(behind):
+    h = counted(IN_PROGRESS, IN_PROGRESS, behind)
+    assert h.first_look() == []
+    assert h.result() == (ERR_NOT_FOUND if behind == ERR_NOT_FOUND else ERR_BAD_STATE)

@@ -233,18 +233,26 @@ class TransferHandle:
         retry = []
         done = self._live_done
         live = self.live
+        settled = True  # every status read is SUCCESS or IN_PROGRESS
         for i in range(done, len(live)):
             # int(): MORI's StatusCode is a pybind11 enum whose comparisons with ints are strict.
             code = int(live[i].Code())
             if code == SUCCESS:
                 if done == i:
                     done += 1
-            elif is_failure(code) and is_retryable(live[i]):
-                retry.append(i)
+            elif code != IN_PROGRESS:
+                settled = False
+                if is_failure(code) and is_retryable(live[i]):
+                    retry.append(i)
         if not retry:
             self._live_done = done
             if done == len(live):
                 self._final = SUCCESS
+            elif settled:
+                # This pass was the scan for failures behind a running status that result()
+                # would do on its first call (issue 28: 60 more reads on the posting thread,
+                # SGLang's scheduler with inline posting): the next one is due an interval on.
+                self._next_failure_scan = time.monotonic() + self.FAILURE_SCAN_INTERVAL_S
         return retry
 
     def state(self) -> WriteState:
