@@ -19,6 +19,7 @@ for all mappings, taken once per batch (`begin_all`, `end_all`), where a lock pe
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 
 logger = logging.getLogger("sglang_mori.softio")
@@ -26,13 +27,14 @@ logger = logging.getLogger("sglang_mori.softio")
 
 # Guards every mapping's counters and flags (held for a few attribute writes at a time).
 _LOCK = threading.Lock()
+_RELEASED = operator.attrgetter("_released")
 
 
 def begin_all(mappings) -> bool:
     """`begin` of every mapping as one step: True with all of them taken, or False with none
     (one of them is released)."""
     with _LOCK:
-        if any(m._released for m in mappings):
+        if any(map(_RELEASED, mappings)):  # C-level: no generator frame per mapping (issue 28)
             return False
         for m in mappings:
             m._copies += 1
