@@ -138,6 +138,8 @@ def measure(send, items: List[Dict], concurrency: int) -> Dict:
 def run_config(name: str, args, logs: Path, ports: List[int]) -> Dict:
     env = dict(os.environ)
     dummy = ["--load-format", "dummy"]
+    if getattr(args, "max_total_tokens", None):  # smaller pools: shorter start-ups (decode's host cache)
+        dummy += ["--max-total-tokens", str(args.max_total_tokens)]
     if args.trace:  # room_trace.py's hooks and SGLang's per-request timestamps
         trace_dir = logs / f"trace-{name}"
         trace_dir.mkdir(parents=True, exist_ok=True)
@@ -229,6 +231,7 @@ def main() -> None:
     ap.add_argument("--mem", type=float, default=0.5)
     ap.add_argument("--start-timeout", type=float, default=300)
     ap.add_argument("--gpu-base", type=int, default=0, help="standalone and prefill on it, decode on the next")
+    ap.add_argument("--max-total-tokens", type=int, help="every server's KV pool size in tokens (default: SGLang's)")
     ap.add_argument("--gpus", type=int, default=2, help="1: decode on the prefill's GPU, started after it")
     ap.add_argument("--mem-decode-shared", type=float, default=0.65,
                     help="--gpus 1: decode's --mem-fraction-static (SGLang sizes it from what the prefill left)")

@@ -437,26 +437,34 @@ s20_step() {  # NAME MIN_S MAX_S COMMAND...: run under min(MAX_S, budget left), 
   echo "$name: rc $? in $(( SECONDS - t0 )) s (limit $limit s)" >> $W/s20.out
 }
 
+# Knobs for a shorter call: S20_STEPS (default "identity_tp latency_tp identity_pd"), S20_REF (a
+# pd_identity JSON whose standalone phase is the token reference, e.g. a stored one under docs/data:
+# then step 1 runs no standalone and step 3 compares with it too), S20_MAXTOK (--max-total-tokens of
+# the latency servers: a smaller decode pool starts faster), S20_PROMPTS, S20_REQ, S20_*_S.
 s20_tpsg() {
   S20_START=$SECONDS
   PLAN_JSONS="$W/s20.out $W/*/*.json"
+  local steps=" ${S20_STEPS:-identity_tp latency_tp identity_pd} "
   local P="python3 $S/pd_identity.py --model /tmp/gpu-llama --deterministic --gpus 1 --gpu-base 0 --prompts ${S20_PROMPTS:-64}"
-  s20_step identity_tp 150 ${S20_ID_S:-240} $P --out $W/id --phases ${S20_ID_PHASES:-pd_tp,standalone} \
+  local ref1="" phases1=${S20_ID_PHASES:-pd_tp,standalone}
+  if [ -n "${S20_REF:-}" ]; then ref1="--reference $S20_REF"; phases1=${S20_ID_PHASES:-pd_tp}; fi
+  [[ $steps == *" identity_tp "* ]] && s20_step identity_tp 150 ${S20_ID_S:-240} $P --out $W/id --phases $phases1 $ref1 \
     --kv-hash $W/kv_id --tag identity_tp_1gpu --port-base 14000 > $W/id.out 2>&1
   cp $W/id/*.json "$OUT/" 2>/dev/null
-  s20_step latency_tp 120 ${S20_LAT_S:-230} python3 "$S/pd_latency.py" --out $W/lat --configs ${S20_LAT_CONFIGS:-pd_off_tproc,pd_off} \
-    --gpus 1 --gpu-base 0 --mem 0.3 --lengths 1024,8192 --concurrency 1 --requests-c1 ${S20_REQ:-8} \
-    --tag latency_tp_1gpu --port-base 15000 > $W/lat.out 2>&1
+  [[ $steps == *" latency_tp "* ]] && s20_step latency_tp 120 ${S20_LAT_S:-230} python3 "$S/pd_latency.py" --out $W/lat \
+    --configs ${S20_LAT_CONFIGS:-pd_off_tproc,pd_off} --gpus 1 --gpu-base 0 --mem 0.3 --lengths 1024,8192 --concurrency 1 \
+    --requests-c1 ${S20_REQ:-8} ${S20_MAXTOK:+--max-total-tokens $S20_MAXTOK} --tag latency_tp_1gpu --port-base 15000 > $W/lat.out 2>&1
   cp $W/lat/*.json "$OUT/" 2>/dev/null
-  # against step 1's standalone where it wrote one (else its own, first)
+  # against S20_REF, else step 1's standalone where it wrote one, else its own, first
   local ref="--phases standalone,pd"
-  grep -q '"standalone"' $W/id/identity_tp_1gpu.json 2>/dev/null && ref="--phases pd --reference $W/id/identity_tp_1gpu.json"
-  s20_step identity_pd 100 ${S20_PD_S:-150} $P --out $W/pd $ref --kv-hash $W/kv_pd \
+  if [ -n "${S20_REF:-}" ]; then ref="--phases pd --reference $S20_REF"
+  elif grep -q '"standalone"' $W/id/identity_tp_1gpu.json 2>/dev/null; then ref="--phases pd --reference $W/id/identity_tp_1gpu.json"; fi
+  [[ $steps == *" identity_pd "* ]] && s20_step identity_pd 100 ${S20_PD_S:-150} $P --out $W/pd $ref --kv-hash $W/kv_pd \
     --tag identity_pd_1gpu --port-base 16000 > $W/pd.out 2>&1
   cp $W/pd/*.json "$OUT/" 2>/dev/null
-  for f in $W/id/logs/*prefill*.log $W/lat/logs/*prefill*.log; do
-    [ -f "$f" ] && echo "$(basename $f): $(grep -h -o 'serves control port\|registered and proven\|first room reached Success\|TRANSFER_PROCESS=on refused: .*' "$f" | sort | uniq -c | tr -s ' \n' ' ')" >> $W/s20.out
+  for f in $W/id/logs/*prefill*.log $W/lat/logs/*prefill*.log $W/pd/logs/*prefill*.log; do
+    [ -f "$f" ] && echo "$(basename $f): $(grep -h -o 'serves control port\|registered and proven\|first room reached Success\|TRANSFER_PROCESS=on refused: .*\|Scheduler hit an exception\|chunk not handed over' "$f" | sort | uniq -c | tr -s ' \n' ' ')" >> $W/s20.out
   done
-  grep -h "KV bytes\|transfer process:\|FAILED\|tok_c1: " $W/*.out | cut -c1-400 >> $W/s20.out 2>/dev/null
+  grep -h "KV bytes\|transfer process:\|FAILED\|tok_c1: \|identical" $W/*.out | cut -c1-400 >> $W/s20.out 2>/dev/null
   cat $W/s20.out
 }

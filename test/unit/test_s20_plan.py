@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SHIM = Path(__file__).resolve().parent / "plan_shim" / "s20_shim.py"
 
 
-def run_plan(tmp_path, tproc, budget=420):
+def run_plan(tmp_path, tproc, budget=420, extra=""):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "python3").write_text(f'#!/bin/bash\necho "$@" >> {tmp_path}/calls\nexec {sys.executable} {SHIM} "$@"\n')
@@ -23,7 +23,7 @@ def run_plan(tmp_path, tproc, budget=420):
     w.mkdir()
     out.mkdir()
     script = (f'source {ROOT}/scripts/gpu_sglang/plans.sh; W={w}; S20_BUDGET_S={budget}; S20_PROMPTS=4; '
-              f'S20_REQ=2; s20_tpsg')
+              f'S20_REQ=2; {extra} s20_tpsg')
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", ROOT=str(ROOT), OUT=str(out),
                S20_FAKE_TPROC=tproc, PYTHONPATH=str(ROOT / "python"))
     done = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=120,
@@ -71,3 +71,23 @@ def test_s20_plan_skips_by_name_the_steps_the_budget_cannot_hold(tmp_path, budge
     assert [line.split(":")[0] for line in summary.splitlines() if "skipped at" in line] == skipped
     if "identity_pd" not in skipped:  # no standalone from step 1: step 3 runs its own first
         assert "--phases standalone,pd" in calls[-1] and "--reference" not in calls[-1]
+
+
+def test_s20_plan_against_a_stored_reference_runs_no_standalone(tmp_path):
+    """The short call: S20_REF (a stored pd_identity JSON) is step 1's and step 3's reference, and
+    S20_STEPS / S20_MAXTOK choose the steps and the latency servers' pool size."""
+    sys.path.insert(0, str(ROOT / "scripts" / "gpu_sglang"))
+    import pd_identity
+
+    items = pd_identity.prompts(4, 8192)
+    results = [{"output_ids": [len(p["input_ids"]) % 97], "error": None} for p in items]
+    ref = tmp_path / "ref.json"
+    ref.write_text(json.dumps({"phases": {"standalone": {"c1": {"results": results}, "c16": {"results": results}}}}))
+    _, w, out, calls = run_plan(tmp_path, "serving",
+                                extra=f"S20_REF={ref} S20_STEPS='identity_tp latency_tp' S20_MAXTOK=131072;")
+    assert [c.split()[0].rsplit("/", 1)[1] for c in calls] == ["pd_identity.py", "pd_latency.py"]
+    assert "--phases pd_tp --reference" in calls[0]
+    assert "--max-total-tokens 131072" in calls[1]
+    ident = json.loads((out / "identity_tp_1gpu.json").read_text())
+    assert ident["phases"]["pd_tp"]["c1"]["vs_standalone"]["identical"] == 4
+    assert "failed" not in ident["phases"]["pd_tp"]

@@ -149,3 +149,9 @@ def test_plain_pd_phase_is_not_checked(monkeypatch, tmp_path):
                                   tmp_path / "logs", [1, 2, 3])
     assert "failed" not in phase and "transfer_process" not in phase
     assert "SGLANG_MORI_TRANSFER_PROCESS" not in servers_of(events)["prefill"].env
+
+
+def test_max_total_tokens_reaches_both_servers(monkeypatch, tmp_path):
+    _, events = run_latency(monkeypatch, tmp_path, "pd_off", None, max_total_tokens=131072)
+    for server in servers_of(events).values():
+        assert server.argv[server.argv.index("--max-total-tokens") + 1] == "131072"
