@@ -99,9 +99,13 @@ def first_divergence(a, b) -> int:
 
 
 def compare(ref: List[Dict], got: List[Dict]) -> Dict:
+    """Prompt by prompt; a run of fewer prompts than the reference (--prompts N against a stored
+    64-prompt reference: the prompts are generated in order, so its N are the reference's first N)
+    counts only the prompts both have."""
     bad = [i for i, (a, b) in enumerate(zip(ref, got)) if a["output_ids"] != b["output_ids"] or b["error"]]
     errors = [got[i]["error"] for i in bad if got[i]["error"]]
-    return {"identical": len(ref) - len(bad), "total": len(ref), "mismatched": bad[:20],
+    total = min(len(ref), len(got))
+    return {"identical": total - len(bad), "total": total, "mismatched": bad[:20],
             "first_divergence": {i: first_divergence(ref[i]["output_ids"], got[i]["output_ids"]) for i in bad[:20]},
             "errors": errors[:5]}
 

@@ -155,3 +155,13 @@ def test_max_total_tokens_reaches_both_servers(monkeypatch, tmp_path):
     _, events = run_latency(monkeypatch, tmp_path, "pd_off", None, max_total_tokens=131072)
     for server in servers_of(events).values():
         assert server.argv[server.argv.index("--max-total-tokens") + 1] == "131072"
+
+
+def test_fewer_prompts_than_the_reference_count_only_the_prompts_compared():
+    items = pd_identity.prompts(64, 8192)
+    assert pd_identity.prompts(16, 8192) == items[:16]  # a shorter run's prompts are the reference's first
+    ref = [{"output_ids": [i], "error": None} for i in range(64)]
+    got = [{"output_ids": [i], "error": None} for i in range(16)]
+    got[3] = {"output_ids": [99], "error": None}
+    assert {k: v for k, v in pd_identity.compare(ref, got).items() if k in ("identical", "total", "mismatched")} == {
+        "identical": 15, "total": 16, "mismatched": [3]}
