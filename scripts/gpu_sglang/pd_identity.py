@@ -11,6 +11,9 @@ Phases (--phases, comma-separated; each runs every prompt at concurrency 1, then
   pd_lw_nograph    pd_lw with the prefill CUDA graph disabled on the prefill server
   pd_dcache        pd with decode's radix cache on (--disaggregation-decode-enable-radix-cache), so
                    prompts sharing a prefix with an earlier one are sent only past decode's cached part
+  pd_tp            pd with SGLANG_MORI_TRANSFER_PROCESS=on on the prefill server; the phase fails by
+                   name (tproc_check.py) unless the prefill log shows every rank's transfer process
+                   accepted, proven and carrying a room to Success (no silent in-process fallback)
   <pd phase>_optimistic  that phase with --optimistic-prefill-attempts 1 on the prefill server
                    (SGLang runs a request's forward before decode's destinations arrive; with pd_lw
                    the request joins the layer-wise stream when they do), e.g. pd_lw_optimistic
@@ -31,11 +34,13 @@ from pathlib import Path
 from typing import Dict, List
 
 import kv_hash
+import tproc_check
 from servers import PDClient, Server, generate, record_failure, sampling, server_argv
 
 CHUNK = 1024  # --chunked-prefill-size: prompts up to 3x this are prefilled (and sent) in chunks
 OPTIMISTIC = "_optimistic"  # phase suffix: optimistic prefill on the prefill server
 OPTIMISTIC_FLAGS = ["--optimistic-prefill-attempts", "1"]
+TPROC_PHASE = "pd_tp"  # the prefill server's transfers in a transfer process (tproc_check.py)
 LAYERWISE_ENV = {"SGLANG_MORI_LAYERWISE": "on", "SGLANG_MORI_LAYERWISE_MIN_TOKENS": "16",
                  "SGLANG_MORI_LAYERWISE_MIN_BATCH_TOKENS": "16"}
 
@@ -94,9 +99,13 @@ def first_divergence(a, b) -> int:
 
 
 def compare(ref: List[Dict], got: List[Dict]) -> Dict:
+    """Prompt by prompt; a run of fewer prompts than the reference (--prompts N against a stored
+    64-prompt reference: the prompts are generated in order, so its N are the reference's first N)
+    counts only the prompts both have."""
     bad = [i for i, (a, b) in enumerate(zip(ref, got)) if a["output_ids"] != b["output_ids"] or b["error"]]
     errors = [got[i]["error"] for i in bad if got[i]["error"]]
-    return {"identical": len(ref) - len(bad), "total": len(ref), "mismatched": bad[:20],
+    total = min(len(ref), len(got))
+    return {"identical": total - len(bad), "total": total, "mismatched": bad[:20],
             "first_divergence": {i: first_divergence(ref[i]["output_ids"], got[i]["output_ids"]) for i in bad[:20]},
             "errors": errors[:5]}
 
@@ -130,6 +139,9 @@ def run_phase(name: str, args, items: List[Dict], logs: Path, ports: List[int]) 
                 penv.update(LAYERWISE_ENV)
             if args.kv_hash:
                 penv.update(kv_hash_env(args, name))
+            denv = dict(penv)  # decode never runs a transfer process
+            if base_phase == TPROC_PHASE:  # chunk-wise: layer-wise is refused by the prototype
+                penv.update(tproc_check.ENV, SGLANG_MORI_LAYERWISE="off")
             boot = ports[2]
             pextra = ["--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "mori",
                       "--disaggregation-bootstrap-port", str(boot)]
@@ -145,7 +157,7 @@ def run_phase(name: str, args, items: List[Dict], logs: Path, ports: List[int]) 
             # On one GPU the decode sizes its pool from what the prefill left: start it after.
             dmem = args.mem if two else args.mem_decode_shared
             dec = Server(f"{name}-decode", server_argv(model, ports[1], base + tp if two else base, dmem, dextra + flags),
-                         penv, logs, ports[1])
+                         denv, logs, ports[1])
             servers.append(pre.start())
             if not two:
                 pre.wait_ready(args.start_timeout)
@@ -163,11 +175,23 @@ def run_phase(name: str, args, items: List[Dict], logs: Path, ports: List[int]) 
     finally:
         for s in servers:
             s.stop()
+    if name.removesuffix(OPTIMISTIC) == TPROC_PHASE:
+        check_transfer_process(phase, name, logs / f"{name}-prefill.log", tp)
     if args.kv_hash and name != "standalone":
         phase["kv_hash"] = kv_hash.compare(Path(args.kv_hash) / name)
         print(f"[{name}] KV bytes: {json.dumps({k: v for k, v in phase['kv_hash'].items() if k != 'mismatches'})}",
               flush=True)
     return phase
+
+
+def check_transfer_process(phase: Dict, name: str, prefill_log: Path, ranks: int) -> None:
+    """A transfer-process phase whose prefill log does not show the child serving fails by name
+    (kept beside an earlier failure, which stays the phase's first word)."""
+    phase["transfer_process"] = tproc_check.check_log(prefill_log, ranks)
+    why = phase["transfer_process"]["failure"]
+    print(f"[{name}] transfer process: {why or 'accepted, proven, carried rooms to Success'}", flush=True)
+    if why is not None:
+        phase["failed"] = f"{phase['failed']}; {why}" if "failed" in phase else why
 
 
 def kv_hash_env(args, name: str) -> Dict[str, str]:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Dict, List
 
 from client_before16 import generate_stream_requests, stream_two_threads
+import tproc_check
 from servers import PDClient, Server, generate_stream, record_failure, sampling, server_argv
 
 SHAPE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
@@ -59,12 +60,19 @@ def cand_env() -> Dict[str, str]:
 VARIANT_PREFILL_FLAGS = {
     "_optimistic": ["--optimistic-prefill-attempts", "1"],
 }
+# Variants that set the PREFILL server's environment only: pd_off_tproc runs the prefill's transfers
+# in a transfer process (SGLANG_MORI_TRANSFER_PROCESS=on; chunk-wise only, the prototype refuses
+# layer-wise). The config fails by name unless the prefill log shows the child serving (tproc_check.py).
+VARIANT_PREFILL_ENV = {
+    "_tproc": tproc_check.ENV,
+}
 
 
 def split_variants(mode: str):
-    """'auto_optimistic' -> ('auto', {env}, [prefill flags]); suffixes combine in any order."""
+    """'auto_optimistic' -> ('auto', {env}, [prefill flags], {prefill env}); suffixes combine in any order."""
     env: Dict[str, str] = {}
     flags: List[str] = []
+    prefill_env: Dict[str, str] = {}
     stripped = True
     while stripped:
         stripped = False
@@ -76,7 +84,11 @@ def split_variants(mode: str):
             if mode.endswith(suffix):
                 mode, stripped = mode.removesuffix(suffix), True
                 flags += extra
-    return mode, env, flags
+        for suffix, extra in VARIANT_PREFILL_ENV.items():
+            if mode.endswith(suffix):
+                mode, stripped = mode.removesuffix(suffix), True
+                prefill_env.update(extra)
+    return mode, env, flags, prefill_env
 
 
 def write_model(path: Path, layers: int) -> str:
@@ -126,6 +138,8 @@ def measure(send, items: List[Dict], concurrency: int) -> Dict:
 def run_config(name: str, args, logs: Path, ports: List[int]) -> Dict:
     env = dict(os.environ)
     dummy = ["--load-format", "dummy"]
+    if getattr(args, "max_total_tokens", None):  # smaller pools: shorter start-ups (decode's host cache)
+        dummy += ["--max-total-tokens", str(args.max_total_tokens)]
     if args.trace:  # room_trace.py's hooks and SGLang's per-request timestamps
         trace_dir = logs / f"trace-{name}"
         trace_dir.mkdir(parents=True, exist_ok=True)
@@ -144,18 +158,26 @@ def run_config(name: str, args, logs: Path, ports: List[int]) -> Dict:
         else:
             # pd_<layerwise mode>[_<variant>...]: VARIANT_ENV's variables on both servers,
             # VARIANT_PREFILL_FLAGS' flags on the prefill server
-            mode, variant_env, prefill_flags = split_variants(name.split("_", 1)[1])
-            penv = dict(env, SGLANG_MORI_ENGINE="soft", **variant_env)
-            penv["SGLANG_MORI_LAYERWISE"] = mode
-            result["variant"] = {"env": variant_env, "prefill_flags": prefill_flags}
+            mode, variant_env, prefill_flags, prefill_env = split_variants(name.split("_", 1)[1])
+            denv = dict(env, SGLANG_MORI_ENGINE="soft", **variant_env)
+            denv["SGLANG_MORI_LAYERWISE"] = mode
+            penv = dict(denv, **prefill_env)
+            result["variant"] = {"env": variant_env, "prefill_flags": prefill_flags, "prefill_env": prefill_env}
             boot = ports[2]
+            two = args.gpus >= 2
             pre = Server(f"{name}-prefill", server_argv(args.model, ports[0], g, args.mem, [
                 "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "mori",
                 "--disaggregation-bootstrap-port", str(boot)] + prefill_flags + dummy), penv, logs, ports[0])
-            dec = Server(f"{name}-decode", server_argv(args.model, ports[1], g + 1, args.mem, [
+            # --gpus 1: decode on the prefill's GPU, started once the prefill is up (it sizes its
+            # pool from what the prefill left), as pd_identity.py --gpus 1
+            dec = Server(f"{name}-decode", server_argv(args.model, ports[1], g + 1 if two else g,
+                                                       args.mem if two else args.mem_decode_shared, [
                 "--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "mori"] + dummy),
-                penv, logs, ports[1])
-            servers += [pre.start(), dec.start()]
+                denv, logs, ports[1])
+            servers.append(pre.start())
+            if not two:
+                pre.wait_ready(args.start_timeout)
+            servers.append(dec.start())
             pre.wait_ready(args.start_timeout)
             dec.wait_ready(args.start_timeout)
             client = PDClient(pre, dec, boot)
@@ -182,7 +204,19 @@ def run_config(name: str, args, logs: Path, ports: List[int]) -> Dict:
     finally:
         for s in servers:
             s.stop()
+    if result.get("variant", {}).get("prefill_env", {}).get("SGLANG_MORI_TRANSFER_PROCESS") == "on":
+        check_transfer_process(result, name, logs / f"{name}-prefill.log")
     return result
+
+
+def check_transfer_process(result: Dict, name: str, prefill_log: Path) -> None:
+    """A *_tproc config whose prefill log does not show the transfer process serving fails by name:
+    its figures would be the in-process path's under the transfer process's name."""
+    result["transfer_process"] = tproc_check.check_log(prefill_log)
+    why = result["transfer_process"]["failure"]
+    print(f"[{name}] transfer process: {why or 'accepted, proven, carried rooms to Success'}", flush=True)
+    if why is not None:
+        result["failed"] = f"{result['failed']}; {why}" if "failed" in result else why
 
 
 def main() -> None:
@@ -197,6 +231,10 @@ def main() -> None:
     ap.add_argument("--mem", type=float, default=0.5)
     ap.add_argument("--start-timeout", type=float, default=300)
     ap.add_argument("--gpu-base", type=int, default=0, help="standalone and prefill on it, decode on the next")
+    ap.add_argument("--max-total-tokens", type=int, help="every server's KV pool size in tokens (default: SGLang's)")
+    ap.add_argument("--gpus", type=int, default=2, help="1: decode on the prefill's GPU, started after it")
+    ap.add_argument("--mem-decode-shared", type=float, default=0.65,
+                    help="--gpus 1: decode's --mem-fraction-static (SGLang sizes it from what the prefill left)")
     ap.add_argument("--port-base", type=int, default=12000)
     ap.add_argument("--repeats", type=int, default=1, help="measure each shape this many times in a row")
     ap.add_argument("--trace", action="store_true", help="per-room timestamps (room_trace.py)")

@@ -1,7 +1,7 @@
 # Sourced by device_run.sh (wheels installed, environment set): runs side by side on a 4-GPU
 # machine, one plan per device call. Each run writes under $W; the JSONs are copied to $OUT and
 # every log travels back in $OUT/<plan>.tgz (a call returns at most 8 files).
-# Usage: device_run.sh plan plan1|plan2|plan3|tp_proof|tp_fp32_ieee|ttft8k_hotpath|ttft8k_pair (ORDER=...)|ttft8k_pollreads|ttft8k_ce|ttft8k_front (ORDER=...)|ttft8k_fwd (ORDER=...)|s16_final|s17_interf (ROUTE=, COPIES=, MODES=, DDEV=, GPU=, ROUNDS=, SECONDS_W=, DSTEPS=, DROUNDS=, LOADS=)|s17_link|s19_gpu1 (s17_interf + hotpath)|s19_link (RUNS=...)
+# Usage: device_run.sh plan plan1|plan2|plan3|tp_proof|tp_fp32_ieee|ttft8k_hotpath|ttft8k_pair (ORDER=...)|ttft8k_pollreads|ttft8k_ce|ttft8k_front (ORDER=...)|ttft8k_fwd (ORDER=...)|s16_final|s17_interf (ROUTE=, COPIES=, MODES=, DDEV=, GPU=, ROUNDS=, SECONDS_W=, DSTEPS=, DROUNDS=, LOADS=)|s17_link|s19_gpu1 (s17_interf + hotpath)|s19_link (RUNS=...)|s20_tpsg (S20_BUDGET_S=...)
 # Port bases stay in 10000-21999: below the kernel's ephemeral range (32768+ there), where any
 # outgoing connection of a server beside it (HTTP, NCCL, softio) may hold a port as its source, and
 # below SGLang's own nccl_port range (22000-29999). With bases at 37000/38000 a PD prefill server of
@@ -410,4 +410,61 @@ s19_link() {
   python3 "$S/link_summary.py" $W/link/*.json > $W/link_summary.txt 2>&1
   [ -f $W/gputest.out ] && tail -1 $W/gputest.out >> $W/link_summary.txt
   cat $W/link_summary.txt
+}
+
+# Session 20, issue 28 on ONE GPU: the transfer process (SGLANG_MORI_TRANSFER_PROCESS=on on the
+# prefill server) inside real SGLang servers, prefill and decode on GPU 0 (--gpus 1). In order of
+# what it decides, each step bounded by its own timeout and by what is left of S20_BUDGET_S (default
+# 420 s; a step that cannot get its minimum is skipped, by name, in s20.out):
+#  1. identity (S20_ID_S, 240 s): pd_tp first (the transfer process; with the KV byte check, which
+#     needs no reference), then standalone (the token reference), concurrency 1 and 16; pd_tp fails
+#     by name unless the prefill log shows the child accepted, proven and carrying rooms to Success
+#     (tproc_check.py);
+#  2. latency (S20_LAT_S, 230 s): pd_off_tproc then pd_off (in-process), 1K and 8K prompts,
+#     concurrency 1, S20_REQ requests each (8), Llama-3-8B widths, dummy weights;
+#  3. identity (S20_PD_S, 150 s): pd (in-process) against step 1's standalone, KV byte check.
+# Expected on an H200 (sessions 13-19's start-ups: ~50 s a prefill, ~40 s a decode started after it
+# on the same GPU, ~80 s the first standalone): ~230 + ~230 + ~120 s; the default budget runs steps 1
+# and 2 (step 3, proven in sessions 10-19, needs S20_BUDGET_S=560 or a second call). Each step's JSON
+# is copied into $OUT as it ends (a cut call keeps what finished).
+s20_step() {  # NAME MIN_S MAX_S COMMAND...: run under min(MAX_S, budget left), or skip
+  local name=$1 min=$2 max=$3; shift 3
+  local left=$(( ${S20_BUDGET_S:-420} - (SECONDS - S20_START) ))
+  local limit=$(( left < max ? left : max ))
+  if [ $limit -lt $min ]; then echo "$name: skipped at $(( SECONDS - S20_START )) s (${left} s left)" >> $W/s20.out; return; fi
+  local t0=$SECONDS
+  timeout -s INT -k 25 $limit "$@"
+  echo "$name: rc $? in $(( SECONDS - t0 )) s (limit $limit s)" >> $W/s20.out
+}
+
+# Knobs for a shorter call: S20_STEPS (default "identity_tp latency_tp identity_pd"), S20_REF (a
+# pd_identity JSON whose standalone phase is the token reference, e.g. a stored one under docs/data:
+# then step 1 runs no standalone and step 3 compares with it too), S20_MAXTOK (--max-total-tokens of
+# the latency servers: a smaller decode pool starts faster), S20_PROMPTS, S20_REQ, S20_*_S.
+s20_tpsg() {
+  S20_START=$SECONDS
+  PLAN_JSONS="$W/s20.out $W/*/*.json"
+  local steps=" ${S20_STEPS:-identity_tp latency_tp identity_pd} "
+  local P="python3 $S/pd_identity.py --model /tmp/gpu-llama --deterministic --gpus 1 --gpu-base 0 --prompts ${S20_PROMPTS:-64}"
+  local ref1="" phases1=${S20_ID_PHASES:-pd_tp,standalone}
+  if [ -n "${S20_REF:-}" ]; then ref1="--reference $S20_REF"; phases1=${S20_ID_PHASES:-pd_tp}; fi
+  [[ $steps == *" identity_tp "* ]] && s20_step identity_tp 150 ${S20_ID_S:-240} $P --out $W/id --phases $phases1 $ref1 \
+    --kv-hash $W/kv_id --tag identity_tp_1gpu --port-base 14000 > $W/id.out 2>&1
+  cp $W/id/*.json "$OUT/" 2>/dev/null
+  [[ $steps == *" latency_tp "* ]] && s20_step latency_tp 120 ${S20_LAT_S:-230} python3 "$S/pd_latency.py" --out $W/lat \
+    --configs ${S20_LAT_CONFIGS:-pd_off_tproc,pd_off} --gpus 1 --gpu-base 0 --mem 0.3 --lengths 1024,8192 --concurrency 1 \
+    --requests-c1 ${S20_REQ:-8} ${S20_MAXTOK:+--max-total-tokens $S20_MAXTOK} --tag latency_tp_1gpu --port-base 15000 > $W/lat.out 2>&1
+  cp $W/lat/*.json "$OUT/" 2>/dev/null
+  # against S20_REF, else step 1's standalone where it wrote one, else its own, first
+  local ref="--phases standalone,pd"
+  if [ -n "${S20_REF:-}" ]; then ref="--phases pd --reference $S20_REF"
+  elif grep -q '"standalone"' $W/id/identity_tp_1gpu.json 2>/dev/null; then ref="--phases pd --reference $W/id/identity_tp_1gpu.json"; fi
+  [[ $steps == *" identity_pd "* ]] && s20_step identity_pd 100 ${S20_PD_S:-150} $P --out $W/pd $ref --kv-hash $W/kv_pd \
+    --tag identity_pd_1gpu --port-base 16000 > $W/pd.out 2>&1
+  cp $W/pd/*.json "$OUT/" 2>/dev/null
+  for f in $W/id/logs/*prefill*.log $W/lat/logs/*prefill*.log $W/pd/logs/*prefill*.log; do
+    [ -f "$f" ] && echo "$(basename $f): $(grep -h -o 'serves control port\|registered and proven\|first room reached Success\|TRANSFER_PROCESS=on refused: .*\|Scheduler hit an exception\|chunk not handed over' "$f" | sort | uniq -c | tr -s ' \n' ' ')" >> $W/s20.out
+  done
+  grep -h "KV bytes\|transfer process:\|FAILED\|tok_c1: \|identical" $W/*.out | cut -c1-400 >> $W/s20.out 2>/dev/null
+  cat $W/s20.out
 }

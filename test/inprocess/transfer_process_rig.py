@@ -121,10 +121,11 @@ class TransferProcessRig:
         self.sglang.open(room)
         return self.service.claim(room)
 
-    def send(self, room: int, pages, last: bool, start: int = 0, aux_index=0) -> None:
+    def send(self, room: int, pages, last: bool, start: int = 0, aux_index=0, **sglang_kw) -> None:
+        """`sglang_kw`: the other keywords SGLang's send() passes (state_indices, wait_event, ...)."""
         pages = np.asarray(pages)
         self.service.add_chunk(room, pages, slice(start, start + len(pages)), last,
-                               aux_index=aux_index if last else None)
+                               aux_index=aux_index if last else None, **sglang_kw)
 
     def poll(self, room: int):
         """SGLang's sender.poll(): the manager's check_status syncs the room first."""

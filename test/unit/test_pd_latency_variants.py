@@ -18,7 +18,7 @@ def test_cand_puts_the_candidate_python_first_on_the_servers_path(tmp_path, monk
     (tmp_path / "python" / "sglang_mori" / "__init__.py").write_text("")
     monkeypatch.setenv("CAND_ROOT", str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", "/tree/python:/site")
-    mode, env, flags = pd_latency.split_variants("auto_cand")
+    mode, env, flags, _ = pd_latency.split_variants("auto_cand")
     assert mode == "auto" and flags == []
     assert env["PYTHONPATH"].split(":") == [str(tmp_path / "python"), "/tree/python", "/site"]
 
@@ -28,7 +28,7 @@ def test_cand_combines_with_other_suffixes(tmp_path, monkeypatch):
     (tmp_path / "python" / "sglang_mori" / "__init__.py").write_text("")
     monkeypatch.setenv("CAND_ROOT", str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", "/site")
-    mode, env, flags = pd_latency.split_variants("auto_optimistic_cand")
+    mode, env, flags, _ = pd_latency.split_variants("auto_optimistic_cand")
     assert mode == "auto" and flags == ["--optimistic-prefill-attempts", "1"]
     assert env["PYTHONPATH"].startswith(str(tmp_path / "python") + ":")
 
@@ -40,8 +40,8 @@ def test_a_missing_candidate_fails_by_name_instead_of_running_this_tree(tmp_path
 
 
 def test_plain_modes_change_nothing():
-    assert pd_latency.split_variants("auto") == ("auto", {}, [])
-    assert pd_latency.split_variants("off_threadreads") == ("off", {"SGLANG_MORI_POLL_READS": "0"}, [])
+    assert pd_latency.split_variants("auto") == ("auto", {}, [], {})
+    assert pd_latency.split_variants("off_threadreads") == ("off", {"SGLANG_MORI_POLL_READS": "0"}, [], {})
 
 
 def test_cand_without_a_pythonpath_adds_no_empty_entry(tmp_path, monkeypatch):

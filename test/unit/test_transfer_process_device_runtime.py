@@ -60,3 +60,25 @@ def test_a_child_without_a_gpu_runtime_warns_and_goes_on(monkeypatch, caplog):
 
 def test_the_ipc_handle_is_passed_by_value_as_64_bytes():
     assert ctypes.sizeof(device_runtime._IpcMemHandle) == device_runtime.IPC_HANDLE_BYTES == 64
+
+
+def test_the_child_logs_info_even_where_the_root_logger_came_configured_at_warning(capfd):
+    """Under SGLang the child found the root logger already set up (SGLang's format, a level above
+    INFO): its start-up proof and first-Success lines never reached the server's log."""
+    import logging
+
+    root = logging.getLogger()
+    saved = (root.handlers[:], root.level)
+    try:
+        root.handlers[:] = [logging.StreamHandler()]
+        root.setLevel(logging.WARNING)
+        child.configure_logging(logging.INFO)
+        logging.getLogger("sglang_mori.transfer_process.child_parts").info("registered and proven")
+        err = capfd.readouterr().err
+    finally:
+        for handler in root.handlers:
+            if handler not in saved[0]:
+                root.removeHandler(handler)
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
+    assert "transfer-process INFO registered and proven" in err

@@ -59,7 +59,7 @@ def _die_with_parent(parent_pid: int) -> None:
 def main(spec: ChildSpec, channel) -> None:
     """Entry point of the spawned process."""
     _die_with_parent(spec.parent_pid)
-    logging.basicConfig(level=spec.log_level, format="%(asctime)s transfer-process %(levelname)s %(message)s")
+    configure_logging(spec.log_level)
     if spec.on_gpu:
         try:  # loads the GPU runtime torch ships, which cuda_runtime / device_runtime find among our mappings
             import torch  # noqa: F401
@@ -77,6 +77,15 @@ def main(spec: ChildSpec, channel) -> None:
         service.serve(channel)
     finally:
         service.close()
+
+
+def configure_logging(level: int) -> None:
+    """This process's own log setup, replacing any it found: under SGLang the spawn first imports
+    SGLang's launcher as the main module, and the root logger came configured (SGLang's format)
+    at a level that dropped our INFO lines (session 20, one H200); a plain basicConfig keeps an
+    existing setup. Those lines (the start-up proof, the first Success) are what
+    scripts/gpu_sglang/tproc_check.py reads in the server's log."""
+    logging.basicConfig(level=level, format="%(asctime)s transfer-process %(levelname)s %(message)s", force=True)
 
 
 def _block_on_gpu_waits(device: int) -> None:

@@ -12,6 +12,7 @@ transfer process's messenger, as SGLang's manager would send them.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from typing import Dict, Optional
 
@@ -39,6 +40,9 @@ class ChildTables:
         self.outstanding: Dict[int, int] = {}
         self.held_acks: Dict[int, dict] = {}
         self.poisoned: set = set()
+        # One line when the first room reaches Success: the proof, in the server's log, that this
+        # process carried traffic (scripts/gpu_sglang/tproc_check.py fails a run without it).
+        self.first_success_logged = False
 
     # --- the hand-off reader's side ---------------------------------------------------------
     def open(self, room: int, slot: int) -> None:
@@ -86,6 +90,10 @@ class ChildTables:
             self.statuses[room] = new
             if new != current or mirror:
                 self._mirror(room, new, **mirror)
+            first_success = new == S.SUCCESS and not self.first_success_logged
+            self.first_success_logged |= first_success
+        if first_success:
+            logger.info("sglang-mori transfer process pid %d: first room reached Success (room %s)", os.getpid(), room)
 
     def fail(self, room, reason):
         with self.lock:

@@ -63,11 +63,15 @@ def describe(ptrs: Sequence[int], sizes: Sequence[int], on_gpu: bool, device: in
         if runtime is None:
             raise PoolNotImportable(f"{what}s are GPU memory but no CUDA or HIP runtime is loaded to export them")
         out = []
+        handles = {}  # allocation base -> the first handle exported for it
         for i, (ptr, size) in enumerate(zip(ptrs, sizes)):
             try:
                 handle, offset = runtime.export(int(ptr), device)
             except Exception as exc:  # e.g. a virtual-memory allocation (expandable segments)
                 raise PoolNotImportable(f"{what} {i} at {int(ptr):#x}: no {kind.upper()} IPC handle ({exc})") from None
+            # Pools in one allocation (SGLang's MHA K and V of a layer; tensors the caching allocator
+            # placed in one segment) carry the same handle bytes, so that the child maps it once.
+            handle = handles.setdefault(int(ptr) - offset, handle)
             out.append(PoolImport(kind, int(size), handle=handle, offset=offset, device=device))
         return out
     with open("/proc/self/maps") as f:
@@ -91,6 +95,7 @@ class ImportedPools:
         self._maps: list = []
         self._cuda: list = []
         self._hip: list = []
+        self._hip_bases: dict = {}  # (handle, device) -> base of its one mapping
         # the GPU runtime's own calls (device_runtime.py), for the start-up proof and HIP imports
         self.runtime = None
         if any(p.kind in ("cuda", "hip") for p in imports):
@@ -103,10 +108,15 @@ class ImportedPools:
 
     def _map(self, p: PoolImport) -> int:
         if p.kind == "hip":  # written for MORI-IO on AMD (test/manual/test_transfer_process_amd.py); not run yet
-            base = self.runtime.open(p.handle, p.device)
-            self._hip.append((base, p.device))
-            return base + p.offset
-        if p.kind == "cuda":  # written for the NVIDIA rig; not run on a GPU yet
+            # One mapping per allocation: SGLang's MHA pool keeps a layer's K and V in one allocation
+            # (and the caching allocator puts several tensors in one segment), while a handle can be
+            # opened once per process; each pool is its offset in the shared mapping.
+            key = (p.handle, p.device)
+            if key not in self._hip_bases:
+                self._hip_bases[key] = self.runtime.open(p.handle, p.device)
+                self._hip.append((self._hip_bases[key], p.device))
+            return self._hip_bases[key] + p.offset
+        if p.kind == "cuda":  # softio's runtime maps a handle once and counts its holders (K and V share one)
             from sglang_mori.softio import cuda_runtime
 
             runtime = cuda_runtime.load()
@@ -132,6 +142,7 @@ class ImportedPools:
         for base, device in self._hip:
             self.runtime.close(base, device)
         self._hip.clear()
+        self._hip_bases.clear()
         # A mapping with a live ctypes export cannot close; the process exit unmaps it.
         for m in self._maps:
             try:

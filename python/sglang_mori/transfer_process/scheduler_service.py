@@ -28,6 +28,7 @@ class TransferProcessService:
         self._applied = bytearray(process.table.slots)
         self.published: set = set()  # rooms whose destinations SGLang has (WaitingForInput applied)
         self.handoffs = 0
+        self._first_error = True  # log the first hand-off failure's traceback
 
     @property
     def port(self) -> int:
@@ -47,7 +48,11 @@ class TransferProcessService:
 
     def claim(self, room_id: int) -> Optional[str]:
         self.published.discard(room_id)
-        refused = self.process.claim(room_id)
+        try:
+            refused = self.process.claim(room_id)
+        except Exception as exc:  # noqa: BLE001 - as add_chunk: the room fails, never the scheduler
+            refused = f"sglang-mori transfer process: room not claimed ({type(exc).__name__}: {exc})"
+            logger.error("%s (room %s)", refused, room_id, exc_info=True)
         if refused is not None:  # SGLang reads the reason from its failure records
             self.sglang.fail(room_id, refused)
             return refused
@@ -63,7 +68,23 @@ class TransferProcessService:
         return True
 
     def add_chunk(self, room_id: int, kv_indices, index_slice: slice, is_last: bool, **kw) -> None:
-        if kw.get("state_indices") is not None:
+        """Hand the chunk to the child. Runs inside SGLang's send(): nothing raises out of it (an
+        exception there ends SGLang's scheduler, every request with it); a chunk that cannot be
+        handed over fails its room, with the reason."""
+        try:
+            self._add_chunk(room_id, kv_indices, index_slice, is_last, **kw)
+        except Exception as exc:  # noqa: BLE001 - one room fails, never the scheduler
+            reason = f"sglang-mori transfer process: chunk not handed over ({type(exc).__name__}: {exc})"
+            logger.error("%s (room %s)", reason, room_id, exc_info=self._first_error)
+            self._first_error = False  # the first one's traceback is enough
+            self.sglang.fail(room_id, reason)
+
+    def _add_chunk(self, room_id: int, kv_indices, index_slice: slice, is_last: bool, **kw) -> None:
+        # SGLang sends one state entry per state pool with the last chunk: [] for a plain model
+        # (none), None for a pool whose kind it has no payload for. The start-up refuses models
+        # with state pools, so real entries here mean the deployment changed under us.
+        state = kw.get("state_indices")
+        if state is not None and any(part is not None for part in state):
             raise ValueError("the transfer process prototype carries no state pools")
         event = kw.get("wait_event")
         if event is not None:  # a CUDA event cannot cross the process; the pages must be final

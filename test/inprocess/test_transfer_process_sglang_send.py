@@ -1,0 +1,73 @@
+"""The transfer process's hand-off under SGLang 0.5.23's send(), as the first GPU run inside real
+SGLang servers met it (session 20): send() passes every keyword of add_transfer_request, with
+state_indices=[] on the last chunk of a plain model; and nothing may raise out of it (an exception
+there ended SGLang's prefill scheduler, and every request with it)."""
+
+import numpy as np
+import pytest
+
+from sglang_mori.backend import room_status as S
+
+from transfer_process_rig import TransferProcessRig
+
+# What SGLang 0.5.23's sender.send() adds besides aux_index, for a plain Llama (common/conn.py).
+SGLANG_LAST_CHUNK = dict(state_indices=[], num_kv_tokens=1, wait_event=None, indices_event=None, trace_ctx=object())
+
+
+@pytest.fixture
+def tp():
+    with TransferProcessRig() as rig:
+        yield rig
+
+
+def test_a_plain_models_last_chunk_with_an_empty_state_list_reaches_success(tp):
+    assert tp.claim(1) is None
+    tp.metadata(1, pages=[4, 6])
+    tp.wait_status(1, S.WAITING_FOR_INPUT)
+    tp.send(1, pages=[0], last=False, state_indices=None, num_kv_tokens=1, wait_event=None, indices_event=None)
+    tp.send(1, pages=[3], last=True, start=1, **SGLANG_LAST_CHUNK)
+    tp.wait_status(1, S.SUCCESS)
+    for buffer in range(2):
+        assert tp.decode.page(buffer, 4) == tp.pools.page(buffer, 0)
+        assert tp.decode.page(buffer, 6) == tp.pools.page(buffer, 3)
+
+
+def test_state_the_prototype_cannot_carry_fails_the_room_not_the_scheduler(tp):
+    assert tp.claim(2) is None
+    tp.metadata(2, pages=[1])
+    tp.wait_status(2, S.WAITING_FOR_INPUT)
+    tp.send(2, pages=[0], last=True, **dict(SGLANG_LAST_CHUNK, state_indices=[np.array([5])]))  # no raise
+    tp.wait_status(2, S.FAILED)
+    assert "carries no state pools" in tp.sglang.failure_reason(2)
+
+
+def test_a_hand_off_that_raises_fails_its_room_and_the_next_room_still_succeeds(tp, monkeypatch, caplog):
+    assert tp.claim(3) is None
+    tp.metadata(3, pages=[2])
+    tp.wait_status(3, S.WAITING_FOR_INPUT)
+    real_chunk = tp.process.chunk
+
+    def broken(*args, **kw):
+        raise RuntimeError("injected: record too large")
+    monkeypatch.setattr(tp.process, "chunk", broken)
+    tp.send(3, pages=[0], last=True, **SGLANG_LAST_CHUNK)  # no raise into SGLang's scheduler
+    assert tp.sglang.status(3) == S.FAILED
+    assert tp.sglang.failure_reason(3) == ("sglang-mori transfer process: chunk not handed over "
+                                           "(RuntimeError: injected: record too large)")
+    assert "injected: record too large" in caplog.text
+    monkeypatch.setattr(tp.process, "chunk", real_chunk)
+    assert tp.claim(4) is None
+    tp.metadata(4, pages=[7])
+    tp.wait_status(4, S.WAITING_FOR_INPUT)
+    tp.send(4, pages=[1], last=True, **SGLANG_LAST_CHUNK)
+    tp.wait_status(4, S.SUCCESS)
+    assert tp.decode.page(0, 7) == tp.pools.page(0, 1)
+
+
+def test_a_claim_that_raises_fails_its_room_with_the_reason(tp, monkeypatch):
+    def broken(room):
+        raise OverflowError("injected: room id out of range")
+    monkeypatch.setattr(tp.process, "claim", broken)
+    reason = tp.claim(5)
+    assert reason == "sglang-mori transfer process: room not claimed (OverflowError: injected: room id out of range)"
+    assert tp.sglang.status(5) == S.FAILED and tp.sglang.failure_reason(5) == reason
