@@ -117,6 +117,12 @@ def base_env(backend: Optional[str], extra: Optional[Dict[str, str]] = None) -> 
             "PYTHONUNBUFFERED": "1",
         }
     )
+    # On SIGTERM a server's scheduler exits at once and its launcher then sleeps 5 s "before crash
+    # diagnostics" (py-spy dumps and CUDA coredumps: neither exists on this host) before it exits;
+    # every deployment's stop waited for that. Without them the launcher exits at once. A caller's
+    # own setting wins.
+    for name in ("SGLANG_PYSPY_DUMP_BEFORE_CRASH", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH"):
+        env.setdefault(name, "0")
     if backend in ("mori", "mori_builtin"):
         # The software engine with MORI-IO's API; real MORI-IO needs ROCm and an RDMA NIC.
         env["SGLANG_MORI_ENGINE"] = "soft"
