@@ -6,7 +6,9 @@ it, and sleeps when idle, so it costs no CPU while other modules run. One PD dep
 decode + router) is shared by every test that needs no servers of its own; it starts after the
 modules with their own servers have stopped theirs. Start-up costs 45-90 s on the 2-core host; the
 one test that kills the shared prefill server brings a new one up on the same ports before it
-ends, and runs last. Every server is stopped after the last e2e test whatever happens.
+ends, and runs last. Every server is stopped after the last e2e test whatever happens. Every e2e
+server, PD ones included, runs with --sleep-on-idle (launch.ServerOptions.sleep_on_idle): an idle
+scheduler would otherwise spin on one of the 2 cores while the other servers start or serve.
 
 Backend: SGLANG_MORI_E2E_BACKEND, default `mori` (our plugin on the softio engine). `mooncake_tcp`
 runs the same tests over SGLang's Mooncake backend, which is how the harness itself was validated.
@@ -102,7 +104,8 @@ def tiny_model(tmp_path_factory):
 
 @pytest.fixture(scope="package")
 def server_options(tiny_model) -> launch.ServerOptions:
-    return launch.ServerOptions(model_dir=tiny_model, chunked_prefill_size=CHUNKED_PREFILL)
+    # Every e2e server sleeps when idle (launch.ServerOptions.sleep_on_idle says why).
+    return launch.ServerOptions(model_dir=tiny_model, chunked_prefill_size=CHUNKED_PREFILL, sleep_on_idle=True)
 
 
 @pytest.fixture(scope="package")

@@ -53,7 +53,7 @@ def chaos_pd(hosts, e2e_backend, tiny_model, tmp_path_factory, active_deployment
     env = {**FAILURE_ENV, "SGLANG_MORI_TRANSFER_TIMEOUT_MS": str(int(DEADLINE_S * 1000)),
            "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": secs, "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": secs}
     opts = launch.ServerOptions(model_dir=tiny_model, chunked_prefill_size=64, extra_env=env,
-                                extra_args=["--enable-metrics", "--disable-radix-cache"])
+                                extra_args=["--enable-metrics", "--disable-radix-cache"], sleep_on_idle=True)
     dep = NetnsPD(opts, e2e_backend, tmp_path_factory.mktemp("chaos-logs"), hosts)
     active_deployments.append(dep)
     try:

@@ -60,7 +60,7 @@ def real_model_dir():
 def real(e2e_backend, real_model_dir, active_deployments, tmp_path_factory):
     """(standalone, pd) serving the real model; stopped after the module's last test."""
     log_dir = tmp_path_factory.mktemp("e2e-real-logs")
-    opts = launch.ServerOptions(model_dir=real_model_dir, chunked_prefill_size=CHUNK)
+    opts = launch.ServerOptions(model_dir=real_model_dir, chunked_prefill_size=CHUNK, sleep_on_idle=True)
     try:
         # --enable-metrics: the prefill's /metrics carries the backend's transfer counters.
         with standalone_and_pd(opts, e2e_backend, log_dir, env=FAILURE_ENV, deadline_s=400,

@@ -83,7 +83,8 @@ class Standalone(Deployment):
         self.name = name
         # An idle SGLang scheduler spins on a full core. The reference server may sleep in a zmq
         # poll instead (a new request wakes it at once), leaving the 2-core host to the PD servers
-        # under test. Not for PD servers: their idle check ignores KV transfers in progress.
+        # under test. PD servers get the flag through ServerOptions.sleep_on_idle (the e2e tests
+        # set it; SGLang 0.5.23's idle check counts their bootstrap, transfer and in-flight queues).
         self.sleep_on_idle = sleep_on_idle
         (self.port,) = launch.pick_free_ports(1, ports)
         self.url = f"http://{launch.HOST}:{self.port}"
@@ -91,7 +92,8 @@ class Standalone(Deployment):
     def start(self) -> "Standalone":
         env = launch.base_env(None, self.opts.extra_env)
         argv = launch.standalone_argv(self.opts, self.port)
-        self._spawn(self.name, argv + (["--sleep-on-idle"] if self.sleep_on_idle else []), env)
+        self._spawn(self.name, argv + (["--sleep-on-idle"] if self.sleep_on_idle and not self.opts.sleep_on_idle
+                                       else []), env)
         return self
 
     def wait_ready(self, deadline_s: float = 300.0, progress: Progress = None) -> None:

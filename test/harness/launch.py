@@ -50,6 +50,13 @@ class ServerOptions:
     prefill_overlap: bool = False
     # Flags for the prefill server only (e.g. --optimistic-prefill-attempts 1).
     prefill_extra_args: List[str] = field(default_factory=list)
+    # --sleep-on-idle on every server: an idle SGLang scheduler otherwise spins on a full core, and
+    # two of them take both cores of the CI host from the servers still starting, the restarted
+    # prefill and the test's own traffic. SGLang sleeps only when its scheduler is fully idle (this
+    # version's is_fully_idle counts the bootstrap, prealloc, transfer and prefill in-flight
+    # queues), in a zmq poll that a new request or RPC ends at once: with a request anywhere in a
+    # server, its loop runs as without the flag. The e2e tests set it; benchmarks keep the default.
+    sleep_on_idle: bool = False
 
 
 # Ports we hand out: above SGLang's own pick range for internal ports (22000-29999, see
@@ -110,6 +117,12 @@ def base_env(backend: Optional[str], extra: Optional[Dict[str, str]] = None) -> 
             "PYTHONUNBUFFERED": "1",
         }
     )
+    # On SIGTERM a server's scheduler exits at once and its launcher then sleeps 5 s "before crash
+    # diagnostics" (py-spy dumps and CUDA coredumps: neither exists on this host) before it exits;
+    # every deployment's stop waited for that. Without them the launcher exits at once. A caller's
+    # own setting wins.
+    for name in ("SGLANG_PYSPY_DUMP_BEFORE_CRASH", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH"):
+        env.setdefault(name, "0")
     if backend in ("mori", "mori_builtin"):
         # The software engine with MORI-IO's API; real MORI-IO needs ROCm and an RDMA NIC.
         env["SGLANG_MORI_ENGINE"] = "soft"
@@ -149,7 +162,7 @@ def _server_argv(opts: ServerOptions, port: int, host: str = HOST) -> List[str]:
         "--chunked-prefill-size", str(opts.chunked_prefill_size),
         "--random-seed", "1234",
         "--log-level", "info",
-    ] + list(opts.extra_args)
+    ] + (["--sleep-on-idle"] if opts.sleep_on_idle else []) + list(opts.extra_args)
 
 
 def standalone_argv(opts: ServerOptions, port: int, host: str = HOST) -> List[str]:

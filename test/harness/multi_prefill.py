@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Set
+
+import requests
 
 from harness import launch
 from harness.deployment import Deployment, Progress
+from harness.procs import wait_until
 
 
 class MultiPrefillPD(Deployment):
@@ -38,6 +41,13 @@ class MultiPrefillPD(Deployment):
         for i, (port, boot) in enumerate(zip(self.prefill_ports, self.bootstrap_ports)):
             self._spawn(f"prefill{i}", launch.prefill_argv(self.opts, port, boot, self.backend), self.env)
         self._spawn("decode", launch.decode_argv(self.opts, self.decode_port, self.backend), self.env)
+        # The router with the servers, as in harness.deployment.PDDeployment: its own start-up (20 s
+        # and more on the loaded 2-core host, Python imports) overlaps theirs instead of following it;
+        # until its workers are up it looks for them every second (its default: every 30 s).
+        argv = launch.pd_router_argv(self.router_port, list(zip(self.prefill_urls, self.bootstrap_ports)),
+                                     [self.decode_url], self.metrics_port,
+                                     extra=["--worker-startup-check-interval", "1", *self.router_args])
+        self._spawn("router", argv, self.env)
         return self
 
     def wait_ready(self, deadline_s: float = 300.0, progress: Progress = None) -> None:
@@ -45,11 +55,25 @@ class MultiPrefillPD(Deployment):
         for i, url in enumerate(self.prefill_urls):
             self._wait_http(f"prefill{i}", f"{url}/health", end - time.monotonic(), progress)
         self._wait_http("decode", f"{self.decode_url}/health", end - time.monotonic(), progress)
-        argv = launch.pd_router_argv(self.router_port, list(zip(self.prefill_urls, self.bootstrap_ports)),
-                                     [self.decode_url], self.metrics_port, extra=self.router_args)
-        self._spawn("router", argv, self.env)
         # /readiness turns 200 once the router sees healthy prefill and decode workers.
         self._wait_http("router", f"{self.router_url}/readiness", max(30.0, end - time.monotonic()), progress)
+        # It finds each worker on its own retry schedule, so readiness may come with one prefill
+        # only: wait until every prefill is a healthy worker of it (tests expect each one to serve).
+        wait_until(lambda: self.healthy_workers() >= set(self.prefill_ports), max(30.0, end - time.monotonic()),
+                   "router lists every prefill as healthy", alive=self.procs["router"].alive)
+
+    def healthy_workers(self) -> Set[int]:
+        """Ports of the servers the router lists as healthy workers (its smg_worker_health gauge)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        try:
+            text = requests.get(f"{self.metrics_url}/metrics", timeout=5).text
+        except requests.RequestException:
+            return set()
+        ports = set(self.prefill_ports) | {self.decode_port}
+        return {port for family in text_string_to_metric_families(text) for s in family.samples
+                if s.name == "smg_worker_health" and s.value == 1.0
+                for port in ports if any(f":{port}" in v for v in s.labels.values())}
 
     def kill(self, name: str) -> None:
         """SIGKILL the process group of server `name`: a crash, nothing cleaned up."""

@@ -52,7 +52,9 @@ class NetnsPD(Deployment):
         return launch.router_argv(self.router_port, self.prefill_port, self.bootstrap_port,
                                   self.decode_port, self.metrics_port, host=ADDRS["router"],
                                   prefill_host=ADDRS["prefill"], decode_host=ADDRS["decode"],
-                                  extra=self.router_args)
+                                  # It may start before its workers are up (start()): it then looks
+                                  # for them every second (its default: every 30 s) until they are.
+                                  extra=["--worker-startup-check-interval", "1", *self.router_args])
 
     def _ready_url(self, role: str) -> str:
         if role == "router":  # 200 once it sees healthy prefill and decode workers
@@ -67,14 +69,15 @@ class NetnsPD(Deployment):
         return self._wait_http(role, self._ready_url(role), deadline_s, progress)
 
     def start(self) -> "NetnsPD":
-        self.start_role("prefill")
-        self.start_role("decode")
+        # The router with the servers, as in harness.deployment.PDDeployment: its own start-up (about
+        # 20 s on the loaded 2-core host, Python imports) then overlaps theirs instead of following it.
+        for role in ROLES:
+            self.start_role(role)
         return self
 
     def wait_ready(self, deadline_s: float = 300.0, progress: Progress = None) -> None:
         took = self.wait_role("prefill", deadline_s, progress)
         took += self.wait_role("decode", max(10.0, deadline_s - took), progress)
-        self.start_role("router")
         self.wait_role("router", max(30.0, deadline_s - took), progress)
 
     # -- faults -------------------------------------------------------------------------------
