@@ -21,6 +21,15 @@ first: it sends a wake-up token into the same socket through an in-process endpo
 bound beside the socket's TCP one), the thread's receive returns it, the thread sees the poller
 and lets the lock go, and from the next poll on the scheduler reads. The token is random per
 inbox and dropped by whichever side reads it; a peer cannot forge it.
+
+With `watch_arrivals` (decode), while a poller is active the reading thread does not sleep: it
+waits in poll(2) on the socket's descriptor (arrival_flag.py), and the poller's look at an empty
+socket is a read of the flag poll(2) writes, no system call (issue 28: the empty look was 12-27 us
+a step, most of decode's Python per request at low rates). When the flag shows an arrival, the
+poller looks for real (and drains every waiting message in that pass); the thread waits until a
+look that started after the arrival has ended (the poller wakes it), then arms again, so no
+arrival can fall between a look and the next wait. No poller looks within POLLER_ACTIVE_S of an
+arrival: the thread reads it itself.
 """
 
 from __future__ import annotations
@@ -32,6 +41,8 @@ import time
 from typing import Callable, Optional
 
 import zmq
+
+from sglang_mori.backend.arrival_flag import ArrivalFlag
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +58,7 @@ _EVENTS, _RCVMORE, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.RCVMORE), int(zm
 
 class Inbox:
     def __init__(self, sock, handle: Callable[[list, bool], None], name: str,
-                 poller_backoff_s: Optional[float] = None):
+                 poller_backoff_s: Optional[float] = None, watch_arrivals: bool = False):
         self.sock = sock
         # handle(frames, polled): one message; `polled` when on a poller's (SGLang's) thread, which
         # must not block on a send. Must not raise (logged if it does).
@@ -72,36 +83,71 @@ class Inbox:
         # tests and the benchmark read them to see which path a message took.
         self.by_poller = 0
         self.by_thread = 0
+        # Real looks (a lock held, the socket drained): started and ended, numbered; the thread
+        # re-arms the arrival flag only after one that started after the arrival has ended.
+        self._look_seq = 0
+        self._look_done = 0
+        self._want_wake = False  # the thread waits for the next look to end: wake it
+        self._receiving = False  # the thread is (about to be) in its blocking receive
+        self._peeks = 0  # the poller's looks at the flag alone (the thread's sign of an active poller)
+        self._peeks_seen = 0
+        self._closing = False
+        # Serialises the thread's waits in poll(2) with close(): the descriptors stay open meanwhile.
+        self._watch_lock = threading.Lock()
+        self._flag = None
+        self._revents = None
+        if watch_arrivals:
+            try:
+                backoff = POLLER_ACTIVE_S if poller_backoff_s is None else poller_backoff_s
+                self._flag = ArrivalFlag(sock.get(zmq.FD), backoff)
+                self._revents = self._flag.revents
+            except (OSError, AttributeError, ValueError) as err:  # no poll/eventfd/timerfd here
+                logger.info("sglang-mori: %s looks at its socket every poll (%s)", name, err)
 
     # --- the scheduler's side ------------------------------------------------------------------
     def drain_nowait(self) -> int:
         """Handle what has arrived, on the calling thread, without waiting for anything: not for
         the lock (the reading thread holds it while it waits in the socket or handles a message)
         and not for the socket. At most one look per POLLER_MIN_GAP_S. Returns the number of
-        messages handled."""
+        messages handled. With the arrival flag armed and nothing arrived: no more than that."""
+        r = self._revents
+        if r is not None and not (r[3] or r[7] or r[11]):  # ArrivalFlag.quiet(), inlined
+            self._peeks += 1
+            return 0
         now = time.perf_counter()
         since = now - self._last_poll
         if since < POLLER_MIN_GAP_S:
             return 0
         self._last_poll = now
-        if since >= POLLER_ACTIVE_S:
-            self._wake_thread()  # it may be waiting in the socket with the lock held
+        if self._flag is None:
+            if since >= POLLER_ACTIVE_S:
+                self._wake_thread()  # it may be waiting in the socket with the lock held
+        elif self._receiving:  # (it is: the flag tells when it waits in poll(2) instead)
+            self._wake_thread()
         if not self.lock.acquire(blocking=False):
             return 0
         try:
             if self.closed:
                 return 0
+            seq = self._look_seq = self._look_seq + 1
             n = self._drain_locked(polled=True)
             self.by_poller += n
-            return n
+            self._look_done = seq
         finally:
             self.lock.release()
+        if self._want_wake:
+            self._want_wake = False
+            self._flag.wake()
+        return n
 
     # --- the reading thread's side ----------------------------------------------------------------
     def wait_and_drain(self, timeout_ms: int) -> int:
         """Wait up to `timeout_ms` for a message and handle it (1), or return 0: on the timeout, on
         a wake-up, and at once while a poller is active (after waiting up to POLLER_ACTIVE_S
-        off the socket: the poller reads every arrival)."""
+        off the socket: the poller reads every arrival; with the arrival flag, until something
+        arrives, the flag's tick or a wake-up)."""
+        if self._flag is not None and self._poller_active():
+            return self._watch_once()
         if time.perf_counter() - self._last_poll < POLLER_ACTIVE_S:  # a poller is active
             # Stay off the socket and the GIL until the poller may have stopped, then look again.
             backoff = POLLER_ACTIVE_S if self.poller_backoff_s is None else self.poller_backoff_s
@@ -117,10 +163,13 @@ class Inbox:
             if timeout_ms != self._timeout_ms:
                 sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
                 self._timeout_ms = timeout_ms
+            self._receiving = True
             try:
                 frames = [sock.recv()]
             except zmq.Again:
                 return 0
+            finally:
+                self._receiving = False
             while sock.get(_RCVMORE):  # (as in _drain_locked: recv_multipart's layer apart)
                 frames.append(sock.recv(_NOBLOCK))
             if frames[0] == self._token and len(frames) == 1:
@@ -132,14 +181,69 @@ class Inbox:
         self.by_thread += 1
         return 1
 
+    def _poller_active(self) -> bool:
+        """A poller looked (at the flag or the socket) since the thread last asked, or at the
+        socket within POLLER_ACTIVE_S."""
+        peeks = self._peeks
+        if peeks != self._peeks_seen:
+            self._peeks_seen = peeks
+            return True
+        return time.perf_counter() - self._last_poll < POLLER_ACTIVE_S
+
+    def _watch_once(self) -> int:
+        """Wait in poll(2) (the flag armed) until an arrival, a wake-up or the flag's tick; after
+        an arrival, until a poller's look that started after it has ended (or read it here when
+        no poller looks within POLLER_ACTIVE_S). Returns the messages this thread handled."""
+        flag = self._flag
+        with self._watch_lock:
+            if self._closing:
+                return 0
+            flag.wait()
+        if not flag.socket_ready():
+            return 0
+        # The poller sees the flag set from its next poll and reads the socket; the flag stays set
+        # (it looks for real) until this thread arms it again, after such a look has ended.
+        target = self._look_seq + 1
+        deadline = time.perf_counter() + POLLER_ACTIVE_S
+        while self._look_done < target:
+            left = deadline - time.perf_counter()
+            if left <= 0 or self._closing:
+                return self._drain_as_thread()
+            self._want_wake = True
+            if self._look_done >= target:  # (ended between the check and the request)
+                break
+            with self._watch_lock:
+                if self._closing:
+                    return 0
+                flag.wait_for_wake(left)
+        self._want_wake = False
+        return 0
+
+    def _drain_as_thread(self) -> int:
+        with self.lock:
+            if self.closed:
+                return 0
+            seq = self._look_seq = self._look_seq + 1
+            n = self._drain_locked(polled=False)
+            self.by_thread += n
+            self._look_done = seq
+        return n
+
     def thread_done(self) -> None:
         """The reading thread is leaving: its wake-up socket goes with it."""
         self._close_waker()
 
     def close(self) -> None:
         """No more reads from either side (the manager closes the socket after this). Wakes the
-        reading thread out of its receive first: the socket must not be closed while it is in it."""
+        reading thread out of its receive (or its poll(2)) first: the socket must not be closed
+        while it is in it."""
+        self._closing = True
         self._wake_thread()
+        flag = self._flag
+        if flag is not None:
+            flag.wake()
+            with self._watch_lock:  # out of poll(2): its descriptors may go
+                flag.close()
         with self.lock:
             self.closed = True
         self._close_waker()
