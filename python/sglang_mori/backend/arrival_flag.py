@@ -120,15 +120,13 @@ class ArrivalFlag:
     def wake(self) -> None:
         try:
             os.eventfd_write(self.wake_fd, 1)
-        except OSError:  # closed (a late waker after close()), or the counter full: awake anyway
+        except (OSError, ValueError):  # closed (a late waker after close()), or the counter full
             pass
 
     def close(self) -> None:
         for fd in (self.wake_fd, self.tick_fd):
-            try:
+            if fd >= 0:
                 os.close(fd)
-            except OSError:
-                pass
         self.wake_fd = self.tick_fd = -1
         self.disarm()
 

@@ -92,6 +92,7 @@ class Inbox:
         self._peeks = 0  # the poller's looks at the flag alone (the thread's sign of an active poller)
         self._peeks_seen = 0
         self._closing = False
+        self._drained = True  # the last look at the socket ended with ZMQ saying it is empty
         # Serialises the thread's waits in poll(2) with close(): the descriptors stay open meanwhile.
         self._watch_lock = threading.Lock()
         self._flag = None
@@ -170,6 +171,7 @@ class Inbox:
                 return 0
             finally:
                 self._receiving = False
+            self._drained = False  # ZMQ's descriptor now signals nothing new: drain before arming
             while sock.get(_RCVMORE):  # (as in _drain_locked: recv_multipart's layer apart)
                 frames.append(sock.recv(_NOBLOCK))
             if frames[0] == self._token and len(frames) == 1:
@@ -195,6 +197,14 @@ class Inbox:
         an arrival, until a poller's look that started after it has ended (or read it here when
         no poller looks within POLLER_ACTIVE_S). Returns the messages this thread handled."""
         flag = self._flag
+        if not self._drained:
+            # zmq.FD signals only after a look found the socket empty; the blocking receive
+            # ended with a message (its pipe still reads as not empty to ZMQ), so one that
+            # arrives next would set no flag: look until empty first. (The poller's looks always
+            # end so.)
+            self._drain_as_thread()
+            if not self._drained:
+                return 0
         with self._watch_lock:
             if self._closing:
                 return 0
@@ -291,4 +301,5 @@ class Inbox:
                 handle(frames, polled)
             except Exception:  # a bug in one handler must not stop the reader
                 logger.exception("sglang-mori: handling a message on the %s failed", self.name)
+        self._drained = True  # (ZMQ said empty: its descriptor signals the next arrival)
         return n
