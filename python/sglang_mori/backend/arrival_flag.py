@@ -16,7 +16,7 @@ the step thread looks at the socket for real.
 zmq.FD signals new commands to the socket (a pipe that went from empty to not), not messages: it
 stays readable until a receive or `get(zmq.EVENTS)` processes them, and signals again only after a
 look found the socket empty. The inbox therefore re-arms only after a look that started after the
-arrival has ended (inbox.py), and every look drains until ZMQ says nothing is left.
+arrival has been looked at (inbox.py), and every look drains until ZMQ says nothing is left.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def _libc():
 
 class ArrivalFlag:
     """poll(2) on a socket's descriptor, an eventfd and a periodic timerfd, its result readable
-    without a system call. One thread waits (`wait`, `wait_for_wake`); any thread reads `quiet`.
+    without a system call. One thread waits (`wait`); any thread reads `quiet`.
     Raises OSError where the platform has no poll/eventfd/timerfd (the inbox then looks as before)."""
 
     def __init__(self, sock_fd: int, period_s: float):
@@ -80,7 +80,6 @@ class ArrivalFlag:
             fds[i].fd, fds[i].events, fds[i].revents = fd, POLLIN, 0
         self._fds = fds
         self._fds_addr = ctypes.addressof(fds)
-        self._wake_only = _PollFd(self.wake_fd, POLLIN, 0)
         self.revents = memoryview(self._raw).cast("h")
         self.revents[_WAKE] = 1
         self._blocked_in = None  # the thread whose signals we blocked
@@ -109,13 +108,6 @@ class ArrivalFlag:
             self._read(self.wake_fd)
         if r[_TICK]:
             self._read(self.tick_fd)
-
-    def wait_for_wake(self, timeout_s: float) -> None:
-        """Wait up to `timeout_s` for `wake()` alone (GIL released)."""
-        self._block_signals()
-        self._wake_only.revents = 0
-        if self._libc.poll(ctypes.byref(self._wake_only), 1, max(0, int(timeout_s * 1000))) > 0:
-            self._read(self.wake_fd)
 
     def wake(self) -> None:
         try:

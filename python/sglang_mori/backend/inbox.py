@@ -22,14 +22,14 @@ bound beside the socket's TCP one), the thread's receive returns it, the thread 
 and lets the lock go, and from the next poll on the scheduler reads. The token is random per
 inbox and dropped by whichever side reads it; a peer cannot forge it.
 
-With `watch_arrivals` (decode), while a poller is active the reading thread does not sleep: it
-waits in poll(2) on the socket's descriptor (arrival_flag.py), and the poller's look at an empty
-socket is a read of the flag poll(2) writes, no system call (issue 28: the empty look was 12-27 us
-a step, most of decode's Python per request at low rates). When the flag shows an arrival, the
-poller looks for real (and drains every waiting message in that pass); the thread waits until a
-look that started after the arrival has ended (the poller wakes it), then arms again, so no
-arrival can fall between a look and the next wait. No poller looks within POLLER_ACTIVE_S of an
-arrival: the thread reads it itself.
+With `watch_arrivals` (decode) the reading thread never waits in the socket: it waits in poll(2)
+on the socket's descriptor (arrival_flag.py), and a poller's look at an empty socket is a read of
+the flag poll(2) writes, no system call (issue 28: the empty look was 12-27 us a step, most of
+decode's Python per request at low rates). An arrival sets the flag and wakes the thread: whichever
+of the two gets there first (the thread needs the GIL, which the scheduler leaves while it waits
+for the GPU; the scheduler needs its next poll) drains every waiting message in one pass, the
+other finds the lock taken or the socket empty. The thread then arms the flag again; every look
+ends with ZMQ saying the socket is empty, after which its descriptor signals the next arrival.
 """
 
 from __future__ import annotations
@@ -83,14 +83,6 @@ class Inbox:
         # tests and the benchmark read them to see which path a message took.
         self.by_poller = 0
         self.by_thread = 0
-        # Real looks (a lock held, the socket drained): started and ended, numbered; the thread
-        # re-arms the arrival flag only after one that started after the arrival has ended.
-        self._look_seq = 0
-        self._look_done = 0
-        self._want_wake = False  # the thread waits for the next look to end: wake it
-        self._receiving = False  # the thread is (about to be) in its blocking receive
-        self._peeks = 0  # the poller's looks at the flag alone (the thread's sign of an active poller)
-        self._peeks_seen = 0
         self._closing = False
         self._drained = True  # the last look at the socket ended with ZMQ saying it is empty
         # Serialises the thread's waits in poll(2) with close(): the descriptors stay open meanwhile.
@@ -113,33 +105,24 @@ class Inbox:
         messages handled. With the arrival flag armed and nothing arrived: no more than that."""
         r = self._revents
         if r is not None and not (r[3] or r[7] or r[11]):  # ArrivalFlag.quiet(), inlined
-            self._peeks += 1
             return 0
         now = time.perf_counter()
         since = now - self._last_poll
         if since < POLLER_MIN_GAP_S:
             return 0
         self._last_poll = now
-        if self._flag is None:
-            if since >= POLLER_ACTIVE_S:
-                self._wake_thread()  # it may be waiting in the socket with the lock held
-        elif self._receiving:  # (it is: the flag tells when it waits in poll(2) instead)
-            self._wake_thread()
+        if since >= POLLER_ACTIVE_S:
+            self._wake_thread()  # it may be waiting in the socket with the lock held
         if not self.lock.acquire(blocking=False):
             return 0
         try:
             if self.closed:
                 return 0
-            seq = self._look_seq = self._look_seq + 1
             n = self._drain_locked(polled=True)
             self.by_poller += n
-            self._look_done = seq
+            return n
         finally:
             self.lock.release()
-        if self._want_wake:
-            self._want_wake = False
-            self._flag.wake()
-        return n
 
     # --- the reading thread's side ----------------------------------------------------------------
     def wait_and_drain(self, timeout_ms: int) -> int:
@@ -147,7 +130,7 @@ class Inbox:
         a wake-up, and at once while a poller is active (after waiting up to POLLER_ACTIVE_S
         off the socket: the poller reads every arrival; with the arrival flag, until something
         arrives, the flag's tick or a wake-up)."""
-        if self._flag is not None and self._poller_active():
+        if self._flag is not None:
             return self._watch_once()
         if time.perf_counter() - self._last_poll < POLLER_ACTIVE_S:  # a poller is active
             # Stay off the socket and the GIL until the poller may have stopped, then look again.
@@ -164,13 +147,10 @@ class Inbox:
             if timeout_ms != self._timeout_ms:
                 sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
                 self._timeout_ms = timeout_ms
-            self._receiving = True
             try:
                 frames = [sock.recv()]
             except zmq.Again:
                 return 0
-            finally:
-                self._receiving = False
             self._drained = False  # ZMQ's descriptor now signals nothing new: drain before arming
             while sock.get(_RCVMORE):  # (as in _drain_locked: recv_multipart's layer apart)
                 frames.append(sock.recv(_NOBLOCK))
@@ -183,25 +163,14 @@ class Inbox:
         self.by_thread += 1
         return 1
 
-    def _poller_active(self) -> bool:
-        """A poller looked (at the flag or the socket) since the thread last asked, or at the
-        socket within POLLER_ACTIVE_S."""
-        peeks = self._peeks
-        if peeks != self._peeks_seen:
-            self._peeks_seen = peeks
-            return True
-        return time.perf_counter() - self._last_poll < POLLER_ACTIVE_S
-
     def _watch_once(self) -> int:
-        """Wait in poll(2) (the flag armed) until an arrival, a wake-up or the flag's tick; after
-        an arrival, until a poller's look that started after it has ended (or read it here when
-        no poller looks within POLLER_ACTIVE_S). Returns the messages this thread handled."""
+        """Wait in poll(2), the flag armed, until an arrival, a wake-up or the flag's tick; after
+        an arrival, drain (unless a poller did: then ZMQ says empty at once). Returns the messages
+        this thread handled."""
         flag = self._flag
         if not self._drained:
-            # zmq.FD signals only after a look found the socket empty; the blocking receive
-            # ended with a message (its pipe still reads as not empty to ZMQ), so one that
-            # arrives next would set no flag: look until empty first. (The poller's looks always
-            # end so.)
+            # zmq.FD signals only after a look found the socket empty; one that ended otherwise
+            # (a receive) would leave the next arrival unsignalled: look until empty first.
             self._drain_as_thread()
             if not self._drained:
                 return 0
@@ -209,34 +178,14 @@ class Inbox:
             if self._closing:
                 return 0
             flag.wait()
-        if not flag.socket_ready():
-            return 0
-        # The poller sees the flag set from its next poll and reads the socket; the flag stays set
-        # (it looks for real) until this thread arms it again, after such a look has ended.
-        target = self._look_seq + 1
-        deadline = time.perf_counter() + POLLER_ACTIVE_S
-        while self._look_done < target:
-            left = deadline - time.perf_counter()
-            if left <= 0 or self._closing:
-                return self._drain_as_thread()
-            self._want_wake = True
-            if self._look_done >= target:  # (ended between the check and the request)
-                break
-            with self._watch_lock:
-                if self._closing:
-                    return 0
-                flag.wait_for_wake(left)
-        self._want_wake = False
-        return 0
+        return self._drain_as_thread() if flag.socket_ready() else 0
 
     def _drain_as_thread(self) -> int:
         with self.lock:
             if self.closed:
                 return 0
-            seq = self._look_seq = self._look_seq + 1
             n = self._drain_locked(polled=False)
             self.by_thread += n
-            self._look_done = seq
         return n
 
     def thread_done(self) -> None:

@@ -101,7 +101,8 @@ class DecodeService:
         # message), the status thread waits in poll(2) on the socket, ticking as often as its
         # deadline sweep runs, and SGLang's look at an empty socket reads a flag (arrival_flag.py).
         self.inbox = (Inbox(parts.control_socket, self.handle, "decode status socket",
-                            poller_backoff_s=parts.config.wait_poll_ms / 1000.0, watch_arrivals=True)
+                            poller_backoff_s=parts.config.wait_poll_ms / 1000.0,
+                            watch_arrivals=getattr(parts.config, "decode_arrival_flag", True))
                       if getattr(parts, "control_socket", None) is not None else None)
 
     def start(self) -> None:
