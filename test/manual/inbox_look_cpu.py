@@ -13,6 +13,8 @@ drain_nowait).
   the step, whoever read the message (with the arrival flag the woken status thread often has,
   during the step's sleep: then this look found the flag armed again, or the socket empty)
 - `read_by_look`: the same, only the looks that read the message themselves
+- `floor`: a no-op method of a plain object reading one attribute, timed the same way after the
+  same step (what any call costs here after a step's sleep: cold caches on a shared VM)
 
 Prints one JSON line: medians and 10th/90th percentiles in us, and who read the messages.
 
@@ -72,7 +74,15 @@ def main(steps: int = 2000, step_ms: float = 1.0) -> dict:
 
     thread = threading.Thread(target=status_thread, name="status-stand-in", daemon=True)
     thread.start()
-    empty, message_step, one = [], [], []
+    empty, message_step, one, floor = [], [], [], []
+
+    class _Plain:
+        flag = 0
+
+        def look(self):
+            return self.flag
+
+    plain = _Plain()
     step_s = step_ms / 1000.0
     perf = time.perf_counter_ns
     try:
@@ -80,7 +90,13 @@ def main(steps: int = 2000, step_ms: float = 1.0) -> dict:
             time.sleep(step_s)
             inbox.drain_nowait()
         for i in range(steps):
-            with_message = i % 2 == 1
+            if i % 3 == 2:
+                time.sleep(step_s)
+                t0 = perf()
+                plain.look()
+                floor.append(perf() - t0)
+                continue
+            with_message = i % 3 == 1
             if with_message:
                 before = len(got)
                 push.send(b"x" * 64)
@@ -107,7 +123,8 @@ def main(steps: int = 2000, step_ms: float = 1.0) -> dict:
         push.close(0)
         pull.close(0)
         ctx.term()
-    return {"module": inbox_module.__file__, "arrival_flag": watch, "steps": steps, "step_ms": step_ms, "empty": _summary(empty),
+    return {"module": inbox_module.__file__, "arrival_flag": watch, "steps": steps, "step_ms": step_ms,
+            "floor": _summary(floor), "empty": _summary(empty),
             "message_step": _summary(message_step) if message_step else None,
             "read_by_look": _summary(one) if one else None,
             "read_by": {"poller": inbox.by_poller, "thread": inbox.by_thread}}
