@@ -239,6 +239,7 @@ class Inbox:
         sock, token, handle = self.sock, self._token, self.handle
         get, recv = sock.get, sock.recv
         n = 0
+        self._drained = False  # (until ZMQ says empty below: a socket error may end the look first)
         while get(_EVENTS) & _POLLIN:
             frames = [recv(_NOBLOCK)]  # a multipart message arrives whole
             while get(_RCVMORE):
