@@ -19,7 +19,7 @@ WAIT_S = 10.0
 
 
 @pytest.fixture
-def flagged(monkeypatch):
+def flagged():
     """A watched Inbox over a TCP PULL socket, its reading thread running (as decode's status
     thread), and a factory of PUSH sockets to it. The flag's tick is 60 s: a message that poll(2)
     failed to show would wait for the test's bound, not be rescued by a tick."""
@@ -164,7 +164,7 @@ def test_close_gets_the_thread_out_of_its_wait_at_once(flagged):
     assert inbox.drain_nowait() == 0 and not inbox._flag.quiet()
 
 
-def test_a_message_sent_before_the_thread_first_waits_is_read_and_so_is_the_next(monkeypatch):
+def test_a_message_sent_before_the_thread_first_waits_is_read_and_so_is_the_next():
     """A socket's first pipe starts as not empty to ZMQ (its descriptor signals the pipe's
     attachment, not the message): the message waiting when the thread first arms must be read,
     and the one after it too."""
