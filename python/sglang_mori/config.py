@@ -233,6 +233,15 @@ KNOBS: Tuple[Knob, ...] = (
          "scheduler's thread, so that poll sees the message without waiting for our reading thread "
          "to take the GIL (docs/design.md). Off: only our reading thread reads it, as before.",
          boolean, _BOOL_SPELLINGS),
+    Knob("SGLANG_MORI_DECODE_ARRIVAL_FLAG", "decode_arrival_flag", "bool", False,
+         "Decode, on: our status thread waits in poll(2) on the status socket, which sets a flag in "
+         "our memory when a message arrives; SGLang's poll of a room waiting for prefill reads that "
+         "flag (no system call) and reads the socket only when it is set, and the woken thread reads "
+         "it too, whichever comes first (issue 28). It costs that thread a wake per arrival, which on "
+         "one H200 cost more CPU than the step thread saved (docs/benchmarks.md, session 20), hence "
+         "off by default. Off: every such poll asks the socket (a system call per step) and the "
+         "thread looks only as often as SGLANG_MORI_WAIT_POLL_MS.",
+         boolean, _BOOL_SPELLINGS),
     Knob("SGLANG_MORI_XGMI", "xgmi", "bool", False,
          "Let MORI-IO create its XGMI backend for peers on the same node (sets "
          "MORI_DISABLE_AUTO_XGMI=0).", boolean, _BOOL_SPELLINGS),
@@ -296,6 +305,7 @@ class MoriConfig:
     enable_notification: bool = False
     gc_freeze: bool = True
     poll_reads: bool = True
+    decode_arrival_flag: bool = True
     xgmi: bool = False
     layerwise: str = "off"
     layerwise_min_tokens: int = 256

@@ -61,6 +61,30 @@ class TimedCalls:
         return out
 
 
+def meter_us_per_call(calls: int = 20000) -> float:
+    """What TimedCalls' wrapper itself adds to one call (two thread_time reads and its bookkeeping):
+    a wrapped no-op less the bare no-op, each timed in bulk. Decode's empty look at its inbox costs
+    about an attribute read with the arrival flag (issue 28, session 20), less than this meter, so
+    per-step poll figures are read against it."""
+    class _Target:
+        def noop(self):
+            return 0
+
+    bare, wrapped = _Target(), _Target()
+    TimedCalls(wrapped, ("noop",))
+    clock = time.perf_counter
+
+    def run(target) -> float:
+        call = target.noop
+        start = clock()
+        for _ in range(calls):
+            call()
+        return clock() - start
+
+    run(bare), run(wrapped)  # warm
+    return round(max(min(run(wrapped) for _ in range(3)) - min(run(bare) for _ in range(3)), 0.0) * 1e6 / calls, 3)
+
+
 def us_per_request(taken: dict, requests: int) -> dict:
     """{name: us per request} of a `take`, with their total."""
     out = {n: round(s * 1e6 / max(requests, 1), 1) for n, (s, _) in taken.items()}

@@ -28,7 +28,7 @@ import math
 import statistics
 import time
 
-from decode_calls import merge, us_per_request
+from decode_calls import merge, meter_us_per_call, us_per_request
 
 LEAD_S = 0.1  # a decode window's load runs this long before the steps start (transfers in flight)
 COPY_KINDS = {"process": "copies", "thread": "copies_thread"}
@@ -388,6 +388,9 @@ def decode_owners(dec: Windows, dec_calls: dict, kinds: list, steps: int,
         # prefill's messages (TransferStarted, RoomStatus) per request, by who read them
         "decode_messages_per_request": {k: round(v / sent, 2) for k, v in read.items()},
         "decode_poll_us_per_step": {k: round(s * 1e6 / max(n, 1), 2) for k, (s, n) in polls.items()},
+        # what the per-call meter adds to each of those polls (decode_calls.py; the flag's empty
+        # look costs less than it): read poll_inbox's per-step and per-request figures net of it
+        "decode_poll_meter_us_per_call": meter_us_per_call(),
         # (every kind's windows run the same number of steps, so alone's polls are the baseline)
         "decode_poll_extra_us_per_request": round((poll_s["ours"] - poll_s["alone"]) * 1e6 / sent, 1),
         "decode_window_extra_cpu_ms_per_request": {k: dec.extra_cpu_ms_per_request(k) for k in kinds[1:]},
@@ -439,6 +442,7 @@ def summary_line(p: dict) -> str:
         dextra = " ".join(f"{k} {_top(v)}" for k, v in p["decode_window_extra_cpu_ms_per_request"].items())
         line += (f" | decode paired {paired_k} | decode ours calls {c['total']} us/req {_top(c, 5)}"
                  f", poll beyond alone {p['decode_poll_extra_us_per_request']} us/req"
+                 f", poll/step {p['decode_poll_us_per_step']} (meter {p.get('decode_poll_meter_us_per_call')} us/call)"
                  f", messages/req {p['decode_messages_per_request']}"
                  f" | decode-window extra ms/req {dextra}")
         if p.get("decode_rooms_short"):

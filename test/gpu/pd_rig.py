@@ -93,6 +93,10 @@ class GpuPD:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         config_kwargs = {k: getattr(self.config, k) for k in ("transfer_timeout_ms", "peer_fail_fast_s")}
+        # decode's arrival flag (SGLANG_MORI_DECODE_ARRIVAL_FLAG) from the environment, where the
+        # backend under test has it: on against off in one checkout
+        if hasattr(env, "decode_arrival_flag"):
+            config_kwargs["decode_arrival_flag"] = env.decode_arrival_flag
         import decode_process
 
         self.proc = ctx.Process(target=decode_process.serve, daemon=True,

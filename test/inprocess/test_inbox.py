@@ -288,16 +288,18 @@ def test_sglangs_own_polls_see_destinations_and_success_through_our_check_status
 
 
 def test_the_reading_threads_leave_no_socket_behind(sockets):
-    """Each service's reading thread makes a wake-up socket; stopping the service closes it (a
-    socket left open would hang the context's termination)."""
+    """Prefill's reading thread makes a wake-up socket; stopping the service closes it (a socket
+    left open would hang the context's termination). Decode's, with its arrival flag, waits in
+    poll(2) and makes none; its eventfd and timerfd close with it."""
     control, _ = sockets()
     status_sock, _ = sockets()
     with PrefillRig(control_socket=control, decode_socket=status_sock) as rig:
-        inboxes = (rig.service.inbox, rig.decode_service.inbox)
-        rig.wait(lambda: all(i._waker is not None for i in inboxes), "both threads waiting")
-        wakers = [i._waker for i in inboxes]
-    assert all(i._waker is None for i in inboxes)
-    assert all(w.closed for w in wakers)
+        prefill, decode = rig.service.inbox, rig.decode_service.inbox
+        rig.wait(lambda: prefill._waker is not None and decode._flag.quiet(), "both threads waiting")
+        waker = prefill._waker
+        assert decode._waker is None
+    assert prefill._waker is None and waker.closed
+    assert decode._flag.wake_fd == decode._flag.tick_fd == -1
 
 
 def test_with_poll_reads_off_the_poll_leaves_the_socket_to_our_thread(sockets):

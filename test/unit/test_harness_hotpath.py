@@ -23,13 +23,14 @@ def test_steps_are_counted_on_the_threads_that_run_them():
     assert not any(thread == "MainThread" and "plan" in step for thread, step in steps)
     # Decode's metadata is handled by prefill's control thread, once per request.
     assert steps[("mori-control", "control: handle message")]["calls"] == pytest.approx(1.0)
-    # Decode's status thread reads prefill's messages through the inbox, one receive each (and a
-    # receive per timeout or wake-up besides): the Success, and a TransferStarted only for a room
-    # still running SGLANG_MORI_ANNOUNCE_GRACE_MS after its post, which the instant engine's rarely
-    # are (a shard descheduled that long on a busy host); the last may be counted after the report.
+    # Decode's status thread reads prefill's messages through the inbox (nobody polls here): the
+    # Success, and a TransferStarted only for a room still running SGLANG_MORI_ANNOUNCE_GRACE_MS
+    # after its post, which the instant engine's rarely are (a shard descheduled that long on a
+    # busy host); the last may be counted after the report. Woken by its arrival flag, the thread
+    # drains every message waiting in one pass: fewer waits than messages when they come together.
     handled = steps[("mori-decode-status", "decode status: handle message")]
     received = steps[("mori-decode-status", "inbox: wait, receive, handle")]
-    assert 15 / 16 <= handled["calls"] < 2.0 and received["calls"] >= handled["calls"] - 1 / 16
+    assert 15 / 16 <= handled["calls"] < 2.0 and received["calls"] > 0
     assert 15 / 16 <= result["decode_messages_per_request"] < 2.0
     assert result["rejections"] == []
 

@@ -21,6 +21,15 @@ first: it sends a wake-up token into the same socket through an in-process endpo
 bound beside the socket's TCP one), the thread's receive returns it, the thread sees the poller
 and lets the lock go, and from the next poll on the scheduler reads. The token is random per
 inbox and dropped by whichever side reads it; a peer cannot forge it.
+
+With `watch_arrivals` (decode) the reading thread never waits in the socket: it waits in poll(2)
+on the socket's descriptor (arrival_flag.py), and a poller's look at an empty socket is a read of
+the flag poll(2) writes, no system call (issue 28: the empty look was 12-27 us a step, most of
+decode's Python per request at low rates). An arrival sets the flag and wakes the thread: whichever
+of the two gets there first (the thread needs the GIL, which the scheduler leaves while it waits
+for the GPU; the scheduler needs its next poll) drains every waiting message in one pass, the
+other finds the lock taken or the socket empty. The thread then arms the flag again; every look
+ends with ZMQ saying the socket is empty, after which its descriptor signals the next arrival.
 """
 
 from __future__ import annotations
@@ -32,6 +41,8 @@ import time
 from typing import Callable, Optional
 
 import zmq
+
+from sglang_mori.backend.arrival_flag import ArrivalFlag
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +58,7 @@ _EVENTS, _RCVMORE, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.RCVMORE), int(zm
 
 class Inbox:
     def __init__(self, sock, handle: Callable[[list, bool], None], name: str,
-                 poller_backoff_s: Optional[float] = None):
+                 poller_backoff_s: Optional[float] = None, watch_arrivals: bool = False):
         self.sock = sock
         # handle(frames, polled): one message; `polled` when on a poller's (SGLang's) thread, which
         # must not block on a send. Must not raise (logged if it does).
@@ -72,13 +83,29 @@ class Inbox:
         # tests and the benchmark read them to see which path a message took.
         self.by_poller = 0
         self.by_thread = 0
+        self._closing = False
+        self._drained = True  # the last look at the socket ended with ZMQ saying it is empty
+        # Serialises the thread's waits in poll(2) with close(): the descriptors stay open meanwhile.
+        self._watch_lock = threading.Lock()
+        self._flag = None
+        self._revents = None
+        if watch_arrivals:
+            try:
+                backoff = POLLER_ACTIVE_S if poller_backoff_s is None else poller_backoff_s
+                self._flag = ArrivalFlag(sock.get(zmq.FD), backoff)
+                self._revents = self._flag.revents
+            except (OSError, AttributeError, ValueError) as err:  # no poll/eventfd/timerfd here
+                logger.info("sglang-mori: %s looks at its socket every poll (%s)", name, err)
 
     # --- the scheduler's side ------------------------------------------------------------------
     def drain_nowait(self) -> int:
         """Handle what has arrived, on the calling thread, without waiting for anything: not for
         the lock (the reading thread holds it while it waits in the socket or handles a message)
         and not for the socket. At most one look per POLLER_MIN_GAP_S. Returns the number of
-        messages handled."""
+        messages handled. With the arrival flag armed and nothing arrived: no more than that."""
+        r = self._revents
+        if r is not None and not (r[3] or r[7] or r[11]):  # ArrivalFlag.quiet(), inlined
+            return 0
         now = time.perf_counter()
         since = now - self._last_poll
         if since < POLLER_MIN_GAP_S:
@@ -101,7 +128,10 @@ class Inbox:
     def wait_and_drain(self, timeout_ms: int) -> int:
         """Wait up to `timeout_ms` for a message and handle it (1), or return 0: on the timeout, on
         a wake-up, and at once while a poller is active (after waiting up to POLLER_ACTIVE_S
-        off the socket: the poller reads every arrival)."""
+        off the socket: the poller reads every arrival; with the arrival flag, until something
+        arrives, the flag's tick or a wake-up)."""
+        if self._flag is not None:
+            return self._watch_once()
         if time.perf_counter() - self._last_poll < POLLER_ACTIVE_S:  # a poller is active
             # Stay off the socket and the GIL until the poller may have stopped, then look again.
             backoff = POLLER_ACTIVE_S if self.poller_backoff_s is None else self.poller_backoff_s
@@ -121,6 +151,7 @@ class Inbox:
                 frames = [sock.recv()]
             except zmq.Again:
                 return 0
+            self._drained = False  # ZMQ's descriptor now signals nothing new: drain before arming
             while sock.get(_RCVMORE):  # (as in _drain_locked: recv_multipart's layer apart)
                 frames.append(sock.recv(_NOBLOCK))
             if frames[0] == self._token and len(frames) == 1:
@@ -132,14 +163,46 @@ class Inbox:
         self.by_thread += 1
         return 1
 
+    def _watch_once(self) -> int:
+        """Wait in poll(2), the flag armed, until an arrival, a wake-up or the flag's tick; after
+        an arrival, drain (unless a poller did: then ZMQ says empty at once). Returns the messages
+        this thread handled."""
+        flag = self._flag
+        if not self._drained:
+            # zmq.FD signals only after a look found the socket empty; one that ended otherwise
+            # (a receive) would leave the next arrival unsignalled: look until empty first.
+            self._drain_as_thread()
+            if not self._drained:
+                return 0
+        with self._watch_lock:
+            if self._closing:
+                return 0
+            flag.wait()
+        return self._drain_as_thread() if flag.socket_ready() else 0
+
+    def _drain_as_thread(self) -> int:
+        with self.lock:
+            if self.closed:
+                return 0
+            n = self._drain_locked(polled=False)
+            self.by_thread += n
+        return n
+
     def thread_done(self) -> None:
         """The reading thread is leaving: its wake-up socket goes with it."""
         self._close_waker()
 
     def close(self) -> None:
         """No more reads from either side (the manager closes the socket after this). Wakes the
-        reading thread out of its receive first: the socket must not be closed while it is in it."""
+        reading thread out of its receive (or its poll(2)) first: the socket must not be closed
+        while it is in it."""
+        self._closing = True
         self._wake_thread()
+        flag = self._flag
+        if flag is not None:
+            flag.wake()
+            with self._watch_lock:  # out of poll(2): its descriptors may go
+                flag.close()
         with self.lock:
             self.closed = True
         self._close_waker()
@@ -176,6 +239,7 @@ class Inbox:
         sock, token, handle = self.sock, self._token, self.handle
         get, recv = sock.get, sock.recv
         n = 0
+        self._drained = False  # (until ZMQ says empty below: a socket error may end the look first)
         while get(_EVENTS) & _POLLIN:
             frames = [recv(_NOBLOCK)]  # a multipart message arrives whole
             while get(_RCVMORE):
@@ -187,4 +251,5 @@ class Inbox:
                 handle(frames, polled)
             except Exception:  # a bug in one handler must not stop the reader
                 logger.exception("sglang-mori: handling a message on the %s failed", self.name)
+        self._drained = True  # (ZMQ said empty: its descriptor signals the next arrival)
         return n

@@ -273,15 +273,15 @@ class MoriKVManager(compat.CompatKVManager):
         if self._sync_status is not None:
             self._sync_status(bootstrap_room)
         status = super().check_status(bootstrap_room)
-        if status in self._inbox_waits:
-            self.service.poll_inbox()
+        # (read again only when the poll applied something: decode's poll returns 0 for an empty
+        # look, most steps; a poll that returns nothing to count (None) is read again)
+        if status in self._inbox_waits and self.service.poll_inbox() != 0:
             status = super().check_status(bootstrap_room)
         return status
 
     def check_status_pp_consensus(self, bootstrap_room: int):
         status = super().check_status_pp_consensus(bootstrap_room)
-        if status in self._inbox_waits:
-            self.service.poll_inbox()
+        if status in self._inbox_waits and self.service.poll_inbox() != 0:
             status = super().check_status_pp_consensus(bootstrap_room)
         return status
 

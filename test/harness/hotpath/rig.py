@@ -116,11 +116,15 @@ class ConcludedSGLang(FakeSGLang):
 
 
 def rig_config(**kw) -> MoriConfig:
-    """The rigs' config: `kw`, plus SGLANG_MORI_INLINE_POST from the environment where set and the
-    checkout has the knob (base vs new runs of a benchmark pick the mode by environment)."""
+    """The rigs' config: `kw`, plus SGLANG_MORI_INLINE_POST and SGLANG_MORI_DECODE_ARRIVAL_FLAG from
+    the environment where set and the checkout has the knob (base vs new runs of a benchmark pick
+    the mode by environment)."""
     mode = os.environ.get("SGLANG_MORI_INLINE_POST")
     if mode and "inline_post" in MoriConfig.__dataclass_fields__:
         kw["inline_post"] = mode.lower()
+    flag = os.environ.get("SGLANG_MORI_DECODE_ARRIVAL_FLAG")
+    if flag and "decode_arrival_flag" in MoriConfig.__dataclass_fields__:
+        kw["decode_arrival_flag"] = flag.strip().lower() in ("1", "true", "yes", "on")
     return MoriConfig(**kw)
 
 

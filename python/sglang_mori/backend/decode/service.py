@@ -98,9 +98,11 @@ class DecodeService:
         # prefill's messages: read by the status thread, and by SGLang's scheduler when it polls a
         # room not concluded yet (poll_inbox; inbox.py says why)
         # While SGLang polls (it polls every room until it concludes, and the poll reads every
-        # message), the status thread looks at the socket only as often as its deadline sweep runs.
+        # message), the status thread waits in poll(2) on the socket, ticking as often as its
+        # deadline sweep runs, and SGLang's look at an empty socket reads a flag (arrival_flag.py).
         self.inbox = (Inbox(parts.control_socket, self.handle, "decode status socket",
-                            poller_backoff_s=parts.config.wait_poll_ms / 1000.0)
+                            poller_backoff_s=parts.config.wait_poll_ms / 1000.0,
+                            watch_arrivals=getattr(parts.config, "decode_arrival_flag", False))
                       if getattr(parts, "control_socket", None) is not None else None)
 
     def start(self) -> None:
@@ -206,12 +208,12 @@ class DecodeService:
             except Exception:
                 logger.exception("sglang-mori: decode status handling failed")
 
-    def poll_inbox(self) -> None:
+    def poll_inbox(self) -> int:
         """SGLang polls a room not concluded yet: apply what prefill sent (Success with its aux,
         Failed), here, instead of waiting for the status thread to wake and take the GIL
-        (inbox.py). What SGLang's poll then reads is the room's newest status."""
-        if self.inbox is not None:
-            self.inbox.drain_nowait()
+        (inbox.py). What SGLang's poll then reads is the room's newest status. Returns the
+        messages applied (0: the room's status is as it was)."""
+        return self.inbox.drain_nowait() if self.inbox is not None else 0
 
     def handle(self, frames, polled: bool = False) -> None:
         """One message from prefill, on the status thread or SGLang's (`polled`: decode's handlers
