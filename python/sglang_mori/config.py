@@ -305,7 +305,7 @@ class MoriConfig:
     enable_notification: bool = False
     gc_freeze: bool = True
     poll_reads: bool = True
-    decode_arrival_flag: bool = True
+    decode_arrival_flag: bool = False
     xgmi: bool = False
     layerwise: str = "off"
     layerwise_min_tokens: int = 256

@@ -288,12 +288,28 @@ def test_sglangs_own_polls_see_destinations_and_success_through_our_check_status
 
 
 def test_the_reading_threads_leave_no_socket_behind(sockets):
-    """Prefill's reading thread makes a wake-up socket; stopping the service closes it (a socket
-    left open would hang the context's termination). Decode's, with its arrival flag, waits in
-    poll(2) and makes none; its eventfd and timerfd close with it."""
+    """Each service's reading thread makes a wake-up socket; stopping the service closes it (a
+    socket left open would hang the context's termination). The default: no arrival flag."""
     control, _ = sockets()
     status_sock, _ = sockets()
     with PrefillRig(control_socket=control, decode_socket=status_sock) as rig:
+        inboxes = (rig.service.inbox, rig.decode_service.inbox)
+        assert rig.decode_service.inbox._flag is None
+        rig.wait(lambda: all(i._waker is not None for i in inboxes), "both threads waiting")
+        wakers = [i._waker for i in inboxes]
+    assert all(i._waker is None for i in inboxes)
+    assert all(w.closed for w in wakers)
+
+
+def test_with_the_arrival_flag_decode_waits_in_poll_and_closes_its_descriptors(sockets):
+    """SGLANG_MORI_DECODE_ARRIVAL_FLAG=1: decode's thread waits in poll(2) and makes no wake-up
+    socket; its eventfd and timerfd close with it. Prefill's thread is as without the flag."""
+    from sglang_mori.config import MoriConfig
+
+    control, _ = sockets()
+    status_sock, _ = sockets()
+    config = MoriConfig(transfer_shards=2, transfer_timeout_ms=5000, decode_arrival_flag=True)
+    with PrefillRig(config=config, control_socket=control, decode_socket=status_sock) as rig:
         prefill, decode = rig.service.inbox, rig.decode_service.inbox
         rig.wait(lambda: prefill._waker is not None and decode._flag.quiet(), "both threads waiting")
         waker = prefill._waker
