@@ -63,6 +63,7 @@ PIECE_BYTES = 128 << 10
 MIN_PINNED_BYTES = 64 << 10  # the smallest staging buffer class (pinned_bytes)
 CE_MIN_ENV = "SGLANG_MORI_SOFTIO_CE_MIN_BYTES"
 CE_MIN_BYTES = 1 << 20
+_umax = np.maximum.reduce  # ndarray.max without its Python wrapper (on the way to a launch)
 
 _SOURCE = r"""
 #define UNROLL 8
@@ -258,7 +259,7 @@ def split_ranges(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, piece: i
     consecutive pieces of `piece` bytes (the last one shorter), in the original order. Unchanged
     (the same arrays) when no range is longer."""
     sizes = np.asarray(sizes, dtype=np.uint64)
-    if len(sizes) == 0 or int(sizes.max()) <= piece:
+    if len(sizes) == 0 or int(_umax(sizes)) <= piece:
         return dsts, srcs, sizes
     step = np.uint64(piece)
     counts = np.maximum((sizes + step - np.uint64(1)) // step, np.uint64(1)).astype(np.int64)

@@ -205,8 +205,6 @@ class DeviceEngine:
                 error = error or f"softio device copy failed: {exc}"
                 keep = None  # nothing proves the kernel is done with its table: never reused
             end_all(holds)  # the copies through them are done: a released mapping may close now
-            if keep is not None and self._give_back is not None:
-                self._give_back(keep)  # its kernel ran: the next batch may reuse its table
             if error is not None:
                 for status in statuses:
                     status.Update(_ERR_GPU_OP, error)
@@ -215,6 +213,8 @@ class DeviceEngine:
                 if delay > 0:
                     time.sleep(delay)
                 succeed_all(statuses)
+            if keep is not None and self._give_back is not None:
+                self._give_back(keep)  # its kernel ran: the next batch may reuse its table (after the statuses)
             with self._events_lock:
                 self._free_events.append(event)
 
