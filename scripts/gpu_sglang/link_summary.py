@@ -42,7 +42,16 @@ def line(label: str, point: dict) -> str:
             f"{ours['vs_plain_copy']:.2f}x ({ours['s'] * 1e3:.2f} ms), burst {ours['per_s_vs_plain_copy']:.2f}x"
             + (f", kernel {kernel / plain:.2f}x" if kernel else "")
             + (f" (shared {point['kernel_shared']['vs_plain_copy']:.2f}x)" if "kernel_shared" in point else "")
-            + (f", phases {split} ms" if split else "") + projected + idle)
+            + (f", phases {split} ms" if split else "") + projected + idle + bytes_note(ours.get("bytes_check")))
+
+
+def bytes_note(check: dict | None) -> str:
+    """The point's byte check (link_bench.bytes_check), where it ran."""
+    if not check:
+        return ""
+    if "error" in check:
+        return f", bytes check ERROR {check['error'][:120]}"
+    return f", bytes {check['pages'] - check['mismatched']}/{check['pages']} pages equal"
 
 
 def main(paths) -> int:

@@ -316,6 +316,30 @@ def ours_s(rig: GpuPD, reqs: Requests, rows: list, phases: list | None = None, c
     return t
 
 
+def bytes_check(rig: GpuPD, reqs: Requests, row: int, sample: int = 16) -> dict:
+    """One more lone request of `row` after its source pages got fresh random bytes, then the
+    digest of `sample` of its pages (the first, the last and some between, every buffer) on both
+    sides: the whole path moved this request's bytes to this request's pages (issue 28, session 21:
+    softio reuses a finished batch's range table, so a stale table would write the previous
+    request's ranges). Never raises: a failure is reported in the result."""
+    try:
+        side = rig.prefill
+        pages = reqs.src[row]
+        index = torch.as_tensor(np.asarray(pages, dtype=np.int64), device=side.pool.kv[0].device)
+        for t in side.pool.kv:
+            rows = t.view(side.pool.pages, side.pool.item_len)
+            rows.index_copy_(0, index, torch.randint(0, 256, (len(pages), side.pool.item_len), dtype=torch.uint8,
+                                                         device=t.device))
+        sync_all(rig)
+        ours_s(rig, reqs, [row])
+        picks = sorted(set(np.linspace(0, len(pages) - 1, min(sample, len(pages))).astype(int).tolist()))
+        want = rig.expected_digests([int(pages[i]) for i in picks])
+        got = rig.ask("digests", [int(reqs.dst[row][i]) for i in picks], timeout=120)
+        return {"pages": len(picks), "mismatched": sum(a != b for a, b in zip(want, got))}
+    except Exception as exc:  # noqa: BLE001 - reported, the measurements stand
+        return {"error": f"{type(exc).__name__}: {exc}"[:300]}
+
+
 def captured_batch(dev, post, shared: list | None = None):
     """(dsts, srcs, sizes, to_peer) of the device batch that `post()` submits to `dev` (a table of
     shared ranges flattened); with `shared`, a list that receives submit_shared's arguments."""
@@ -420,6 +444,8 @@ def link_point(rig: GpuPD, tokens: int, count: int, iters: int, seed: int) -> di
     out["ours"] = {"s": median(single), "gbps": gb / median(single),
                    "burst_s": median(burst), "gbps_per_s": gb * count / median(burst),
                    "ops": {"device_calls": batches / iters, "ranges": ranges / iters}}
+    if not process:  # on the CPU check too (softio's host path): the check checked
+        out["ours"]["bytes_check"] = bytes_check(rig, reqs, 0)
     for key, found in (("phases_ms", phases), ("burst_phases_ms", burst_phases)):
         found = [p for p in found if p is not None]
         if found:

@@ -92,7 +92,9 @@ def _recording_copier(asked: list):
     copier = object.__new__(GatherCopier)
     copier.cupy = SimpleNamespace(cuda=SimpleNamespace(alloc_pinned_memory=alloc_pinned_memory))
     copier.kernel, copier.shared_kernel = "flat", "shared"
-    copier._launch = lambda kernel, host, pinned, ranges, args, stream, to_peer: (kernel, host.copy(), ranges, args)
+    copier._free = {}
+    copier._launch = lambda kernel, staging, words, ranges, args, stream, to_peer: (
+        kernel, staging.host[:words].copy(), ranges, args)
     return copier
 
 

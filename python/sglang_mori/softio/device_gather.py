@@ -37,6 +37,7 @@ with pairs x ranges (3 MB at 32K GQA tokens, built and uploaded before the copy 
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 
@@ -62,6 +63,7 @@ PIECE_BYTES = 128 << 10
 MIN_PINNED_BYTES = 64 << 10  # the smallest staging buffer class (pinned_bytes)
 CE_MIN_ENV = "SGLANG_MORI_SOFTIO_CE_MIN_BYTES"
 CE_MIN_BYTES = 1 << 20
+_umax = np.maximum.reduce  # ndarray.max without its Python wrapper (on the way to a launch)
 
 _SOURCE = r"""
 #define UNROLL 8
@@ -143,15 +145,17 @@ class GatherCopier:
         self.blocks = chosen or GRID_BLOCKS  # within one GPU
         self.peer_blocks = chosen or PEER_BLOCKS_PER_SM * sms  # to another GPU
         self._streams: dict = {}  # stream handle -> its cupy ExternalStream (made once)
+        self._free: dict = {}  # words of a size class -> [Staging] whose batch finished
 
     def copy(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int, to_peer: bool = False):
         """Enqueue the copies on `stream`; returns what must outlive them (the table on the
         device and its pinned host copy), which the caller keeps until the batch's event fired."""
         dsts, srcs, sizes = split_ranges(dsts, srcs, sizes)
         n = len(sizes)
-        pinned, host = self._staging(3 * n)
+        staging = self._staging(3 * n)
+        host = staging.host[:3 * n]
         host[:n], host[n:2 * n], host[2 * n:] = dsts, srcs, sizes
-        return self._launch(self.kernel, host, pinned, n, (np.int64(n),), stream, to_peer)
+        return self._launch(self.kernel, staging, 3 * n, n, (np.int64(n),), stream, to_peer)
 
     def copy_shared(self, dst_base: np.ndarray, src_base: np.ndarray, dst_off: np.ndarray, src_off: np.ndarray,
                     sizes: np.ndarray, stream: int, to_peer: bool = False):
@@ -161,18 +165,37 @@ class GatherCopier:
         64 KB against 3 MB at 32K GQA tokens, built and uploaded on the way to the launch)."""
         dst_off, src_off, sizes = split_ranges(dst_off, src_off, sizes)
         pairs, per = len(dst_base), len(sizes)
-        pinned, host = self._staging(2 * pairs + 3 * per)
-        fill_compact_table(host, dst_base, src_base, dst_off, src_off, sizes)
-        return self._launch(self.shared_kernel, host, pinned, pairs * per, (np.int64(pairs), np.int64(per)),
+        words = 2 * pairs + 3 * per
+        staging = self._staging(words)
+        fill_compact_table(staging.host[:words], dst_base, src_base, dst_off, src_off, sizes)
+        return self._launch(self.shared_kernel, staging, words, pairs * per, (np.int64(pairs), np.int64(per)),
                             stream, to_peer)
 
-    def _staging(self, words: int):
-        """(pinned buffer, its first `words` uint64) for a table, from CuPy's pinned pool in a
-        size class (pinned_bytes) so that a freed buffer serves the next table."""
-        pinned = self.cupy.cuda.alloc_pinned_memory(pinned_bytes(words * 8))
-        return pinned, np.frombuffer(pinned, np.uint64, words)
+    def _staging(self, words: int) -> "Staging":
+        """A table's buffers for at least `words` uint64: one a finished batch gave back
+        (`give_back`), else new ones of the size class (pinned_bytes), from CuPy's pools."""
+        size = pinned_bytes(words * 8) // 8
+        free = self._free.get(size)
+        if free:
+            try:
+                return free.pop()
+            except IndexError:  # emptied meanwhile (only give_back appends elsewhere): a new one
+                pass
+        pinned = self.cupy.cuda.alloc_pinned_memory(size * 8)
+        return Staging(pinned, np.frombuffer(pinned, np.uint64, size))
 
-    def _launch(self, kernel, host: np.ndarray, pinned, ranges: int, args: tuple, stream: int, to_peer: bool):
+    def give_back(self, staging) -> None:
+        """`staging`'s batch finished (its event fired: no kernel or upload reads it any more):
+        the next table of its class reuses its pinned and device buffers (issue 28: no pool
+        allocation on the way to a launch). At most _FREE_PER_CLASS kept per class."""
+        if type(staging) is not Staging:
+            return
+        free = self._free.setdefault(len(staging.host), [])
+        if len(free) < _FREE_PER_CLASS:
+            free.append(staging)
+
+    def _launch(self, kernel, staging: "Staging", words: int, ranges: int, args: tuple, stream: int,
+                to_peer: bool) -> "Staging":
         cupy = self.cupy
         blocks = self.peer_blocks if to_peer else self.blocks
         blocks = min(blocks, -(-ranges // (self.threads // 32)))  # one warp per range: no idle block
@@ -180,11 +203,34 @@ class GatherCopier:
             s = self._streams.get(stream)
             if s is None:
                 s = self._streams[stream] = cupy.cuda.ExternalStream(stream)
-            with s:
-                table = cupy.empty(len(host), dtype=cupy.uint64)
-                table.set(host, stream=s)  # from pinned memory: asynchronous, ordered before the kernel
+            with s:  # the kernel is launched on the current stream
+                table = staging.table
+                if table is None:  # the class's device buffer, made once per Staging
+                    table = staging.table = cupy.empty(len(staging.host), dtype=cupy.uint64)
+                # the table's words only, from pinned memory: asynchronous, ordered before the kernel
+                table.data.copy_from_host_async(staging.host_ptr, words * 8, s)
                 kernel((blocks,), (self.threads,), (table, *args))
-        return table, pinned
+        return staging
+
+
+# Stagings kept per size class for reuse: a lone request needs one; a burst of requests in flight
+# on one stream a few (a class with none free makes new buffers, as before).
+_FREE_PER_CLASS = 8
+
+
+class Staging:
+    """A range table's pinned host buffer (`host`, uint64, a size class of pinned_bytes) and its
+    device copy (`table`, made at the first launch), kept together so a later batch of the class
+    reuses both, once the batch that used them finished (`GatherCopier.give_back`): what the
+    kernel or the upload may still read is never handed out."""
+
+    __slots__ = ("pinned", "host", "host_ptr", "table")
+
+    def __init__(self, pinned, host: np.ndarray):
+        self.pinned = pinned  # owns the pinned memory `host` views
+        self.host = host
+        self.host_ptr = ctypes.c_void_p(host.ctypes.data)  # what CuPy's copy_from_host_async takes
+        self.table = None
 
 
 def fill_compact_table(host: np.ndarray, dst_base: np.ndarray, src_base: np.ndarray, dst_off: np.ndarray,
@@ -213,7 +259,7 @@ def split_ranges(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, piece: i
     consecutive pieces of `piece` bytes (the last one shorter), in the original order. Unchanged
     (the same arrays) when no range is longer."""
     sizes = np.asarray(sizes, dtype=np.uint64)
-    if len(sizes) == 0 or int(sizes.max()) <= piece:
+    if len(sizes) == 0 or int(_umax(sizes)) <= piece:
         return dsts, srcs, sizes
     step = np.uint64(piece)
     counts = np.maximum((sizes + step - np.uint64(1)) // step, np.uint64(1)).astype(np.int64)

@@ -52,6 +52,7 @@ LINK_GBPS_ENV = "SGLANG_MORI_SOFTIO_LINK_GBPS"
 _SUCCESS = StatusCode.SUCCESS
 _ERR_GPU_OP = StatusCode.ERR_GPU_OP
 _EVENT_POOL = 64
+_umax = np.maximum.reduce  # without ndarray.max's Python wrapper
 
 
 def link_bytes_per_s() -> float:
@@ -72,6 +73,8 @@ class DeviceEngine:
         self.device = device
         self.stream = runtime.stream(device)
         self.copier = make_copier(device)  # one kernel per batch where CuPy works (device_gather.py)
+        # a finished batch's table goes back to the copier for the next batch (None: not kept)
+        self._give_back = getattr(self.copier, "give_back", None)
         self.ce_min = ce_min_bytes()  # ranges this long go to the copy engines even with a kernel
         self.ce_ranges = 0
         self.rate = link_bytes_per_s()
@@ -127,6 +130,8 @@ class DeviceEngine:
             if self.copier is None:
                 self.rt.copy(*expand_shared(db, sb, do, so, sz), self.stream, self.device)
                 return None
+            if len(sz) and (not self.ce_min or int(_umax(sz)) < self.ce_min):  # no long range: as split_long, sooner
+                return self.copier.copy_shared(db, sb, do, so, sz, self.stream, to_peer)
             (ld, ls, ln), (sd, ss, sn) = split_long(do, so, sz, self.ce_min)
             if len(ln):
                 self.rt.copy(*expand_shared(db, sb, ld, ls, ln), self.stream, self.device)
@@ -144,11 +149,13 @@ class DeviceEngine:
         enqueued = False
         keep = None
         try:
-            nbytes, nranges = counts()
             with self._submit_lock:
                 enqueued = True  # from here on some copies may be queued on the stream
                 keep = copies()
                 self.rt.record(event, self.stream)
+                # the batch's counts after its copies are queued (issue 28: nothing on the way to
+                # the first byte that can wait); the pacing's clock is read after them, as before
+                nbytes, nranges = counts()
                 now = time.monotonic()
                 paced = 0.0
                 if self.rate > 0:
@@ -191,11 +198,12 @@ class DeviceEngine:
             item = self._pending.get()
             if item is None:
                 return
-            event, statuses, paced, _keep, holds, error = item  # _keep: the kernel's range table
+            event, statuses, paced, keep, holds, error = item  # keep: the kernel's range table
             try:
                 self.rt.synchronize(event)
             except Exception as exc:  # noqa: BLE001 - the context is broken: no copy runs any more
                 error = error or f"softio device copy failed: {exc}"
+                keep = None  # nothing proves the kernel is done with its table: never reused
             end_all(holds)  # the copies through them are done: a released mapping may close now
             if error is not None:
                 for status in statuses:
@@ -205,6 +213,8 @@ class DeviceEngine:
                 if delay > 0:
                     time.sleep(delay)
                 succeed_all(statuses)
+            if keep is not None and self._give_back is not None:
+                self._give_back(keep)  # its kernel ran: the next batch may reuse its table (after the statuses)
             with self._events_lock:
                 self._free_events.append(event)
 
