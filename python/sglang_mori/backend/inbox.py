@@ -30,6 +30,12 @@ of the two gets there first (the thread needs the GIL, which the scheduler leave
 for the GPU; the scheduler needs its next poll) drains every waiting message in one pass, the
 other finds the lock taken or the socket empty. The thread then arms the flag again; every look
 ends with ZMQ saying the socket is empty, after which its descriptor signals the next arrival.
+
+With `watch_arrivals="process"` (decode, SGLANG_MORI_DECODE_ARRIVAL_FLAG=process) a child process
+does that waiting instead (arrival_watcher.py): the poller's look at an empty socket reads a byte
+the child writes, and no thread of ours wakes per arrival. The reading thread keeps off-mode's
+rhythm (off the socket while a poller looks, a blocking receive otherwise), writing the byte to 1
+before it touches the socket, and notices the child's death at its next wake (real looks from then).
 """
 
 from __future__ import annotations
@@ -42,7 +48,10 @@ from typing import Callable, Optional
 
 import zmq
 
+import subprocess
+
 from sglang_mori.backend.arrival_flag import ArrivalFlag
+from sglang_mori.backend.arrival_watcher import ArrivalWatcher
 
 logger = logging.getLogger(__name__)
 
@@ -53,12 +62,31 @@ POLLER_MIN_GAP_S = 20e-6
 # arrival would only make it take the GIL from that same scheduler), it looks again this much later.
 POLLER_ACTIVE_S = 0.005
 
+
+
+def arrival_mode(value) -> str:
+    """SGLANG_MORI_DECODE_ARRIVAL_FLAG as a mode: off | thread | process (booleans: True is
+    thread, session 20's flag)."""
+    if value is True:
+        return "thread"
+    if not value:
+        return "off"
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on", "thread"):
+        return "thread"
+    if text in ("0", "false", "no", "off"):
+        return "off"
+    if text == "process":
+        return "process"
+    raise ValueError(f"arrival mode {value!r}: expected off, thread or process")
+
+
 _EVENTS, _RCVMORE, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.RCVMORE), int(zmq.POLLIN), int(zmq.NOBLOCK)
 
 
 class Inbox:
     def __init__(self, sock, handle: Callable[[list, bool], None], name: str,
-                 poller_backoff_s: Optional[float] = None, watch_arrivals: bool = False):
+                 poller_backoff_s: Optional[float] = None, watch_arrivals=False):
         self.sock = sock
         # handle(frames, polled): one message; `polled` when on a poller's (SGLang's) thread, which
         # must not block on a send. Must not raise (logged if it does).
@@ -89,7 +117,23 @@ class Inbox:
         self._watch_lock = threading.Lock()
         self._flag = None
         self._revents = None
-        if watch_arrivals:
+        # The watcher process and its byte (0: armed, nothing arrived since this inbox's last
+        # empty look), None without it; looks the byte answered, for the reading thread to see
+        # that a poller is active (those looks do not read the clock)
+        self._watcher: Optional[ArrivalWatcher] = None
+        self._quiet = None
+        self._quiet_looks = 0
+        self._seen_looks = 0
+        self._dead_watcher: Optional[ArrivalWatcher] = None
+        mode = arrival_mode(watch_arrivals)
+        if mode == "process":
+            try:
+                self._watcher = ArrivalWatcher(sock.get(zmq.FD))
+                self._quiet = self._watcher.flag
+            except (OSError, AttributeError, ValueError, subprocess.SubprocessError) as err:
+                logger.warning("sglang-mori: %s has no arrival watcher process (%s): every poll looks "
+                               "at the socket", name, err)
+        elif mode == "thread":
             try:
                 backoff = POLLER_ACTIVE_S if poller_backoff_s is None else poller_backoff_s
                 self._flag = ArrivalFlag(sock.get(zmq.FD), backoff)
@@ -103,6 +147,10 @@ class Inbox:
         the lock (the reading thread holds it while it waits in the socket or handles a message)
         and not for the socket. At most one look per POLLER_MIN_GAP_S. Returns the number of
         messages handled. With the arrival flag armed and nothing arrived: no more than that."""
+        q = self._quiet
+        if q is not None and not q[0]:  # the watcher process's byte: armed, nothing arrived
+            self._quiet_looks += 1
+            return 0
         r = self._revents
         if r is not None and not (r[3] or r[7] or r[11]):  # ArrivalFlag.quiet(), inlined
             return 0
@@ -120,9 +168,29 @@ class Inbox:
                 return 0
             n = self._drain_locked(polled=True)
             self.by_poller += n
+            if self._watcher is not None and self._drained:
+                self._arm_locked()
             return n
         finally:
             self.lock.release()
+
+    def _arm_locked(self) -> None:
+        """This look found the socket empty: the watcher watches for the next arrival."""
+        try:
+            self._watcher.arm()
+        except OSError as err:  # the child is gone (its end of the pipe closed)
+            self._watcher_gone_locked(f"arming it failed: {err}")
+
+    def _watcher_gone_locked(self, why: str) -> None:
+        """From now on every poll looks at the socket (as without a watcher)."""
+        watcher = self._watcher
+        self._quiet = None
+        self._watcher = None
+        if watcher is not None:
+            logger.warning("sglang-mori: the %s's arrival watcher process (pid %d) ended (%s): every "
+                           "poll looks at the socket from now on", self.name, watcher.pid, why)
+            self._dead_watcher = watcher  # reaped by close() (or now, when it has ended)
+            watcher.alive()
 
     # --- the reading thread's side ----------------------------------------------------------------
     def wait_and_drain(self, timeout_ms: int) -> int:
@@ -132,7 +200,17 @@ class Inbox:
         arrives, the flag's tick or a wake-up)."""
         if self._flag is not None:
             return self._watch_once()
-        if time.perf_counter() - self._last_poll < POLLER_ACTIVE_S:  # a poller is active
+        active = time.perf_counter() - self._last_poll < POLLER_ACTIVE_S
+        if self._watcher is not None:
+            looks = self._quiet_looks
+            if looks != self._seen_looks:  # the byte answered a poller since this thread's last look
+                self._seen_looks, active = looks, True
+            if not self._watcher.alive():
+                with self.lock:
+                    if self._watcher is not None:
+                        self._watcher_gone_locked("found at the reading thread's wake")
+                active = False  # look now: a message may have waited behind the dead child's byte
+        if active:  # a poller is active
             # Stay off the socket and the GIL until the poller may have stopped, then look again.
             backoff = POLLER_ACTIVE_S if self.poller_backoff_s is None else self.poller_backoff_s
             time.sleep(min(backoff, timeout_ms / 1000.0))
@@ -144,6 +222,9 @@ class Inbox:
             if self._waker is None:
                 self._open_waker_locked()
             sock = self.sock
+            q = self._quiet
+            if q is not None:  # our receive below may take the arrival the watcher waits for
+                q[0] = 1
             if timeout_ms != self._timeout_ms:
                 sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
                 self._timeout_ms = timeout_ms
@@ -203,8 +284,13 @@ class Inbox:
             flag.wake()
             with self._watch_lock:  # out of poll(2): its descriptors may go
                 flag.close()
-        with self.lock:
+        with self.lock:  # (a poll holds it while it arms the watcher)
             self.closed = True
+            watcher, self._watcher, self._quiet = self._watcher, None, None
+            dead, self._dead_watcher = self._dead_watcher, None
+        for w in (watcher, dead):  # the child ends and is reaped
+            if w is not None:
+                w.close()
         self._close_waker()
 
     def _open_waker_locked(self) -> None:
