@@ -53,7 +53,7 @@ class _Rig:
         self.pushes.append(sock)
         return sock
 
-    def armed(self) -> bool:  # the byte says: nothing arrived since the last empty look
+    def quiet(self) -> bool:  # the byte says: nothing arrived since the last empty look
         q = self.inbox._quiet
         return q is not None and q[0] == 0
 
@@ -86,7 +86,7 @@ def test_an_idle_look_reads_the_byte_and_touches_no_socket(rig):
     sender = rig.push()
     sender.send(b"connected")
     wait_until(lambda: inbox.drain_nowait() or rig.got, "the first message read", WAIT_S, interval_s=0.001)
-    wait_until(lambda: inbox.drain_nowait() == 0 and rig.armed(), "armed after an empty look", WAIT_S,
+    wait_until(lambda: inbox.drain_nowait() == 0 and rig.quiet(), "quiet after an empty look", WAIT_S,
                interval_s=0.001)
     real_sock = inbox.sock
     try:
@@ -99,22 +99,67 @@ def test_an_idle_look_reads_the_byte_and_touches_no_socket(rig):
 
 def test_a_message_right_after_the_emptying_look_is_shown_by_the_child(rig):
     """Only the poll reads here: the child must set the byte for each message sent just after
-    the look that emptied the socket (and armed it), however soon it comes."""
+    the look that emptied the socket (and cleared it), however soon it comes."""
     inbox, sender = rig.inbox, rig.push()
     for n in range(1, 51):
-        wait_until(lambda: inbox.drain_nowait() == 0 and rig.armed(), f"armed before message {n}", WAIT_S,
+        wait_until(lambda: inbox.drain_nowait() == 0 and rig.quiet(), f"quiet before message {n}", WAIT_S,
                    interval_s=0.0002)
         sender.send(b"%d" % n)
-        wait_until(lambda: not rig.armed(), f"the child showed message {n}", WAIT_S, interval_s=0.0002)
+        wait_until(lambda: not rig.quiet(), f"the child showed message {n}", WAIT_S, interval_s=0.0002)
         wait_until(lambda: inbox.drain_nowait(), f"message {n} read by the poll", WAIT_S, interval_s=0.0002)
     assert rig.got == [([b"%d" % n], True) for n in range(1, 51)]
 
 
-def test_many_senders_racing_the_poll_and_the_thread_lose_reorder_and_strand_nothing():
+class _ArrivalAfterTheEmptyCheck:
+    """The inbox's socket, but the first look's final `get(zmq.EVENTS)` that says empty (once
+    armed) sends one more message and returns only when the child has shown it: an arrival in the
+    narrowest gap there is, between a drain's last check and whatever the look does after it."""
+
+    def __init__(self, sock, sender, quiet_byte):
+        self.sock, self.sender, self.quiet_byte = sock, sender, quiet_byte
+        self.armed = False
+
+    def get(self, option):
+        value = self.sock.get(option)
+        if option == zmq.EVENTS and not value & zmq.POLLIN and self.armed:
+            self.armed = False
+            self.sender.send(b"in the gap")
+            wait_until(lambda: self.quiet_byte[0] == 1, "the child showed the arrival in the gap", WAIT_S,
+                       interval_s=0.0002)
+        return value
+
+    def recv(self, *args):
+        return self.sock.recv(*args)
+
+
+def test_an_arrival_right_after_the_drains_last_check_is_not_hidden(rig):
+    """The byte is cleared before the drain, never after it: an arrival the child shows once the
+    drain's last check said empty must stay shown (cleared after, it would stay unread: no thread
+    reads here and no later message comes). Fails with the byte cleared after the drain."""
+    inbox, sender = rig.inbox, rig.push()
+    sender.send(b"first")
+    wait_until(lambda: inbox.drain_nowait() or rig.got, "the first message read", WAIT_S, interval_s=0.001)
+    wait_until(lambda: inbox.drain_nowait() == 0 and rig.quiet(), "quiet", WAIT_S, interval_s=0.001)
+    gap = _ArrivalAfterTheEmptyCheck(inbox.sock, sender, inbox._quiet)
+    inbox.sock = gap
+    gap.armed = True
+    sender.send(b"second")
+    wait_until(lambda: inbox.drain_nowait() or len(rig.got) == 2, "the second message read", WAIT_S,
+               interval_s=0.001)
+    assert not gap.armed  # the gap's message went out after the look's last check
+    wait_until(lambda: inbox.drain_nowait() or len(rig.got) == 3, "the message sent in the gap read", WAIT_S,
+               interval_s=0.001)
+    assert [f for f, _ in rig.got] == [[b"first"], [b"second"], [b"in the gap"]]
+    inbox.sock = gap.sock
+
+
+@pytest.mark.parametrize("thread", [True, False], ids=["with-thread", "poll-only"])
+def test_many_senders_racing_the_poll_lose_reorder_and_strand_nothing(thread):
     """Eight senders in bursts, a poller looking at random intervals with pauses longer than the
-    reading thread's backoff (so the thread takes turns on the socket, disarming the byte): every
-    message is handled once, each sender's in order, none left behind the byte."""
-    r = _Rig(0.02, thread=True)
+    reading thread's backoff (so the thread takes turns on the socket, setting the byte): every
+    message is handled once, each sender's in order, none left behind the byte. Poll-only: no
+    thread rescues a message the byte failed to show (the last ones have no later arrival either)."""
+    r = _Rig(0.02, thread=thread)
     try:
         senders, per_sender = 8, 250
         sockets = [r.push() for _ in range(senders)]
@@ -155,21 +200,22 @@ def test_many_senders_racing_the_poll_and_the_thread_lose_reorder_and_strand_not
             seen.setdefault(i, []).append(seq)
         assert seen == {i: list(range(per_sender)) for i in range(senders)}
         assert r.inbox.by_poller + r.inbox.by_thread == senders * per_sender
-        assert r.inbox.by_poller > 0 and r.inbox.by_thread > 0  # both readers took turns
+        if thread:
+            assert r.inbox.by_poller > 0 and r.inbox.by_thread > 0  # both readers took turns
         assert r.inbox._watcher is not None  # (still the watcher's inbox, not a fallback)
     finally:
         r.close()
 
 
 def test_the_childs_death_is_noticed_and_nothing_is_stranded(caplog):
-    """The child killed while armed: a message then sent is behind a byte nobody will set; the
+    """The child killed while the byte is 0: a message then sent is behind a byte nobody will set; the
     reading thread notices the death at its next wake, the inbox looks for real from then."""
     r = _Rig(0.02, thread=True)
     try:
         inbox, sender = r.inbox, r.push()
         sender.send(b"before")
         wait_until(lambda: inbox.drain_nowait() or r.got, "the first message read", WAIT_S, interval_s=0.001)
-        wait_until(lambda: inbox.drain_nowait() == 0 and r.armed(), "armed", WAIT_S, interval_s=0.001)
+        wait_until(lambda: inbox.drain_nowait() == 0 and r.quiet(), "quiet", WAIT_S, interval_s=0.001)
         pid = inbox._watcher.pid
         with caplog.at_level(logging.WARNING, logger="sglang_mori.backend.inbox"):
             os.kill(pid, signal.SIGKILL)

@@ -33,7 +33,7 @@ ends with ZMQ saying the socket is empty, after which its descriptor signals the
 
 With `watch_arrivals="process"` (decode, SGLANG_MORI_DECODE_ARRIVAL_FLAG=process) a child process
 does that waiting instead (arrival_watcher.py): the poller's look at an empty socket reads a byte
-the child writes, and no thread of ours wakes per arrival. The reading thread keeps off-mode's
+the child writes, a real look clears it first, and no thread of ours wakes per arrival. The reading thread keeps off-mode's
 rhythm (off the socket while a poller looks, a blocking receive otherwise), writing the byte to 1
 before it touches the socket, and notices the child's death at its next wake (real looks from then).
 """
@@ -117,8 +117,8 @@ class Inbox:
         self._watch_lock = threading.Lock()
         self._flag = None
         self._revents = None
-        # The watcher process and its byte (0: armed, nothing arrived since this inbox's last
-        # empty look), None without it; looks the byte answered, for the reading thread to see
+        # The watcher process and its byte (0: nothing signalled since this inbox's last real
+        # look, which ended empty), None without it; looks the byte answered, for the reading thread to see
         # that a poller is active (those looks do not read the clock)
         self._watcher: Optional[ArrivalWatcher] = None
         self._quiet = None
@@ -148,7 +148,7 @@ class Inbox:
         and not for the socket. At most one look per POLLER_MIN_GAP_S. Returns the number of
         messages handled. With the arrival flag armed and nothing arrived: no more than that."""
         q = self._quiet
-        if q is not None and not q[0]:  # the watcher process's byte: armed, nothing arrived
+        if q is not None and not q[0]:  # the watcher process's byte: nothing arrived
             self._quiet_looks += 1
             return 0
         r = self._revents
@@ -166,20 +166,18 @@ class Inbox:
         try:
             if self.closed:
                 return 0
-            n = self._drain_locked(polled=True)
+            q = self._quiet
+            if q is not None:  # (the watcher's byte: 0 from here, the drain below ends empty)
+                q[0] = 0
+            try:
+                n = self._drain_locked(polled=True)
+            finally:
+                if q is not None and not self._drained:  # ended early (a socket error): look again
+                    q[0] = 1
             self.by_poller += n
-            if self._watcher is not None and self._drained:
-                self._arm_locked()
             return n
         finally:
             self.lock.release()
-
-    def _arm_locked(self) -> None:
-        """This look found the socket empty: the watcher watches for the next arrival."""
-        try:
-            self._watcher.arm()
-        except OSError as err:  # the child is gone (its end of the pipe closed)
-            self._watcher_gone_locked(f"arming it failed: {err}")
 
     def _watcher_gone_locked(self, why: str) -> None:
         """From now on every poll looks at the socket (as without a watcher)."""
@@ -223,7 +221,7 @@ class Inbox:
                 self._open_waker_locked()
             sock = self.sock
             q = self._quiet
-            if q is not None:  # our receive below may take the arrival the watcher waits for
+            if q is not None:  # our receive may leave messages that ZMQ signals no more: polls look
                 q[0] = 1
             if timeout_ms != self._timeout_ms:
                 sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
@@ -284,7 +282,7 @@ class Inbox:
             flag.wake()
             with self._watch_lock:  # out of poll(2): its descriptors may go
                 flag.close()
-        with self.lock:  # (a poll holds it while it arms the watcher)
+        with self.lock:  # (a poll holds it while it reads the watcher's byte)
             self.closed = True
             watcher, self._watcher, self._quiet = self._watcher, None, None
             dead, self._dead_watcher = self._dead_watcher, None
