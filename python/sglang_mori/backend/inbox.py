@@ -61,6 +61,9 @@ POLLER_MIN_GAP_S = 20e-6
 # reads every arrival itself: the reading thread does not wait on the socket then (waking on an
 # arrival would only make it take the GIL from that same scheduler), it looks again this much later.
 POLLER_ACTIVE_S = 0.005
+# How often the reading thread checks that the watcher process runs (at its next wake after this):
+# a message that arrives after the child died waits behind its byte at most about this long.
+WATCHER_CHECK_S = 0.5
 
 
 
@@ -125,6 +128,7 @@ class Inbox:
         self._quiet_looks = 0
         self._seen_looks = 0
         self._dead_watcher: Optional[ArrivalWatcher] = None
+        self._watcher_check_at = 0.0  # when the reading thread next checks that the child runs
         mode = arrival_mode(watch_arrivals)
         if mode == "process":
             try:
@@ -185,6 +189,12 @@ class Inbox:
         finally:
             self.lock.release()
 
+    def _alive_checked(self, now: float) -> bool:
+        # (a wait for the child is a system call and 30 us of this thread on this VM, where a
+        # wake costs 50: once a WATCHER_CHECK_S, not at every wake)
+        self._watcher_check_at = now + WATCHER_CHECK_S
+        return self._watcher.alive()
+
     def _watcher_gone_locked(self, why: str) -> None:
         """From now on every poll looks at the socket (as without a watcher)."""
         watcher = self._watcher
@@ -204,12 +214,13 @@ class Inbox:
         arrives, the flag's tick or a wake-up)."""
         if self._flag is not None:
             return self._watch_once()
-        active = time.perf_counter() - self._last_poll < POLLER_ACTIVE_S
+        now = time.perf_counter()
+        active = now - self._last_poll < POLLER_ACTIVE_S
         if self._watcher is not None:
             looks = self._quiet_looks
             if looks != self._seen_looks:  # the byte answered a poller since this thread's last look
                 self._seen_looks, active = looks, True
-            if not self._watcher.alive():
+            if now >= self._watcher_check_at and not self._alive_checked(now):
                 with self.lock:
                     if self._watcher is not None:
                         self._watcher_gone_locked("found at the reading thread's wake")
