@@ -97,6 +97,24 @@ def test_an_idle_look_reads_the_byte_and_touches_no_socket(rig):
     assert inbox._quiet_looks >= 1000
 
 
+def test_until_the_child_watches_every_look_is_real(rig):
+    """A 0 written before the child's epoll is set up would hide an arrival until the child
+    runs: looks leave the byte at 1 until the child says it watches."""
+    inbox, sender = rig.inbox, rig.push()
+    flag = inbox._quiet
+    wait_until(lambda: flag[1], "the child watching", WAIT_S, interval_s=0.001)
+    flag[1] = 0  # as during the child's start-up
+    try:
+        assert [inbox.drain_nowait() for _ in range(3)] == [0, 0, 0] and flag[0] == 1
+        sender.send(b"during start-up")
+        wait_until(lambda: inbox.drain_nowait() or rig.got, "read by a real look", WAIT_S, interval_s=0.001)
+        assert flag[0] == 1  # still not trusted
+    finally:
+        flag[1] = 1
+    wait_until(lambda: inbox.drain_nowait() == 0 and rig.quiet(), "quiet once it watches", WAIT_S,
+               interval_s=0.001)
+
+
 def test_a_message_right_after_the_emptying_look_is_shown_by_the_child(rig):
     """Only the poll reads here: the child must set the byte for each message sent just after
     the look that emptied the socket (and cleared it), however soon it comes."""

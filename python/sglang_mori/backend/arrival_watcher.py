@@ -11,6 +11,10 @@ its last real look) and writes 0 right before a real look, whose drain then ends
 the socket is empty. A message whose command came before that 0 is seen by the drain; one after it
 signals (the look found the socket empty, so ZMQ's descriptor signals the next command) and the
 child writes 1 after the 0. A signal of a message the drain read anyway costs one extra look.
+Looks write that 0 only once the child watches (it sets `flag[1]` after setting up its epoll): a
+0 written during its start-up would hide an arrival until the child ran (28 ms once on this VM).
+Anything else that reads the socket (a foreign `get(zmq.EVENTS)`) would take the signal the child
+waits for: only the inbox may touch it.
 
 The byte is 0 only while our real looks are the only readers of the socket: our reading thread
 writes 1 before its own receive (under the inbox's lock), which may leave a message behind without
@@ -41,9 +45,11 @@ class ArrivalWatcher:
         flag_fd = os.memfd_create("sglang-mori-arrivals", os.MFD_CLOEXEC)
         hup_r = hup_w = -1
         try:
-            os.ftruncate(flag_fd, 1)
-            self.flag = mmap.mmap(flag_fd, 1)
-            self.flag[0] = 1  # the first look is a real one
+            os.ftruncate(flag_fd, 2)
+            # [0]: the arrival byte; [1]: the child watches (set by it once its epoll is set up:
+            # until then a 0 written by a look would hide what arrives, so looks leave [0] at 1)
+            self.flag = mmap.mmap(flag_fd, 2)
+            self.flag[0] = 1  # the first looks are real ones
             # The child's end-of-parent signal: nothing is written; its hang-up ends the child.
             hup_r, hup_w = os.pipe()  # both close on exec: the child gets only what pass_fds names
             self.proc = subprocess.Popen(

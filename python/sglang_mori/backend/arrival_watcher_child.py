@@ -2,7 +2,8 @@
 
 Standard library only, no site-packages: it starts in tens of milliseconds and imports nothing of
 the decode process. argv: the socket's descriptor (ZMQ's `zmq.FD`, inherited), the read end of a
-pipe whose write end only the parent holds, a memfd holding the one shared byte, the parent's pid.
+pipe whose write end only the parent holds, a memfd holding the shared bytes (0: the arrival byte;
+1: set once this process watches), the parent's pid.
 
 It waits in epoll, edge-triggered, on the socket's descriptor, and writes 1 into the shared byte at
 every event. ZMQ's descriptor is written once per batch of commands that reach a socket whose last
@@ -32,13 +33,14 @@ def main(argv) -> int:
         pass
     if os.getppid() != parent:  # the parent died before the prctl
         return 0
-    flag = mmap.mmap(flag_fd, 1)
+    flag = mmap.mmap(flag_fd, 2)
     os.close(flag_fd)
     ep = select.epoll()
     # (registering reports the descriptor once if it is readable already: an arrival before this
     # child started is shown too)
     ep.register(sock_fd, select.EPOLLIN | select.EPOLLET)
     ep.register(pipe_fd, select.EPOLLIN)  # readable at EOF only: the parent writes nothing
+    flag[1] = 1  # watching: from now on the parent may trust a 0 it writes (arrival_watcher.py)
     while True:
         events = ep.poll()
         for fd, _ in events:

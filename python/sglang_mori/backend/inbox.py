@@ -177,8 +177,8 @@ class Inbox:
             if self.closed:
                 return 0
             q = self._quiet
-            if q is not None:  # (the watcher's byte: 0 from here, the drain below ends empty)
-                q[0] = 0
+            if q is not None and q[1]:  # (the watcher's byte, once it watches: 0 from here, the
+                q[0] = 0                # drain below ends empty)
             try:
                 n = self._drain_locked(polled=True)
             finally:
