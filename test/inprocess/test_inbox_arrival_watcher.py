@@ -293,8 +293,8 @@ def test_without_a_child_the_inbox_looks_at_the_socket(monkeypatch, caplog):
         ctx.term()
 
 
-@pytest.mark.parametrize("text,mode", [("process", "process"), ("1", "thread"), ("on", "thread"),
-                                       ("thread", "thread"), ("0", "off"), ("off", "off"), ("PROCESS", "process")])
+@pytest.mark.parametrize("text,mode", [("process", "process"), ("1", "thread"), ("on", "thread"), ("thread", "thread"),
+                                       ("0", "off"), ("off", "off"), ("PROCESS", "process")])
 def test_the_knob_spells_off_thread_and_process(text, mode):
     from sglang_mori.backend.inbox import arrival_mode
     from sglang_mori.config import ConfigError, MoriConfig

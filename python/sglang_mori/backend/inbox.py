@@ -33,22 +33,22 @@ ends with ZMQ saying the socket is empty, after which its descriptor signals the
 
 With `watch_arrivals="process"` (decode, SGLANG_MORI_DECODE_ARRIVAL_FLAG=process) a child process
 does that waiting instead (arrival_watcher.py): the poller's look at an empty socket reads a byte
-the child writes, a real look clears it first, and no thread of ours wakes per arrival. The reading thread keeps off-mode's
-rhythm (off the socket while a poller looks, a blocking receive otherwise), writing the byte to 1
-before it touches the socket, and notices the child's death at its next wake (real looks from then).
+the child writes, a real look clears it first, and no thread of ours wakes per arrival. The
+reading thread keeps off-mode's rhythm (off the socket while a poller looks, a blocking receive
+otherwise), writing the byte to 1 before it touches the socket, and notices the child's death at
+a wake (every WATCHER_CHECK_S at most; real looks from then).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import subprocess
 import threading
 import time
 from typing import Callable, Optional
 
 import zmq
-
-import subprocess
 
 from sglang_mori.backend.arrival_flag import ArrivalFlag
 from sglang_mori.backend.arrival_watcher import ArrivalWatcher
@@ -64,7 +64,6 @@ POLLER_ACTIVE_S = 0.005
 # How often the reading thread checks that the watcher process runs (at its next wake after this):
 # a message that arrives after the child died waits behind its byte at most about this long.
 WATCHER_CHECK_S = 0.5
-
 
 
 def arrival_mode(value) -> str:
@@ -120,9 +119,9 @@ class Inbox:
         self._watch_lock = threading.Lock()
         self._flag = None
         self._revents = None
-        # The watcher process and its byte (0: nothing signalled since this inbox's last real
-        # look, which ended empty), None without it; looks the byte answered, for the reading thread to see
-        # that a poller is active (those looks do not read the clock)
+        # The watcher process and its bytes (arrival_watcher.py; [0] is 0: nothing signalled since
+        # this inbox's last real look, which ended empty), None without it; looks the byte
+        # answered, for the reading thread to see that a poller is active (they read no clock)
         self._watcher: Optional[ArrivalWatcher] = None
         self._quiet = None
         self._quiet_looks = 0
@@ -150,7 +149,8 @@ class Inbox:
         """Handle what has arrived, on the calling thread, without waiting for anything: not for
         the lock (the reading thread holds it while it waits in the socket or handles a message)
         and not for the socket. At most one look per POLLER_MIN_GAP_S. Returns the number of
-        messages handled. With the arrival flag armed and nothing arrived: no more than that."""
+        messages handled. With the arrival flag armed (or the watcher's byte 0) and nothing
+        arrived: no more than that."""
         q = self._quiet
         if q is not None and not q[0]:  # the watcher process's byte: nothing arrived
             self._quiet_looks += 1
