@@ -181,7 +181,10 @@ def _watcher_cpu_s(service):
 
 def _messages_read(service) -> dict:
     inbox = service.inbox
-    return {"by_poll": inbox.by_poller if inbox else 0, "by_thread": inbox.by_thread if inbox else 0}
+    # (+ poll_looks: the polls that looked at the socket itself, where the build counts them: every
+    # step with `off`, about one per arrival with the watcher unless something else sets its byte)
+    return {"by_poll": inbox.by_poller if inbox else 0, "by_thread": inbox.by_thread if inbox else 0,
+            "poll_looks": getattr(inbox, "poller_looks", 0) if inbox else 0}
 
 
 class _DecodeStep:

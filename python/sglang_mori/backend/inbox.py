@@ -113,6 +113,7 @@ class Inbox:
         # tests and the benchmark read them to see which path a message took.
         self.by_poller = 0
         self.by_thread = 0
+        self.poller_looks = 0  # a poller's looks at the socket itself (the rigs: looks per message)
         self._closing = False
         self._drained = True  # the last look at the socket ended with ZMQ saying it is empty
         # Serialises the thread's waits in poll(2) with close(): the descriptors stay open meanwhile.
@@ -176,6 +177,7 @@ class Inbox:
         try:
             if self.closed:
                 return 0
+            self.poller_looks += 1
             q = self._quiet
             if q is not None and q[1]:  # (the watcher's byte, once it watches: 0 from here, the
                 q[0] = 0                # drain below ends empty)
