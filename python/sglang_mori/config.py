@@ -100,6 +100,17 @@ def one_of(*choices: str) -> Callable[[str], str]:
     return parse
 
 
+def _arrival_flag(text: str) -> str:
+    lowered = text.strip().lower()
+    if lowered in _TRUE or lowered == "thread":
+        return "thread"
+    if lowered in _FALSE:
+        return "off"
+    if lowered == "process":
+        return "process"
+    raise ValueError("expected off, thread or process (1/true/yes/on: thread; 0/false/no: off)")
+
+
 def ipv4_host(text: str) -> str:
     why = (
         "this host goes into our engine descriptor and is the address peers dial, so it must be "
@@ -233,15 +244,19 @@ KNOBS: Tuple[Knob, ...] = (
          "scheduler's thread, so that poll sees the message without waiting for our reading thread "
          "to take the GIL (docs/design.md). Off: only our reading thread reads it, as before.",
          boolean, _BOOL_SPELLINGS),
-    Knob("SGLANG_MORI_DECODE_ARRIVAL_FLAG", "decode_arrival_flag", "bool", False,
-         "Decode, on: our status thread waits in poll(2) on the status socket, which sets a flag in "
-         "our memory when a message arrives; SGLang's poll of a room waiting for prefill reads that "
-         "flag (no system call) and reads the socket only when it is set, and the woken thread reads "
-         "it too, whichever comes first (issue 28). It costs that thread a wake per arrival, which on "
-         "one H200 cost more CPU than the step thread saved (docs/benchmarks.md, session 20), hence "
-         "off by default. Off: every such poll asks the socket (a system call per step) and the "
-         "thread looks only as often as SGLANG_MORI_WAIT_POLL_MS.",
-         boolean, _BOOL_SPELLINGS),
+    Knob("SGLANG_MORI_DECODE_ARRIVAL_FLAG", "decode_arrival_flag", "choice", "off",
+         "Decode: how SGLang's poll of a room waiting for prefill learns that nothing arrived on our "
+         "status socket (issue 28). `off`: it asks the socket every step (a system call, 12-27 us a "
+         "step on an H200 host), and our status thread looks only as often as "
+         "SGLANG_MORI_WAIT_POLL_MS while SGLang polls. `thread` (also 1/true/yes/on): our status "
+         "thread waits in poll(2) on the socket and the poll reads the array poll(2) writes, but "
+         "that thread wakes in Python on every arrival, which on one H200 cost more CPU than the "
+         "step thread saved (docs/benchmarks.md, session 20). `process`: a small child process "
+         "(stdlib Python, one per decode rank) waits in poll(2) and sets a shared byte; the poll "
+         "reads the byte, and after a look that found the socket empty re-arms the child with one "
+         "pipe write, so no thread of ours wakes per arrival (session 21). If the child cannot "
+         "start or dies, polls ask the socket as with `off` (logged).",
+         _arrival_flag, "off | thread | process (1/true/yes/on: thread; 0/false/no: off)"),
     Knob("SGLANG_MORI_XGMI", "xgmi", "bool", False,
          "Let MORI-IO create its XGMI backend for peers on the same node (sets "
          "MORI_DISABLE_AUTO_XGMI=0).", boolean, _BOOL_SPELLINGS),
@@ -305,7 +320,7 @@ class MoriConfig:
     enable_notification: bool = False
     gc_freeze: bool = True
     poll_reads: bool = True
-    decode_arrival_flag: bool = False
+    decode_arrival_flag: str = "off"  # off | thread | process
     xgmi: bool = False
     layerwise: str = "off"
     layerwise_min_tokens: int = 256

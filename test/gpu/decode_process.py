@@ -10,6 +10,7 @@ our calls (decode_calls.py).
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -56,6 +57,7 @@ def serve(conn, shape_key: str, page_size: int, pages: int, config_kwargs: dict,
         messenger=Messenger(ctx), metrics=NullTransferMetrics(), sglang=sglang, control_socket=sock,
     ), lambda err, origin: rejections.append(str(err)))
     service.start()
+    _check_arrival_mode(service, config_kwargs)
     conn.send(protocol.encode(service.registration()))
     cpu = ThreadCpu()
     # Thread CPU inside our calls (the scheduler's: receiver init, metadata, clear; the step loop's
@@ -113,8 +115,16 @@ def serve(conn, shape_key: str, page_size: int, pages: int, config_kwargs: dict,
                 # {reader: prefill's messages read} over the loop: the step loop's polls, our thread).
                 window_cpu, used = ThreadCpu(), {}
                 read0 = _messages_read(service)
-                # (read by the step thread as it ends: an ended thread's CPU is gone from /proc)
-                step.start(int(arg), on_end=lambda: used.update(window_cpu.since()))
+                # The arrival watcher (SGLANG_MORI_DECODE_ARRIVAL_FLAG=process) is a child process:
+                # its CPU is no thread's of this process, but ours, counted as one more role.
+                watcher0 = _watcher_cpu_s(service)
+
+                def ended():  # (read by the step thread as it ends: an ended thread's CPU is gone from /proc)
+                    used.update(window_cpu.since())
+                    if watcher0 is not None:
+                        used[WATCHER_ROLE] = _watcher_cpu_s(service) - watcher0
+
+                step.start(int(arg), on_end=ended)
                 times = step.result(150)
                 read = {k: v - read0[k] for k, v in _messages_read(service).items()}
                 conn.send((times, used, read))
@@ -136,9 +146,45 @@ def serve(conn, shape_key: str, page_size: int, pages: int, config_kwargs: dict,
         ctx.term()
 
 
+WATCHER_ROLE = "arrival-watcher (child process)"
+
+
+def _check_arrival_mode(service, config_kwargs: dict) -> None:
+    """A run asked for the watcher process must have one: fail by name, not measure `off` under
+    `process`'s label (the inbox falls back to plain looks when the child cannot start)."""
+    if str(config_kwargs.get("decode_arrival_flag", "")).lower() != "process":
+        return
+    watcher = getattr(service.inbox, "_watcher", None)
+    if watcher is None or not watcher.alive():
+        raise RuntimeError("SGLANG_MORI_DECODE_ARRIVAL_FLAG=process: decode's inbox has no running "
+                           "arrival watcher process (see the log's warning)")
+    print(f"decode: arrival watcher process pid {watcher.pid}", flush=True)
+
+
+def _watcher_cpu_s(service):
+    """The watcher child's CPU seconds (the scheduler's ns count, /proc/PID/schedstat: clock ticks
+    would be a few per window), None without one."""
+    watcher = getattr(service.inbox, "_watcher", None)
+    if watcher is None:
+        return None
+    try:
+        with open(f"/proc/{watcher.pid}/schedstat") as f:
+            ns = int(f.read().split()[0])
+        if ns > 0:  # (some kernels report 0 there: then the clock ticks of /proc/PID/stat)
+            return ns / 1e9
+        with open(f"/proc/{watcher.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 def _messages_read(service) -> dict:
     inbox = service.inbox
-    return {"by_poll": inbox.by_poller if inbox else 0, "by_thread": inbox.by_thread if inbox else 0}
+    # (+ poll_looks: the polls that looked at the socket itself, where the build counts them: every
+    # step with `off`, about one per arrival with the watcher unless something else sets its byte)
+    return {"by_poll": inbox.by_poller if inbox else 0, "by_thread": inbox.by_thread if inbox else 0,
+            "poll_looks": getattr(inbox, "poller_looks", 0) if inbox else 0}
 
 
 class _DecodeStep:

@@ -365,6 +365,13 @@ def measure(part: Part, kinds: list, args) -> dict:
     }
 
 
+WATCHER_ROLE = "arrival-watcher (child process)"  # decode_process.py's name for the child's CPU
+
+
+def _extra_us(dec: Windows, role: str, sent: int) -> float:
+    return round((dec.cpu["ours"].get(role, 0.0) - dec.cpu["alone"].get(role, 0.0)) * 1e6 / max(sent, 1), 1)
+
+
 def decode_owners(dec: Windows, dec_calls: dict, kinds: list, steps: int,
                   fwd_calls: dict, fwd_sent: int) -> dict:
     """The decode side by owner: our calls' CPU (decode_calls.py) per request, the step loop's
@@ -395,6 +402,12 @@ def decode_owners(dec: Windows, dec_calls: dict, kinds: list, steps: int,
         "decode_poll_extra_us_per_request": round((poll_s["ours"] - poll_s["alone"]) * 1e6 / sent, 1),
         "decode_window_extra_cpu_ms_per_request": {k: dec.extra_cpu_ms_per_request(k) for k in kinds[1:]},
         "decode_window_cpu_ms_per_request": per_request(dec.cpu["ours"], sent, 8),
+        # The two readers beside the step loop, ours beyond alone's windows, us per request: the
+        # status thread, and SGLANG_MORI_DECODE_ARRIVAL_FLAG=process's watcher child (a process of
+        # its own: not the decode process's CPU, but ours; absent without one)
+        "decode_status_thread_extra_us_per_request": _extra_us(dec, "mori-decode-status", sent),
+        "decode_watcher_extra_us_per_request": (_extra_us(dec, WATCHER_ROLE, sent)
+                                                if WATCHER_ROLE in dec.cpu["ours"] else None),
         "decode_slowdown_pct_paired": {k: round(v[0], 2) for k, v in pairs.items()},
         "decode_slowdown_ci95_pct": {k: round(v[1], 2) for k, v in pairs.items()},
         "decode_steps": steps,
@@ -444,6 +457,8 @@ def summary_line(p: dict) -> str:
                  f", poll beyond alone {p['decode_poll_extra_us_per_request']} us/req"
                  f", poll/step {p['decode_poll_us_per_step']} (meter {p.get('decode_poll_meter_us_per_call')} us/call)"
                  f", messages/req {p['decode_messages_per_request']}"
+                 f", status thread +{p.get('decode_status_thread_extra_us_per_request')} us/req"
+                 f", watcher child +{p.get('decode_watcher_extra_us_per_request')} us/req"
                  f" | decode-window extra ms/req {dextra}")
         if p.get("decode_rooms_short"):
             line += f" | decode sends short {p['decode_rooms_short']}"

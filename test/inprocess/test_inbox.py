@@ -339,16 +339,20 @@ def test_with_poll_reads_off_the_poll_leaves_the_socket_to_our_thread(sockets):
         assert rig.sglang.status(11) == S.WAITING_FOR_INPUT
 
 
-@pytest.fixture
-def plain_inbox(sockets, monkeypatch):
+@pytest.fixture(params=["off", "process"])
+def plain_inbox(sockets, monkeypatch, request):
     """An Inbox over a bare PULL socket that records what it handles, and its PUSH; the poller
-    counts as active for 1 s (not 5 ms), so a stalled test thread still counts as polling."""
+    counts as active for 1 s (not 5 ms), so a stalled test thread still counts as polling. Also
+    with decode's watcher process (SGLANG_MORI_DECODE_ARRIVAL_FLAG=process), whose reading thread
+    takes the same turns on the socket."""
     from sglang_mori.backend import inbox as inbox_module
 
     monkeypatch.setattr(inbox_module, "POLLER_ACTIVE_S", 1.0)
     pull, push = sockets()
     got = []
-    box = inbox_module.Inbox(pull, lambda frames, polled: got.append((frames, polled)), "test socket")
+    box = inbox_module.Inbox(pull, lambda frames, polled: got.append((frames, polled)), "test socket",
+                             watch_arrivals=request.param)
+    assert (box._watcher is not None) == (request.param == "process")
     yield box, push, got
     box.close()
 

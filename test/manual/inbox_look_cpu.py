@@ -20,13 +20,17 @@ Prints one JSON line: medians and 10th/90th percentiles in us, and who read the 
 
     scripts/in_private_netns.sh .venv/bin/python test/manual/inbox_look_cpu.py [STEPS] [STEP_MS]
 
-Base against new: the same command with PYTHONPATH=<other checkout>/python.
+Base against new: the same command with PYTHONPATH=<other checkout>/python. The inbox's mode:
+SGLANG_MORI_DECODE_ARRIVAL_FLAG (off | thread | process where the build has them; unset: the arrival
+flag on, as session 20 ran it). Also prints the status thread's CPU and the watcher child's (process
+mode) over the measured steps, us per step.
 """
 
 from __future__ import annotations
 
 import inspect
 import json
+import os
 import statistics
 import sys
 import threading
@@ -59,9 +63,12 @@ def main(steps: int = 2000, step_ms: float = 1.0) -> dict:
     push.connect(f"tcp://127.0.0.1:{port}")
     got = []
     # decode's Inbox as DecodeService makes it (the arrival flag where the build has it)
+    mode = os.environ.get("SGLANG_MORI_DECODE_ARRIVAL_FLAG", "1").strip().lower()
+    if not hasattr(inbox_module, "arrival_mode"):  # a build with an on/off flag
+        mode = mode in ("1", "true", "yes", "on", "thread")
     watch = "watch_arrivals" in inspect.signature(inbox_module.Inbox).parameters
     inbox = inbox_module.Inbox(pull, lambda frames, polled: got.append(polled), "bench socket",
-                               poller_backoff_s=WAIT_POLL_MS / 1000.0, **({"watch_arrivals": True} if watch else {}))
+                               poller_backoff_s=WAIT_POLL_MS / 1000.0, **({"watch_arrivals": mode} if watch else {}))
     stop = threading.Event()
 
     def status_thread():  # DecodeService._run_status_thread_body, without the room sweep
@@ -89,6 +96,7 @@ def main(steps: int = 2000, step_ms: float = 1.0) -> dict:
         for _ in range(200):  # warm: the thread sees the poller and goes off the socket
             time.sleep(step_s)
             inbox.drain_nowait()
+        thread_cpu0, child_cpu0 = _thread_ns(thread), _child_ns(inbox)
         for i in range(steps):
             if i % 3 == 2:
                 time.sleep(step_s)
@@ -116,6 +124,7 @@ def main(steps: int = 2000, step_ms: float = 1.0) -> dict:
                 while len(got) == before and time.monotonic() < end:
                     time.sleep(step_s)
                     inbox.drain_nowait()
+        thread_cpu, child_cpu = _thread_ns(thread) - thread_cpu0, _child_ns(inbox) - child_cpu0
     finally:
         stop.set()
         inbox.close()
@@ -123,11 +132,26 @@ def main(steps: int = 2000, step_ms: float = 1.0) -> dict:
         push.close(0)
         pull.close(0)
         ctx.term()
-    return {"module": inbox_module.__file__, "arrival_flag": watch, "steps": steps, "step_ms": step_ms,
+    return {"module": inbox_module.__file__, "arrival_flag": mode if watch else None,
+            "status_thread_cpu_us_per_step": round(thread_cpu / steps / 1e3, 2),
+            "watcher_child_cpu_us_per_step": round(child_cpu / steps / 1e3, 2), "steps": steps, "step_ms": step_ms,
             "floor": _summary(floor), "empty": _summary(empty),
             "message_step": _summary(message_step) if message_step else None,
             "read_by_look": _summary(one) if one else None,
             "read_by": {"poller": inbox.by_poller, "thread": inbox.by_thread}}
+
+
+def _thread_ns(thread) -> int:
+    return time.clock_gettime_ns(time.pthread_getcpuclockid(thread.ident))
+
+
+def _child_ns(inbox) -> int:
+    """The watcher child's CPU ns (/proc/PID/schedstat), 0 without one."""
+    watcher = getattr(inbox, "_watcher", None)
+    if watcher is None:
+        return 0
+    with open(f"/proc/{watcher.pid}/schedstat") as f:
+        return int(f.read().split()[0])
 
 
 if __name__ == "__main__":

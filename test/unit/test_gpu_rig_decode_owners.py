@@ -201,6 +201,8 @@ def test_decode_owners_splits_our_calls_from_the_polls_and_the_rounds():
     assert out["decode_messages_per_request"] == {"by_poll": 1.95, "by_thread": 0.05}
     assert out["decode_poll_extra_us_per_request"] == 100.0  # (30 - 10 ms) over 200 requests
     assert out["decode_window_extra_cpu_ms_per_request"]["ours"] == {"mori-decode-status": 0.2}
+    assert out["decode_status_thread_extra_us_per_request"] == 200.0
+    assert out["decode_watcher_extra_us_per_request"] is None  # no watcher child in these windows
     assert out["decode_slowdown_pct_paired"]["ours"] == 3.0  # rounds +10, 0, +2, +4
     assert out["decode_slowdown_ci95_pct"]["ours"] > 0
 
@@ -236,7 +238,10 @@ def test_decode_process_runs_a_window_on_one_command_and_counts_our_calls(monkey
         assert isinstance(protocol.decode(conn.recv()), protocol.Register)
         ask("calls")  # from here on
         times, cpu, read = ask("steps_run", 60)
-        assert read == {"by_poll": 0, "by_thread": 0}  # no prefill here: nothing to read
+        # no prefill here: nothing to read; every step (the warm ones too) looked at the socket,
+        # but for a first one or two that found the status thread in it (the lock taken)
+        assert (read["by_poll"], read["by_thread"]) == (0, 0)
+        assert 60 + WARM_STEPS - 2 <= read["poll_looks"] <= 60 + WARM_STEPS
         assert len(times) == 60 and all(t > 0 for t in times)
         # the step thread's own CPU is in the window's (read before that thread ends)
         assert cpu.get("decode-steps", 0.0) > 0.0
@@ -251,6 +256,36 @@ def test_decode_process_runs_a_window_on_one_command_and_counts_our_calls(monkey
         assert {n: taken[n][1] for n in ("new_receiver", "record_destination", "encode", "forget", "poll_inbox")} == {
             "new_receiver": 1, "record_destination": 1, "encode": 1, "forget": 1, "poll_inbox": 0}
         assert taken["record_destination"][0] > 0
+    finally:
+        conn.send(("stop", None))
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+
+
+def test_decode_process_with_the_watcher_process_counts_the_childs_cpu(monkeypatch):
+    """SGLANG_MORI_DECODE_ARRIVAL_FLAG=process in the rig: the decode process has its watcher child
+    (or fails by name), and each window's CPU has the child's as one more role."""
+    from decode_process import WATCHER_ROLE
+    from sglang_mori import protocol
+
+    monkeypatch.setenv("SGLANG_MORI_GPU_RIG_DEVICE", "cpu")
+    paths = [str(GPU), str(ROOT / "test" / "inprocess"), str(ROOT / "python")]
+    import decode_process
+
+    assert WATCHER_ROLE == ip.WATCHER_ROLE
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    config = {"transfer_timeout_ms": 30000, "peer_fail_fast_s": 5.0, "decode_arrival_flag": "process"}
+    proc = ctx.Process(target=decode_process.serve, daemon=True, args=(child, "mla", 64, 8, config, paths, 0))
+    proc.start()
+    try:
+        assert conn.poll(120), "the decode process did not start"
+        assert isinstance(protocol.decode(conn.recv()), protocol.Register)
+        conn.send(("steps_run", 20))
+        assert conn.poll(120)
+        times, cpu, read = conn.recv()
+        assert len(times) == 20 and WATCHER_ROLE in cpu and cpu[WATCHER_ROLE] >= 0.0
     finally:
         conn.send(("stop", None))
         proc.join(30)

@@ -30,12 +30,20 @@ of the two gets there first (the thread needs the GIL, which the scheduler leave
 for the GPU; the scheduler needs its next poll) drains every waiting message in one pass, the
 other finds the lock taken or the socket empty. The thread then arms the flag again; every look
 ends with ZMQ saying the socket is empty, after which its descriptor signals the next arrival.
+
+With `watch_arrivals="process"` (decode, SGLANG_MORI_DECODE_ARRIVAL_FLAG=process) a child process
+does that waiting instead (arrival_watcher.py): the poller's look at an empty socket reads a byte
+the child writes, a real look clears it first, and no thread of ours wakes per arrival. The
+reading thread keeps off-mode's rhythm (off the socket while a poller looks, a blocking receive
+otherwise), writing the byte to 1 before it touches the socket, and notices the child's death at
+a wake (every WATCHER_CHECK_S at most; real looks from then).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import subprocess
 import threading
 import time
 from typing import Callable, Optional
@@ -43,6 +51,7 @@ from typing import Callable, Optional
 import zmq
 
 from sglang_mori.backend.arrival_flag import ArrivalFlag
+from sglang_mori.backend.arrival_watcher import ArrivalWatcher
 
 logger = logging.getLogger(__name__)
 
@@ -52,13 +61,34 @@ POLLER_MIN_GAP_S = 20e-6
 # reads every arrival itself: the reading thread does not wait on the socket then (waking on an
 # arrival would only make it take the GIL from that same scheduler), it looks again this much later.
 POLLER_ACTIVE_S = 0.005
+# How often the reading thread checks that the watcher process runs (at its next wake after this):
+# a message that arrives after the child died waits behind its byte at most about this long.
+WATCHER_CHECK_S = 0.5
+
+
+def arrival_mode(value) -> str:
+    """SGLANG_MORI_DECODE_ARRIVAL_FLAG as a mode: off | thread | process (booleans: True is
+    thread, session 20's flag)."""
+    if value is True:
+        return "thread"
+    if not value:
+        return "off"
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on", "thread"):
+        return "thread"
+    if text in ("0", "false", "no", "off"):
+        return "off"
+    if text == "process":
+        return "process"
+    raise ValueError(f"arrival mode {value!r}: expected off, thread or process")
+
 
 _EVENTS, _RCVMORE, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.RCVMORE), int(zmq.POLLIN), int(zmq.NOBLOCK)
 
 
 class Inbox:
     def __init__(self, sock, handle: Callable[[list, bool], None], name: str,
-                 poller_backoff_s: Optional[float] = None, watch_arrivals: bool = False):
+                 poller_backoff_s: Optional[float] = None, watch_arrivals=False):
         self.sock = sock
         # handle(frames, polled): one message; `polled` when on a poller's (SGLang's) thread, which
         # must not block on a send. Must not raise (logged if it does).
@@ -83,13 +113,31 @@ class Inbox:
         # tests and the benchmark read them to see which path a message took.
         self.by_poller = 0
         self.by_thread = 0
+        self.poller_looks = 0  # a poller's looks at the socket itself (the rigs: looks per message)
         self._closing = False
         self._drained = True  # the last look at the socket ended with ZMQ saying it is empty
         # Serialises the thread's waits in poll(2) with close(): the descriptors stay open meanwhile.
         self._watch_lock = threading.Lock()
         self._flag = None
         self._revents = None
-        if watch_arrivals:
+        # The watcher process and its bytes (arrival_watcher.py; [0] is 0: nothing signalled since
+        # this inbox's last real look, which ended empty), None without it; looks the byte
+        # answered, for the reading thread to see that a poller is active (they read no clock)
+        self._watcher: Optional[ArrivalWatcher] = None
+        self._quiet = None
+        self._quiet_looks = 0
+        self._seen_looks = 0
+        self._dead_watcher: Optional[ArrivalWatcher] = None
+        self._watcher_check_at = 0.0  # when the reading thread next checks that the child runs
+        mode = arrival_mode(watch_arrivals)
+        if mode == "process":
+            try:
+                self._watcher = ArrivalWatcher(sock.get(zmq.FD))
+                self._quiet = self._watcher.flag
+            except (OSError, AttributeError, ValueError, subprocess.SubprocessError) as err:
+                logger.warning("sglang-mori: %s has no arrival watcher process (%s): every poll looks "
+                               "at the socket", name, err)
+        elif mode == "thread":
             try:
                 backoff = POLLER_ACTIVE_S if poller_backoff_s is None else poller_backoff_s
                 self._flag = ArrivalFlag(sock.get(zmq.FD), backoff)
@@ -102,7 +150,12 @@ class Inbox:
         """Handle what has arrived, on the calling thread, without waiting for anything: not for
         the lock (the reading thread holds it while it waits in the socket or handles a message)
         and not for the socket. At most one look per POLLER_MIN_GAP_S. Returns the number of
-        messages handled. With the arrival flag armed and nothing arrived: no more than that."""
+        messages handled. With the arrival flag armed (or the watcher's byte 0) and nothing
+        arrived: no more than that."""
+        q = self._quiet
+        if q is not None and not q[0]:  # the watcher process's byte: nothing arrived
+            self._quiet_looks += 1
+            return 0
         r = self._revents
         if r is not None and not (r[3] or r[7] or r[11]):  # ArrivalFlag.quiet(), inlined
             return 0
@@ -111,18 +164,49 @@ class Inbox:
         if since < POLLER_MIN_GAP_S:
             return 0
         self._last_poll = now
-        if since >= POLLER_ACTIVE_S:
+        # With the watcher, real looks come once per arrival, often POLLER_ACTIVE_S apart while a
+        # poller looks every step: wake the thread only when it holds the lock (a wake-up token
+        # it is not there to read costs the next drain a receive, 18 us a message on this VM).
+        watched = q is not None
+        if since >= POLLER_ACTIVE_S and not watched:
             self._wake_thread()  # it may be waiting in the socket with the lock held
         if not self.lock.acquire(blocking=False):
+            if watched and since >= POLLER_ACTIVE_S:
+                self._wake_thread()  # it is in the socket (or handling a message): get it out
             return 0
         try:
             if self.closed:
                 return 0
-            n = self._drain_locked(polled=True)
+            self.poller_looks += 1
+            q = self._quiet
+            if q is not None and q[1]:  # (the watcher's byte, once it watches: 0 from here, the
+                q[0] = 0                # drain below ends empty)
+            try:
+                n = self._drain_locked(polled=True)
+            finally:
+                if q is not None and not self._drained:  # ended early (a socket error): look again
+                    q[0] = 1
             self.by_poller += n
             return n
         finally:
             self.lock.release()
+
+    def _alive_checked(self, now: float) -> bool:
+        # (a wait for the child is a system call and 30 us of this thread on this VM, where a
+        # wake costs 50: once a WATCHER_CHECK_S, not at every wake)
+        self._watcher_check_at = now + WATCHER_CHECK_S
+        return self._watcher.alive()
+
+    def _watcher_gone_locked(self, why: str) -> None:
+        """From now on every poll looks at the socket (as without a watcher)."""
+        watcher = self._watcher
+        self._quiet = None
+        self._watcher = None
+        if watcher is not None:
+            logger.warning("sglang-mori: the %s's arrival watcher process (pid %d) ended (%s): every "
+                           "poll looks at the socket from now on", self.name, watcher.pid, why)
+            self._dead_watcher = watcher  # reaped by close() (or now, when it has ended)
+            watcher.alive()
 
     # --- the reading thread's side ----------------------------------------------------------------
     def wait_and_drain(self, timeout_ms: int) -> int:
@@ -132,7 +216,18 @@ class Inbox:
         arrives, the flag's tick or a wake-up)."""
         if self._flag is not None:
             return self._watch_once()
-        if time.perf_counter() - self._last_poll < POLLER_ACTIVE_S:  # a poller is active
+        now = time.perf_counter()
+        active = now - self._last_poll < POLLER_ACTIVE_S
+        if self._watcher is not None:
+            looks = self._quiet_looks
+            if looks != self._seen_looks:  # the byte answered a poller since this thread's last look
+                self._seen_looks, active = looks, True
+            if now >= self._watcher_check_at and not self._alive_checked(now):
+                with self.lock:
+                    if self._watcher is not None:
+                        self._watcher_gone_locked("found at the reading thread's wake")
+                active = False  # look now: a message may have waited behind the dead child's byte
+        if active:  # a poller is active
             # Stay off the socket and the GIL until the poller may have stopped, then look again.
             backoff = POLLER_ACTIVE_S if self.poller_backoff_s is None else self.poller_backoff_s
             time.sleep(min(backoff, timeout_ms / 1000.0))
@@ -144,6 +239,9 @@ class Inbox:
             if self._waker is None:
                 self._open_waker_locked()
             sock = self.sock
+            q = self._quiet
+            if q is not None:  # our receive may leave messages that ZMQ signals no more: polls look
+                q[0] = 1
             if timeout_ms != self._timeout_ms:
                 sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
                 self._timeout_ms = timeout_ms
@@ -203,8 +301,13 @@ class Inbox:
             flag.wake()
             with self._watch_lock:  # out of poll(2): its descriptors may go
                 flag.close()
-        with self.lock:
+        with self.lock:  # (a poll holds it while it reads the watcher's byte)
             self.closed = True
+            watcher, self._watcher, self._quiet = self._watcher, None, None
+            dead, self._dead_watcher = self._dead_watcher, None
+        for w in (watcher, dead):  # the child ends and is reaped
+            if w is not None:
+                w.close()
         self._close_waker()
 
     def _open_waker_locked(self) -> None:

@@ -124,7 +124,10 @@ def rig_config(**kw) -> MoriConfig:
         kw["inline_post"] = mode.lower()
     flag = os.environ.get("SGLANG_MORI_DECODE_ARRIVAL_FLAG")
     if flag and "decode_arrival_flag" in MoriConfig.__dataclass_fields__:
-        kw["decode_arrival_flag"] = flag.strip().lower() in ("1", "true", "yes", "on")
+        # (a checkout whose knob is a bool takes on/off; one with off|thread|process takes its spelling)
+        kw["decode_arrival_flag"] = (flag.strip().lower() in ("1", "true", "yes", "on", "thread")
+                                     if MoriConfig.__dataclass_fields__["decode_arrival_flag"].default is False
+                                     else MoriConfig.from_env({"SGLANG_MORI_DECODE_ARRIVAL_FLAG": flag}).decode_arrival_flag)
     return MoriConfig(**kw)
 
 

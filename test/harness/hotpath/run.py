@@ -27,6 +27,21 @@ DECODE_WAITS = (S.BOOTSTRAPPING, S.WAITING_FOR_INPUT, S.TRANSFERRING)  # manager
 # harness (MainThread, whose calls into us are timed one by one) or softio's own threads.
 PREFILL_THREADS = ("mori-shard-N", "mori-completion", "mori-control")
 DECODE_THREADS = ("mori-decode-status",)
+# SGLANG_MORI_DECODE_ARRIVAL_FLAG=process: decode's arrival watcher, a child process of ours (its CPU
+# is no thread's of the decode process; reported as its own decode row, and in decode's total)
+WATCHER_ROW = "arrival-watcher-process"
+
+
+def watcher_cpu_ns(inbox) -> int | None:
+    """CPU ns of the inbox's watcher child (/proc/PID/schedstat), None without one."""
+    watcher = getattr(inbox, "_watcher", None)
+    if watcher is None:
+        return None
+    try:
+        with open(f"/proc/{watcher.pid}/schedstat") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 class Driver:
@@ -143,6 +158,8 @@ def report(calls: dict, threads: dict, engine: EngineMeter, requests: int, wall_
         for name, ns in sorted(calls.items()):
             if name.startswith(side + "."):
                 rows["scheduler." + name.split(".", 1)[1]] = {"ours_us": _us(ns, requests), "engine_us": 0.0}
+        if side == "decode" and WATCHER_ROW in threads:
+            roles = roles + (WATCHER_ROW,)
         for r in roles:
             eng = engine.ns.get(r, 0)
             rows[r] = {"ours_us": _us(threads.get(r, 0) - eng, requests), "engine_us": _us(eng, requests),
@@ -182,13 +199,21 @@ def run_case(shape_key: str, tokens: int, requests: int, window: int, token_byte
             inbox = pair.decode.inbox
             read_before = inbox.by_poller + inbox.by_thread
             looks_before = getattr(inbox, "poller_looks", 0)
+            watcher0 = watcher_cpu_ns(inbox)
             clocks.start()
             start = time.perf_counter()
             for _ in range(batches):
                 driver.batch()
             wall = time.perf_counter() - start
             threads = clocks.since()
+            if watcher0 is not None:
+                threads[WATCHER_ROW] = watcher_cpu_ns(inbox) - watcher0
+            result_mode = getattr(config, "decode_arrival_flag", None)
             result = report(driver.calls.ns, threads, engine, batches * window, wall)
+            if result_mode is not None:
+                result["decode_arrival_flag"] = result_mode
+                if str(result_mode) == "process" and watcher0 is None:
+                    raise RuntimeError("SGLANG_MORI_DECODE_ARRIVAL_FLAG=process: no arrival watcher process ran")
             # Prefill's messages decode read per request (2: TransferStarted and Success; 1: the
             # last chunk finished within SGLANG_MORI_ANNOUNCE_GRACE_MS). A message read just after
             # the last batch ended may be missed.

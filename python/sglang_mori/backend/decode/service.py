@@ -98,8 +98,10 @@ class DecodeService:
         # prefill's messages: read by the status thread, and by SGLang's scheduler when it polls a
         # room not concluded yet (poll_inbox; inbox.py says why)
         # While SGLang polls (it polls every room until it concludes, and the poll reads every
-        # message), the status thread waits in poll(2) on the socket, ticking as often as its
-        # deadline sweep runs, and SGLang's look at an empty socket reads a flag (arrival_flag.py).
+        # message), the status thread stays off the socket for its deadline sweep's interval.
+        # SGLANG_MORI_DECODE_ARRIVAL_FLAG: `thread`, it waits in poll(2) on the socket and SGLang's
+        # look at an empty socket reads a flag (arrival_flag.py); `process`, a child process waits
+        # and the look reads its byte (arrival_watcher.py).
         self.inbox = (Inbox(parts.control_socket, self.handle, "decode status socket",
                             poller_backoff_s=parts.config.wait_poll_ms / 1000.0,
                             watch_arrivals=getattr(parts.config, "decode_arrival_flag", False))
