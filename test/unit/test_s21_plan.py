@@ -26,7 +26,7 @@ def stored_reference(path: Path, phase: str) -> Path:
     return path
 
 
-def run_plan(tmp_path, tproc, budget=460, steps="mla tp2 load"):
+def run_plan(tmp_path, tproc, budget=440, steps="mla tp2 load"):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "python3").write_text(f'#!/bin/bash\necho "$@" >> {tmp_path}/calls\nexec {sys.executable} {SHIM} "$@"\n')
