@@ -92,6 +92,7 @@ def test_tproc_config_sets_the_switch_on_the_prefill_only_and_shares_one_gpu(mon
     assert dec.argv[dec.argv.index("--mem-fraction-static") + 1] == "0.65"
     order = [e for e in events if e[0] != "new"]
     assert order.index(("ready", "pd_off_tproc-prefill")) < order.index(("start", "pd_off_tproc-decode"))
+    assert order.count(("ready", "pd_off_tproc-prefill")) == 1
 
 
 def test_tproc_config_whose_switch_was_refused_fails_by_name(monkeypatch, tmp_path):
@@ -182,6 +183,7 @@ def test_pd_tp_at_prefill_tp2_with_decode_on_a_prefill_gpu(monkeypatch, tmp_path
     assert dec.argv[dec.argv.index("--mem-fraction-static") + 1] == "0.65" and "--tp-size" not in dec.argv
     order = [e for e in events if e[0] != "new"]
     assert order.index(("ready", "pd_tp-prefill")) < order.index(("start", "pd_tp-decode"))
+    assert order.count(("ready", "pd_tp-prefill")) == 1  # its ready_s is its start-up (session 21 read 1.0 s)
 
 
 def test_two_gpus_without_decode_gpu_keep_decode_after_the_prefills():
