@@ -260,7 +260,12 @@ def main() -> None:
                     "triton_f32_default": os.environ.get("TRITON_F32_DEFAULT"), "phases": {}}
     ports = [args.port_base, args.port_base + 10, args.port_base + 20]
     for name in args.phases.split(","):
-        phase = run_phase(name, args, items, logs, ports)
+        try:
+            phase = run_phase(name, args, items, logs, ports)
+        except KeyboardInterrupt:  # a plan step's time limit (timeout -s INT): compare what finished
+            report["phases"][name] = {"phase": name, "failed": "interrupted (SIGINT: the step's time limit)"}
+            print(f"[{name}] interrupted: the phases before it are still compared", flush=True)
+            break
         ports = [p + 100 for p in ports]  # no reuse of a port a stopped server may still hold
         for key in (f"c{c}" for c in args.concurrency):
             if key in phase:

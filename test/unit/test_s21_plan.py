@@ -26,7 +26,7 @@ def stored_reference(path: Path, phase: str) -> Path:
     return path
 
 
-def run_plan(tmp_path, tproc, budget=440, steps="mla tp2 load"):
+def run_plan(tmp_path, tproc, budget=460, steps="mla tp2 load", extra=""):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "python3").write_text(f'#!/bin/bash\necho "$@" >> {tmp_path}/calls\nexec {sys.executable} {SHIM} "$@"\n')
@@ -37,7 +37,7 @@ def run_plan(tmp_path, tproc, budget=440, steps="mla tp2 load"):
     mla_ref = stored_reference(tmp_path / "mla_ref.json", "standalone")
     tp2_ref = stored_reference(tmp_path / "tp2_ref.json", "pd")
     script = (f'source {ROOT}/scripts/gpu_sglang/plans.sh; W={w}; S21_BUDGET_S={budget}; S21_PROMPTS={PROMPTS}; '
-              f'S21_MLA_REF={mla_ref}; S21_TP2_REF={tp2_ref}; S21_STEPS="{steps}"; S21_REQ_PER_CONC=1; s21_tpsg')
+              f'S21_MLA_REF={mla_ref}; S21_TP2_REF={tp2_ref}; S21_STEPS="{steps}"; S21_REQ_PER_CONC=1; {extra} s21_tpsg')
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", ROOT=str(ROOT), OUT=str(out),
                S20_FAKE_TPROC=tproc, PYTHONPATH=str(ROOT / "python"))
     done = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
@@ -50,7 +50,7 @@ def scripts_of(calls):
 
 
 def test_s21_plan_runs_mla_then_tp2_then_load_and_passes_serving_children(tmp_path):
-    done, w, out, calls = run_plan(tmp_path, "serving")
+    done, w, out, calls = run_plan(tmp_path, "serving", extra="S21_MLA_PHASES=pd_tp,pd S21_TP2_PHASES=pd_tp,pd;")
     summary = (w / "s21.out").read_text()
     assert scripts_of(calls) == ["pd_identity.py", "pd_identity.py", "pd_latency.py"], done.stderr
     mla, tp2, load = calls
@@ -88,3 +88,12 @@ def test_s21_plan_skips_by_name_the_steps_the_budget_cannot_hold(tmp_path, budge
     assert scripts_of(calls) == ran
     summary = (w / "s21.out").read_text()
     assert [line.split(":")[0] for line in summary.splitlines() if "skipped at" in line] == skipped
+
+
+def test_s21_plan_by_default_runs_pd_tp_alone_against_the_stored_references(tmp_path):
+    """The in-call pd phases did not fit one call beside the rest (session 21): by default pd_tp alone."""
+    done, w, out, calls = run_plan(tmp_path, "serving")
+    mla, tp2, _ = calls
+    assert "--phases pd_tp --reference" in mla and "--phases pd_tp --reference" in tp2
+    t = json.loads((out / "identity_tp2_tproc.json").read_text())["phases"]
+    assert t["pd_tp"]["c16"]["vs_standalone"]["identical"] == PROMPTS and "vs_pd" not in t["pd_tp"]["c16"]

@@ -5,6 +5,7 @@ unless the prefill log shows the transfer process serving."""
 
 from __future__ import annotations
 
+import json
 import sys
 import types
 from pathlib import Path
@@ -209,3 +210,26 @@ def test_a_stored_pd_phase_as_reference_and_a_phase_of_this_run_compared(tmp_pat
     assert pd_identity.identity_lines(report, [1], "pd") == [
         "[pd_tp] c1: digest d1; identical 1/2 vs the reference; identical 2/2 vs pd",
         "[pd] c1: digest d1; identical 1/2 vs the reference"]
+
+
+def test_a_phase_cut_by_the_steps_time_limit_keeps_the_comparisons_of_the_phases_before_it(tmp_path, monkeypatch,
+                                                                                           capsys):
+    """Session 21's first call: SIGINT during the second phase lost the first phase's comparison lines."""
+    items = pd_identity.prompts(2, 8192)
+    results = [{"output_ids": [i], "error": None} for i in range(2)]
+    ref = tmp_path / "ref.json"
+    ref.write_text(json.dumps({"phases": {"pd": {"c1": {"results": results}}}}))
+
+    def run_phase(name, *args):
+        if name == "pd":
+            raise KeyboardInterrupt
+        return {"phase": name, "c1": {"results": results}}
+    monkeypatch.setattr(pd_identity, "run_phase", run_phase)
+    monkeypatch.setattr(sys, "argv", ["pd_identity.py", "--model", "m", "--out", str(tmp_path / "o"), "--phases",
+                                      "pd_tp,pd", "--prompts", str(len(items)), "--concurrency", "1", "--reference",
+                                      str(ref), "--reference-phase", "pd", "--tag", "t"])
+    pd_identity.main()
+    report = json.loads((tmp_path / "o" / "t.json").read_text())
+    assert report["phases"]["pd"]["failed"].startswith("interrupted")
+    assert report["phases"]["pd_tp"]["c1"]["vs_standalone"]["identical"] == 2
+    assert "[pd_tp] c1: digest" in capsys.readouterr().out
