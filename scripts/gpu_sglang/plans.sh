@@ -484,7 +484,9 @@ s20_tpsg() {
 #     S21_TP2_PHASES=pd_tp,pd; pd_tp needs both ranks' children accepted, proven and carrying rooms
 #     (tproc_check.py, ranks 2);
 #  3. load (S21_LOAD_S, 200 s): pd_off_tproc then pd_off at concurrency S21_CONC (16), 1K prompts, prefill
-#     GPU 0 -> decode GPU 1, Llama-3-8B widths (pd_latency.py).
+#     GPU 0 -> decode GPU 1, Llama-3-8B widths (pd_latency.py), each measured twice (S21_LOAD_REPEATS): on a
+#     fresh machine the first config's first c16 measurement compiled 33 Triton kernels (session 21), so
+#     read `1024tok_c16_repeat1`.
 # Measured (session 21's call, 2x H200): the first server of a call spends ~30 s more in its prefill
 # graph capture (Triton's cold JIT); an MLA pd_tp phase ~100 s, a pd phase ~65 s; a TP 2 phase with decode
 # started after its prefill ~150 s (prefill ~48 s, decode ~60 s, prompts ~10 s, stop ~15-20 s). The
@@ -531,7 +533,7 @@ s21_tpsg() {
   fi
   [[ $steps == *" load "* ]] && s21_step load 120 ${S21_LOAD_S:-200} python3 "$S/pd_latency.py" --out $W/load \
     --configs ${S21_LOAD_CONFIGS:-pd_off_tproc,pd_off} --gpus 2 --gpu-base 0 --lengths 1024 --concurrency ${S21_CONC:-16} \
-    --requests-per-conc ${S21_REQ_PER_CONC:-4} --max-total-tokens ${S21_MAXTOK:-131072} --tag load_tproc --port-base 16000 \
+    --requests-per-conc ${S21_REQ_PER_CONC:-4} --repeats ${S21_LOAD_REPEATS:-2} --max-total-tokens ${S21_MAXTOK:-131072} --tag load_tproc --port-base 16000 \
     > $W/load.out 2>&1
   cp $W/load/*.json "$OUT/" 2>/dev/null
   s21_logs $W/mla/logs/*prefill*.log $W/tp2/logs/*prefill*.log $W/load/logs/*prefill*.log

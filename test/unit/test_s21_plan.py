@@ -56,7 +56,7 @@ def test_s21_plan_runs_mla_then_tp2_then_load_and_passes_serving_children(tmp_pa
     mla, tp2, load = calls
     assert "--model /tmp/gpu-mla --out" in mla and "--gpus 2 --gpu-base 0 --phases pd_tp,pd" in mla and "--kv-hash" in mla
     assert "--prefill-tp 2 --decode-gpu 0" in tp2 and "--reference-phase pd --compare-phase pd" in tp2
-    assert "--configs pd_off_tproc,pd_off --gpus 2" in load and "--concurrency 16" in load
+    assert "--configs pd_off_tproc,pd_off --gpus 2" in load and "--concurrency 16" in load and "--repeats 2" in load
     for step in ("mla: rc 0", "tp2: rc 0", "load: rc 0"):
         assert step in summary, summary + done.stderr
     m = json.loads((out / "identity_mla_tproc.json").read_text())["phases"]
