@@ -15,7 +15,8 @@ Each line: {"side", "room", "heads": [lo, hi) global KV heads, "tokens", "layers
 digests per layer], "bytes"}. `compare(folder)` matches the two sides. Measurement only: the hooks
 read the pool and change no argument or result; pages of size 1 (the Triton backend's default) and
 KV heads not replicated across ranks (KV heads >= TP) only -- anything else is recorded as
-unsupported, never guessed.
+unsupported, never guessed. MLA pools (one latent buffer per layer, [slots, 1, kv_lora_rank + rope dims],
+the same on every rank) are hashed whole on both sides as "heads" [0, 1) with one digest per layer.
 """
 
 from __future__ import annotations
@@ -54,14 +55,24 @@ def _tp_rank_size():
     return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
 
 
+def is_mla(pool) -> bool:
+    """SGLang's MLATokenToKVPool: `kv_buffer` per layer, no K / V split."""
+    return not hasattr(pool, "k_buffer") and hasattr(pool, "kv_buffer")
+
+
+def layer_buffers(pool, layer: int) -> tuple:
+    return (pool.kv_buffer[layer],) if is_mla(pool) else (pool.k_buffer[layer], pool.v_buffer[layer])
+
+
 def layer_hashes(pool, slots, head_lo: int, head_hi: int) -> tuple:
-    """[[K digest, V digest] per layer] of the tokens at `slots`, local heads [head_lo, head_hi)."""
+    """[[K digest, V digest] per layer] (MLA: [[latent digest]]) of the tokens at `slots`, local heads
+    [head_lo, head_hi)."""
     import torch
 
     out, nbytes = [], 0
-    for layer in range(len(pool.k_buffer)):
+    for layer in range(len(pool.kv_buffer if is_mla(pool) else pool.k_buffer)):
         pair = []
-        for buf in (pool.k_buffer[layer], pool.v_buffer[layer]):
+        for buf in layer_buffers(pool, layer):
             idx = torch.as_tensor(slots, dtype=torch.int64).to(buf.device)
             part = buf.index_select(0, idx)[:, head_lo:head_hi].contiguous()
             raw = part.view(torch.uint8).cpu().numpy().tobytes()
@@ -76,6 +87,9 @@ def _pool_problem(pool) -> Optional[str]:
         return "no KV pool seen in this process"
     if getattr(pool, "page_size", 1) != 1:
         return f"page_size {pool.page_size} (only 1 is hashed)"
+    if is_mla(pool):
+        shape = tuple(pool.kv_buffer[0].shape)
+        return None if len(shape) == 3 and shape[1] == 1 else f"MLA buffer layout {shape} is not [slots, 1, dim]"
     if pool.k_buffer[0].dim() != 3 or pool.k_buffer[0].shape[1] != pool.head_num:
         return f"KV buffer layout {tuple(pool.k_buffer[0].shape)} is not [slots, heads, dim]"
     return None
@@ -83,12 +97,13 @@ def _pool_problem(pool) -> Optional[str]:
 
 def hash_prefill(room: int, pages, pool, rank: int) -> None:
     problem = _pool_problem(pool)
-    heads = [rank * pool.head_num, (rank + 1) * pool.head_num] if pool is not None else None
+    mla = pool is not None and is_mla(pool)
+    heads = [0, 1] if mla else [rank * pool.head_num, (rank + 1) * pool.head_num] if pool is not None else None
     base = {"side": "prefill", "room": room, "heads": heads, "tokens": len(pages)}
     if problem:
         emit(dict(base, unsupported=problem))
         return
-    layers, nbytes = layer_hashes(pool, pages, 0, pool.head_num)
+    layers, nbytes = layer_hashes(pool, pages, 0, 1 if mla else pool.head_num)
     emit(dict(base, layers=layers, bytes=nbytes))
 
 
@@ -98,6 +113,10 @@ def hash_decode(room: int, pages, prefix_len: int, pool, rank: int, prefill_tp: 
     if problem or prefix_len:
         emit({"side": "decode", "room": room, "heads": None, "tokens": len(pages),
               "unsupported": problem or f"decode_prefix_len {prefix_len} (decode's radix cache)"})
+        return
+    if is_mla(pool):  # every prefill rank holds the whole latent: one slice, all of it
+        layers, nbytes = layer_hashes(pool, pages, 0, 1)
+        emit({"side": "decode", "room": room, "heads": [0, 1], "tokens": len(pages), "layers": layers, "bytes": nbytes})
         return
     lo, hi = rank * pool.head_num, (rank + 1) * pool.head_num
     total = pool.head_num * _decode_tp()
@@ -136,7 +155,8 @@ def _after_pool_init(result, self, *args, **kwargs):
         dot_f32 = triton.knobs.language.fp32_default
     except (ImportError, AttributeError):
         dot_f32 = "unknown"
-    emit({"side": "process", "kv_dtype": str(self.dtype), "head_num": self.head_num,
+    emit({"side": "process", "kv_dtype": str(self.dtype), "head_num": getattr(self, "head_num", None),
+          "mla": is_mla(self),
           "triton_fp32_dot_default": dot_f32 or "tf32 (Triton's own default)",
           "float32_matmul_precision": torch.get_float32_matmul_precision(),
           "cuda_matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
@@ -189,6 +209,7 @@ def _after_receiver_poll(result, self, *args, **kwargs):
 
 HOOKS = [
     ("sglang.srt.mem_cache.memory_pool.MHATokenToKVPool.__init__", _after_pool_init, "AFTER"),
+    ("sglang.srt.mem_cache.memory_pool.MLATokenToKVPool.__init__", _after_pool_init, "AFTER"),
     ("sglang_mori.backend.manager.MoriKVManager.add_transfer_request", _before_add_transfer, "BEFORE"),
     ("sglang_mori.backend.sender.MoriKVSender.poll", _after_sender_poll, "AFTER"),
     ("sglang_mori.backend.decode.service.DecodeService.record_destination", _before_record_destination, "BEFORE"),

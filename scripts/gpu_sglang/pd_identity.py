@@ -154,18 +154,21 @@ def run_phase(name: str, args, items: List[Dict], logs: Path, ports: List[int]) 
                 dextra.append("--disaggregation-decode-enable-radix-cache")
             pre = Server(f"{name}-prefill", server_argv(model, ports[0], base, args.mem, pextra + flags, tp=tp),
                          penv, logs, ports[0])
-            # On one GPU the decode sizes its pool from what the prefill left: start it after.
-            dmem = args.mem if two else args.mem_decode_shared
-            dec = Server(f"{name}-decode", server_argv(model, ports[1], base + tp if two else base, dmem, dextra + flags),
-                         denv, logs, ports[1])
+            # On a GPU of the prefill's the decode sizes its pool from what the prefill left: start it after.
+            dgpu = decode_gpu(args)
+            shared = base <= dgpu < base + tp
+            dmem = args.mem_decode_shared if shared else args.mem
+            dec = Server(f"{name}-decode", server_argv(model, ports[1], dgpu, dmem, dextra + flags), denv, logs, ports[1])
             servers.append(pre.start())
-            if not two:
+            if shared:
                 pre.wait_ready(args.start_timeout)
             servers.append(dec.start())
-            pre.wait_ready(args.start_timeout)
+            if not shared:  # waited above: a second wait would overwrite its ready_s with ~1 s
+                pre.wait_ready(args.start_timeout)
             dec.wait_ready(args.start_timeout)
             send = PDClient(pre, dec, boot)
         phase["ready_s"] = {s.name: round(s.ready_s, 1) for s in servers}
+        print(f"[{name}] ready_s: {json.dumps(phase['ready_s'])}", flush=True)
         for conc in args.concurrency:
             phase[f"c{conc}"] = run_prompts(send, items, conc)
             print(f"[{name}] concurrency {conc}: {phase[f'c{conc}']['wall_s']} s", flush=True)
@@ -182,6 +185,13 @@ def run_phase(name: str, args, items: List[Dict], logs: Path, ports: List[int]) 
         print(f"[{name}] KV bytes: {json.dumps({k: v for k, v in phase['kv_hash'].items() if k != 'mismatches'})}",
               flush=True)
     return phase
+
+
+def decode_gpu(args) -> int:
+    """--decode-gpu, else the GPU after the prefill's (--gpus 2), else the prefill's first (--gpus 1)."""
+    if args.decode_gpu is not None:
+        return args.decode_gpu
+    return args.gpu_base + args.prefill_tp if args.gpus >= 2 else args.gpu_base
 
 
 def check_transfer_process(phase: Dict, name: str, prefill_log: Path, ranks: int) -> None:
@@ -201,6 +211,15 @@ def kv_hash_env(args, name: str) -> Dict[str, str]:
     return {kv_hash.ENV: str(folder), kv_hash.PREFILL_TP_ENV: str(args.prefill_tp)}
 
 
+def compare_phases(report: Dict, concurrency: List[int], ref_name: str, key_name: str) -> None:
+    """Every other phase's outputs against phase `ref_name`'s, per concurrency, as phase[cN][key_name]."""
+    ref = report["phases"].get(ref_name)
+    for name, phase in report["phases"].items():
+        for key in (f"c{c}" for c in concurrency):
+            if name != ref_name and ref and key in ref and key in phase:
+                phase[key][key_name] = compare(ref[key]["results"], phase[key]["results"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -215,10 +234,16 @@ def main() -> None:
     ap.add_argument("--deterministic", action="store_true")
     ap.add_argument("--gpu-base", type=int, default=0, help="first GPU this run uses")
     ap.add_argument("--prefill-tp", type=int, default=1, help="prefill TP size (GPUs base..base+tp-1; decode after)")
+    ap.add_argument("--decode-gpu", type=int, help="the decode server's GPU; on one of the prefill's it starts "
+                    "after the prefill, with --mem-decode-shared (default: after the prefill's, or its first with --gpus 1)")
     ap.add_argument("--standalone-tp", type=int, default=1, help="TP size of the standalone server")
     ap.add_argument("--kv-hash", help="folder: hash each room's KV on both PD sides (kv_hash.py) and compare")
     ap.add_argument("--port-base", type=int, default=11000)
     ap.add_argument("--reference", help="a pd_identity.json whose standalone phase is the reference")
+    ap.add_argument("--reference-phase", default="standalone",
+                    help="the phase of --reference that serves as the reference (e.g. a stored TP 2 pd: TP 2 and TP 1 "
+                    "differ by bf16 arithmetic, so PD at TP 2 compares with PD at TP 2)")
+    ap.add_argument("--compare-phase", help="also compare every other phase with this phase of this run (vs_<phase>)")
     ap.add_argument("--dtype", help="--dtype for every server (float32 with TRITON_F32_DEFAULT=ieee: TP 2 matched TP 1, plans.sh tp_proof)")
     ap.add_argument("--tag", default="pd_identity", help="name of the JSON written under --out")
     ap.add_argument("--start-timeout", type=float, default=420)
@@ -235,7 +260,12 @@ def main() -> None:
                     "triton_f32_default": os.environ.get("TRITON_F32_DEFAULT"), "phases": {}}
     ports = [args.port_base, args.port_base + 10, args.port_base + 20]
     for name in args.phases.split(","):
-        phase = run_phase(name, args, items, logs, ports)
+        try:
+            phase = run_phase(name, args, items, logs, ports)
+        except KeyboardInterrupt:  # a plan step's time limit (timeout -s INT): compare what finished
+            report["phases"][name] = {"phase": name, "failed": "interrupted (SIGINT: the step's time limit)"}
+            print(f"[{name}] interrupted: the phases before it are still compared", flush=True)
+            break
         ports = [p + 100 for p in ports]  # no reuse of a port a stopped server may still hold
         for key in (f"c{c}" for c in args.concurrency):
             if key in phase:
@@ -250,18 +280,35 @@ def main() -> None:
         deadline = time.monotonic() + args.start_timeout
         while not ref_path.exists() and time.monotonic() < deadline:
             time.sleep(2)
-        ref_phase = json.loads(ref_path.read_text())["phases"].get("standalone") if ref_path.exists() else None
+        ref_phase = json.loads(ref_path.read_text())["phases"].get(args.reference_phase) if ref_path.exists() else None
+        report["reference_phase"] = args.reference_phase
         report["phases"].setdefault("standalone", ref_phase or {"failed": "no reference"})
-    ref = report["phases"].get("standalone")
-    for name, phase in report["phases"].items():
-        for key in (f"c{c}" for c in args.concurrency):
-            if name != "standalone" and ref and key in ref and key in phase:
-                phase[key]["vs_standalone"] = compare(ref[key]["results"], phase[key]["results"])
+    compare_phases(report, args.concurrency, "standalone", "vs_standalone")
+    if args.compare_phase:
+        compare_phases(report, args.concurrency, args.compare_phase, f"vs_{args.compare_phase}")
     write_json(out / f"{args.tag}.json", report)
     summary = {n: {k: v.get("vs_standalone", v.get("digest")) for k, v in p.items()
                    if k.startswith("c") and isinstance(v, dict)} | ({"failed": p["failed"]} if "failed" in p else {})
                for n, p in report["phases"].items()}
     print(json.dumps(summary, indent=1))
+    for line in identity_lines(report, args.concurrency, args.compare_phase):
+        print(line, flush=True)
+
+
+def identity_lines(report: Dict, concurrency: List[int], compare_phase) -> List[str]:
+    """One line per phase and concurrency: digest and identity against each reference (plans grep them)."""
+    out = []
+    for name, phase in report["phases"].items():
+        for key in (f"c{c}" for c in concurrency):
+            got = phase.get(key)
+            if not isinstance(got, dict) or name == "standalone" and "reference" in report:
+                continue
+            parts = [f"digest {got.get('digest')}"]
+            for field, what in (("vs_standalone", "the reference"), (f"vs_{compare_phase}", compare_phase)):
+                if field in got:
+                    parts.append(f"identical {got[field]['identical']}/{got[field]['total']} vs {what}")
+            out.append(f"[{name}] {key}: " + "; ".join(parts))
+    return out
 
 
 if __name__ == "__main__":

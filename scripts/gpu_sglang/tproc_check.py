@@ -21,14 +21,23 @@ ENV = {"SGLANG_MORI_TRANSFER_PROCESS": "on"}
 ACCEPTED = re.compile(r"sglang-mori: transfer process pid (\d+) serves control port (\d+)")
 PROVEN = re.compile(r"sglang-mori transfer process pid (\d+): engine .* registered and proven")
 FIRST_SUCCESS = re.compile(r"sglang-mori transfer process pid (\d+): first room reached Success")
-REFUSED = re.compile(r"SGLANG_MORI_TRANSFER_PROCESS=on refused: (.*?)(?:; transfers stay|$)")
+REFUSED = re.compile(r"(?:prefill tp(\d+): )?SGLANG_MORI_TRANSFER_PROCESS=on refused: (.*?)(?:; transfers stay|$)",
+                     re.MULTILINE)
+# the child's CPU from its spawn to ready (child_parts.py), per child: what the start-up cost
+STARTUP_CPU = re.compile(r"sglang-mori transfer process pid (\d+): .* start-up used (\d+) ms of CPU")
 
 
 def summary(text: str) -> Dict:
     return {"accepted_pids": sorted({int(m.group(1)) for m in ACCEPTED.finditer(text)}),
             "proven_pids": sorted({int(m.group(1)) for m in PROVEN.finditer(text)}),
             "success_pids": sorted({int(m.group(1)) for m in FIRST_SUCCESS.finditer(text)}),
-            "refusals": [m.group(1) for m in REFUSED.finditer(text)][:4]}
+            "refusals": [refusal(m) for m in REFUSED.finditer(text)][:4],
+            "startup_cpu_ms": {int(m.group(1)): int(m.group(2)) for m in STARTUP_CPU.finditer(text)}}
+
+
+def refusal(match) -> str:
+    """The reason, led by the refusing rank where the line names it (under TP every rank decides alone)."""
+    return match.group(2) if match.group(1) is None else f"prefill tp{match.group(1)}: {match.group(2)}"
 
 
 def failure(text: str, ranks: int = 1) -> Optional[str]:

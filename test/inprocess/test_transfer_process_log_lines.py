@@ -34,7 +34,8 @@ def test_a_refusal_fails_the_log_check_by_name(caplog):
 
     caplog.set_level(logging.WARNING, logger="sglang_mori.backend.manager")
     manager = object.__new__(manager_module.MoriKVManager)
-    manager.attn_tp_rank = 0
+    manager.attn_tp_rank = 1  # under TP each rank refuses alone: the check names which
     manager._refuse_transfer_process("KV buffer 3 at 0x10 is private host memory")
-    why = tproc_check.failure(caplog.text)
-    assert why == "transfer process refused (transfers stayed in-process): KV buffer 3 at 0x10 is private host memory"
+    why = tproc_check.failure(caplog.text, ranks=2)
+    assert why == ("transfer process refused (transfers stayed in-process): prefill tp1: KV buffer 3 at 0x10 is "
+                   "private host memory")

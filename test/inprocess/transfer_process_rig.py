@@ -60,10 +60,10 @@ class SharedPools:
             s.unlink()
 
 
-def child_spec(pools: SharedPools, config: MoriConfig = None) -> ChildSpec:
+def child_spec(pools: SharedPools, config: MoriConfig = None, is_mla: bool = False) -> ChildSpec:
     """The child's start-up description for prefill pools in /dev/shm, on softio at 127.0.0.1."""
     config = config or MoriConfig(engine="soft", transfer_shards=1, transfer_timeout_ms=5000)
-    layout = local_layout(pools.args, 1, 0, False)
+    layout = local_layout(pools.args, 1, 0, is_mla)
     return ChildSpec(config=config, layout=encode_layout(layout),
                      kv=describe(pools.args.kv_data_ptrs, pools.args.kv_data_lens, False, -1),
                      on_gpu=False, device=-1, host="127.0.0.1", control_host="127.0.0.1",
@@ -71,16 +71,19 @@ def child_spec(pools: SharedPools, config: MoriConfig = None) -> ChildSpec:
 
 
 class TransferProcessRig:
-    def __init__(self, config: MoriConfig = None):
+    """`buffers`, `is_mla`: the pools' shape on both sides (MLA: one latent buffer per layer)."""
+
+    def __init__(self, config: MoriConfig = None, buffers: int = BUFFERS, is_mla: bool = False):
         self.config = config or MoriConfig(engine="soft", transfer_shards=1, transfer_timeout_ms=5000)
-        self.pools = SharedPools()
-        self.process = TransferProcess(child_spec(self.pools, self.config), slots=16)
+        self.pools = SharedPools(buffers)
+        self.process = TransferProcess(child_spec(self.pools, self.config, is_mla), slots=16)
         self.sglang = FakeSGLang()
         self.service = TransferProcessService(
             self.process, self.sglang,
             read_aux=lambda i: None if i is None else [self.pools.aux[i * AUX_BYTES:(i + 1) * AUX_BYTES].tobytes()])
         self.ctx = zmq.Context()
-        self.decode = Side("decode", fill=False)
+        self.decode = Side("decode", fill=False, buffers=buffers)
+        self.decode.layout = local_layout(self.decode.args, 1, 0, is_mla)
         self.decode_socket = self.ctx.socket(zmq.PULL)
         port = self.decode_socket.bind_to_random_port("tcp://127.0.0.1")
         self.decode_sglang = FakeSGLang()

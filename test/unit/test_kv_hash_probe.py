@@ -113,3 +113,41 @@ def test_a_failing_hook_changes_nothing_and_is_recorded(probe, monkeypatch):
     bad = kv_hash._quiet(kv_hash._before_record_destination)
     assert bad(None, bootstrap_room=5) is None  # kv_indices missing: KeyError inside, swallowed
     assert kv_hash.compare(probe)["errors"][0]["hook"] == "_before_record_destination"
+
+
+def mla_pool() -> SimpleNamespace:
+    """SGLang's MLATokenToKVPool as the probe sees it: one latent buffer per layer, [slots, 1, dim]."""
+    return SimpleNamespace(kv_buffer=[torch.zeros(SLOTS, 1, DIM, dtype=torch.bfloat16) for _ in range(LAYERS)],
+                           page_size=1, dtype=torch.bfloat16)
+
+
+def mla_transfer(monkeypatch, room: int, tokens: int, flip_layer=None):
+    """One MLA room: prefill's latent pages copied into decode's at other slots, then both sides' hooks."""
+    gen = torch.Generator().manual_seed(room)
+    p_pages = torch.randperm(SLOTS, generator=gen)[:tokens].numpy()
+    d_pages = torch.randperm(SLOTS, generator=gen)[:tokens].numpy()
+    prefill, decode = mla_pool(), mla_pool()
+    for layer in range(LAYERS):
+        prefill.kv_buffer[layer][p_pages] = torch.randn(tokens, 1, DIM, generator=gen).to(torch.bfloat16)
+        decode.kv_buffer[layer][d_pages] = prefill.kv_buffer[layer][p_pages]
+    if flip_layer is not None:
+        decode.kv_buffer[flip_layer].view(torch.uint8)[d_pages[0], 0, 1] ^= 1
+    monkeypatch.setenv(kv_hash.PREFILL_TP_ENV, "1")
+    monkeypatch.setattr(kv_hash, "_pools", [prefill])
+    monkeypatch.setattr(kv_hash, "_tp_rank_size", lambda: (0, 1))
+    kv_hash._before_add_transfer(None, room, p_pages, slice(0, tokens), True)
+    kv_hash._after_sender_poll(4, SimpleNamespace(bootstrap_room=room))
+    monkeypatch.setattr(kv_hash, "_pools", [decode])
+    kv_hash._before_record_destination(None, bootstrap_room=room, required_dst_info_num=1, kv_indices=d_pages,
+                                       aux_index=0, state_indices=None, decode_prefix_len=0, is_dummy=False)
+    kv_hash._after_receiver_poll(4, SimpleNamespace(bootstrap_room=room))
+
+
+def test_mla_latent_pages_match_whole_and_a_flipped_byte_is_found(probe, monkeypatch):
+    mla_transfer(monkeypatch, room=41, tokens=6)
+    mla_transfer(monkeypatch, room=42, tokens=11, flip_layer=1)
+    got = kv_hash.compare(probe)
+    assert (got["rooms"], got["rooms_matched"], got["slices"], got["slices_matched"]) == (2, 1, 2, 1)
+    assert got["bytes_compared"] == (6 + 11) * LAYERS * DIM * 2  # one latent per layer, bf16
+    assert got["mismatches"] == [{"room": 42, "heads": [0, 1], "tokens": [11, 11], "first_layer": 1}]
+    assert (got["errors"], got["unsupported"]) == ([], [])

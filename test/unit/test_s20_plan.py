@@ -54,7 +54,7 @@ def test_s20_plan_runs_every_step_and_passes_a_serving_transfer_process(tmp_path
 
 def test_s20_plan_fails_a_refused_transfer_process_by_name(tmp_path):
     _, w, out, _ = run_plan(tmp_path, "refused")
-    failed = "transfer process refused (transfers stayed in-process): injected"
+    failed = "transfer process refused (transfers stayed in-process): prefill tp0: injected"
     assert json.loads((out / "identity_tp_1gpu.json").read_text())["phases"]["pd_tp"]["failed"] == failed
     assert json.loads((out / "latency_tp_1gpu.json").read_text())["configs"]["pd_off_tproc"]["failed"] == failed
     assert f"[pd_tp] transfer process: {failed}" in (w / "s20.out").read_text()

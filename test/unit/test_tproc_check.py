@@ -24,7 +24,7 @@ def test_a_log_with_acceptance_proof_and_success_passes():
 
 def test_a_refusal_fails_naming_the_reason_even_beside_an_acceptance():
     why = tproc_check.failure(REFUSED + ACCEPT + PROVEN + SUCCESS)
-    assert why.startswith("transfer process refused (transfers stayed in-process): KV buffer 0 at 0x7f00")
+    assert why.startswith("transfer process refused (transfers stayed in-process): prefill tp0: KV buffer 0 at 0x7f00")
     assert why.endswith("files under /dev/shm")  # the reason alone, not the fallback words after it
 
 
@@ -50,6 +50,24 @@ def test_check_log_reads_the_file_and_names_a_missing_one(tmp_path):
     log.write_text(PROVEN + ACCEPT + SUCCESS)
     assert tproc_check.check_log(log) | {"accepted_pids": None} == {
         "ok": True, "failure": None, "accepted_pids": None, "proven_pids": [4242], "success_pids": [4242],
-        "refusals": []}
+        "refusals": [], "startup_cpu_ms": {4242: 900}}
     missing = tproc_check.check_log(tmp_path / "absent.log")
     assert not missing["ok"] and missing["failure"].startswith("transfer process check: no prefill log")
+
+
+def rank_lines(pid: int, port: int) -> str:
+    return (PROVEN.replace("4242", str(pid)).replace("39001", str(port)) + ACCEPT.replace("4242", str(pid))
+            .replace("39001", str(port)) + SUCCESS.replace("4242", str(pid)))
+
+
+def test_two_ranks_each_with_a_serving_child_pass_and_report_both_start_ups():
+    text = rank_lines(4242, 39001) + rank_lines(4243, 39002)
+    assert tproc_check.failure(text, ranks=2) is None
+    assert tproc_check.summary(text)["startup_cpu_ms"] == {4242: 900, 4243: 900}
+
+
+def test_one_refused_rank_of_two_fails_naming_that_rank():
+    """TP 2: rank 0's child serves, rank 1 refused (its transfers stayed in its scheduler)."""
+    refused_tp1 = REFUSED.replace("prefill tp0", "prefill tp1")
+    why = tproc_check.failure(rank_lines(4242, 39001) + refused_tp1, ranks=2)
+    assert why.startswith("transfer process refused (transfers stayed in-process): prefill tp1: KV buffer 0")

@@ -41,7 +41,10 @@ class FakeOpener:
     """The child's side: a handle maps at its own base (never the exporter's address)."""
 
     def __init__(self):
-        self.opened, self.closed = [], []
+        self.opened, self.closed, self.imported_ranges = [], [], []
+
+    def note_imported(self, ptr, size):
+        self.imported_ranges.append((ptr, size))
 
     def open(self, handle, device):
         self.opened.append((bytes(handle), device))
@@ -69,6 +72,8 @@ def test_cuda_imports_point_at_the_pool_not_the_segment_base(monkeypatch):
     base0 = opener.open(descs[0].handle, 0)
     assert mapped.ptrs[0] == base0 + 4 * MB and mapped.ptrs[1] == base0 + 12 * MB
     assert mapped.ptrs[2] == opener.open(descs[2].handle, 0)
+    # each pool, where the child sees it, is noted as imported (softio registers it without a handle)
+    assert opener.imported_ranges == [(ptr, 8 * MB) for ptr in mapped.ptrs]
     mapped.close()
     # softio's runtime counts one hold per open() and unmaps at the last close()
     assert len(opener.closed) == 3

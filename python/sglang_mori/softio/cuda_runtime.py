@@ -102,6 +102,8 @@ class CudaRuntime:
         self._holders: dict[tuple[bytes, int], int] = {}
         self._exported: dict[bytes, tuple[int, int]] = {}  # handles of this process's own allocations
         self._peers: set[tuple[int, int]] = set()
+        # [start, end) ranges another process's memory was imported at (a transfer process's pools)
+        self._imported: list[tuple[int, int]] = []
         self._lock = threading.Lock()
         self._ipc_lock = threading.Lock()  # one open or close of a mapping at a time (rare calls)
 
@@ -211,6 +213,16 @@ class CudaRuntime:
                     del self._opened[key]  # every device that reached it through this mapping
             self.use_device(where)
             self._check(self.lib.cudaIpcCloseMemHandle(ctypes.c_void_p(base)), "cudaIpcCloseMemHandle")
+
+    def note_imported(self, ptr: int, size: int) -> None:
+        """[ptr, ptr + size) is memory this process imported by IPC handle (the transfer process's
+        view of the scheduler's pool): it cannot be exported again, and `imported` says so."""
+        with self._lock:
+            self._imported.append((int(ptr), int(ptr) + int(size)))
+
+    def imported(self, ptr: int) -> bool:
+        with self._lock:
+            return any(start <= ptr < end for start, end in self._imported)
 
     def mapped(self) -> dict:
         """{(handle, device that mapped it): holders} of the peers' allocations mapped now."""

@@ -69,7 +69,10 @@ class LocalMemory:
                     # Memory this process imported (a transfer process maps the scheduler's pool
                     # with CUDA IPC) may not be exportable again. It is only ever the local side
                     # of our writes, so it is registered without a handle: a peer cannot open it.
-                    logger.warning("softio: GPU memory at %#x registered without an IPC handle: %s", ptr, exc)
+                    # Expected there (one line per pool at every child start: debug); anywhere
+                    # else a peer that needs to open this memory will fail, so it warns.
+                    level = logging.DEBUG if runtime.imported(ptr) else logging.WARNING
+                    logger.log(level, "softio: GPU memory at %#x registered without an IPC handle: %s", ptr, exc)
                     handle = None
         with self._lock:
             mem_id = self._next_id

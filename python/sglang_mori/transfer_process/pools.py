@@ -124,6 +124,7 @@ class ImportedPools:
                 raise PoolNotImportable("the transfer process has no CUDA runtime to open the pools")
             base = runtime.open(p.handle, p.device)
             self._cuda.append((runtime, p.handle, p.device))
+            runtime.note_imported(base + p.offset, p.size)  # softio registers it without re-exporting
             return base + p.offset
         page = mmap.ALLOCATIONGRANULARITY
         aligned = p.file_offset - p.file_offset % page
