@@ -5,14 +5,13 @@ or stranded when many senders race the flag's re-arming; close() gets the thread
 
 from __future__ import annotations
 
-import random
-import struct
 import threading
 import time
 
 import pytest
 import zmq
 
+from racing_senders import race
 from waiting import wait_until
 
 WAIT_S = 10.0
@@ -103,42 +102,13 @@ def test_many_senders_racing_the_flag_lose_reorder_and_strand_nothing(flagged):
     senders, per_sender = 8, 250
     sockets = [push() for _ in range(senders)]
     wait_until(armed, "the thread armed the flag", WAIT_S, interval_s=0.001)
-    done = threading.Event()
 
-    def poller():  # SGLang's step loop: a look per step, steps of random length
-        rng = random.Random(1)
-        end = time.monotonic() + 4 * WAIT_S
-        while not done.is_set() and time.monotonic() < end:
-            inbox.drain_nowait()
-            if rng.random() < 0.5:
-                time.sleep(rng.choice((0, 0.0001, 0.0005, 0.002)))
+    def step(rng):  # SGLang's step loop: a look per step, steps of random length
+        if rng.random() < 0.5:
+            time.sleep(rng.choice((0, 0.0001, 0.0005, 0.002)))
 
-    def sender(i):
-        rng = random.Random(100 + i)
-        for seq in range(per_sender):
-            sockets[i].send(struct.pack("<II", i, seq))
-            if rng.random() < 0.1:
-                time.sleep(rng.choice((0.0001, 0.001, 0.003)))
-
-    threads = [threading.Thread(target=poller, name="scheduler-stand-in")]
-    threads += [threading.Thread(target=sender, args=(i,), name=f"sender-{i}") for i in range(senders)]
-    for t in threads:
-        t.start()
-    try:
-        wait_until(lambda: len(got) >= senders * per_sender, "every message handled", 3 * WAIT_S, interval_s=0.005)
-    except AssertionError:
-        raise AssertionError(f"{len(got)} handled; flag {list(inbox._flag.revents)}, looks {inbox._look_seq}/"
-                             f"{inbox._look_done}, peeks {inbox._peeks}, poller alive {threads[0].is_alive()}, "
-                             f"socket events {inbox.sock.get(zmq.EVENTS)}")
-    finally:
-        done.set()
-        for t in threads:
-            t.join(WAIT_S)
-    seen = {}
-    for frames, _ in got:
-        i, seq = struct.unpack("<II", frames[0])
-        seen.setdefault(i, []).append(seq)
-    assert {i: seqs for i, seqs in seen.items()} == {i: list(range(per_sender)) for i in range(senders)}
+    race(sockets, inbox.drain_nowait, got, step, per_sender, WAIT_S,
+         describe=lambda: f"flag {list(inbox._flag.revents)}, socket events {inbox.sock.get(zmq.EVENTS)}")
     assert inbox.by_poller + inbox.by_thread == senders * per_sender
 
 

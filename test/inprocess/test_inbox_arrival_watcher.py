@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import signal
-import struct
 import threading
 import time
 
 import pytest
 import zmq
 
+from racing_senders import race
 from waiting import wait_until
 
 WAIT_S = 10.0
@@ -181,42 +180,15 @@ def test_many_senders_racing_the_poll_lose_reorder_and_strand_nothing(thread):
     try:
         senders, per_sender = 8, 250
         sockets = [r.push() for _ in range(senders)]
-        done = threading.Event()
 
-        def poller():  # SGLang's step loop, idle now and then
-            rng = random.Random(1)
-            end = time.monotonic() + 4 * WAIT_S
-            while not done.is_set() and time.monotonic() < end:
-                r.inbox.drain_nowait()
-                x = rng.random()
-                if x < 0.02:
-                    time.sleep(0.05)  # no poller for a while: the reading thread's turn
-                elif x < 0.5:
-                    time.sleep(rng.choice((0, 0.0001, 0.0005, 0.002)))
+        def step(rng):  # SGLang's step loop, idle now and then
+            x = rng.random()
+            if x < 0.02:
+                time.sleep(0.05)  # no poller for a while: the reading thread's turn
+            elif x < 0.5:
+                time.sleep(rng.choice((0, 0.0001, 0.0005, 0.002)))
 
-        def sender(i):
-            rng = random.Random(100 + i)
-            for seq in range(per_sender):
-                sockets[i].send(struct.pack("<II", i, seq))
-                if rng.random() < 0.1:
-                    time.sleep(rng.choice((0.0001, 0.001, 0.003)))
-
-        threads = [threading.Thread(target=poller, name="scheduler-stand-in")]
-        threads += [threading.Thread(target=sender, args=(i,), name=f"sender-{i}") for i in range(senders)]
-        for t in threads:
-            t.start()
-        try:
-            wait_until(lambda: len(r.got) >= senders * per_sender, "every message handled", 3 * WAIT_S,
-                       interval_s=0.005)
-        finally:
-            done.set()
-            for t in threads:
-                t.join(WAIT_S)
-        seen = {}
-        for frames, _ in r.got:
-            i, seq = struct.unpack("<II", frames[0])
-            seen.setdefault(i, []).append(seq)
-        assert seen == {i: list(range(per_sender)) for i in range(senders)}
+        race(sockets, r.inbox.drain_nowait, r.got, step, per_sender, WAIT_S)
         assert r.inbox.by_poller + r.inbox.by_thread == senders * per_sender
         if thread:
             assert r.inbox.by_poller > 0 and r.inbox.by_thread > 0  # both readers took turns
