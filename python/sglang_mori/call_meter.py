@@ -1,0 +1,301 @@
+"""Our Python per request, counted inside a real SGLang server (SGLANG_MORI_CALL_METER=<folder>).
+
+Issue 28's goals count the scheduler process's CPU in our code per request: SGLang's calls into our
+objects (sender and receiver construction, init, send, poll, clear, failure paths, the manager's
+methods, the layer-wise hooks) plus every thread of ours. `bench hotpath` counts that in a rig; this
+counts it in the server itself:
+
+- every public method (and `__init__`) that SGLang can reach on our four classes, inherited ones
+  included, is wrapped on OUR subclass (SGLang's own classes stay untouched) and timed with the
+  calling thread's CPU clock; only the outermost call of a thread counts (a sender's poll that calls
+  the manager's check_status is one call), and calls made on our own threads are left out (their
+  thread's whole CPU is counted below);
+- the layer-wise hooks count their own work, not the SGLang function they wrap (its time is
+  subtracted);
+- our threads' CPU (names starting `mori-`; softio's `softio-*` apart: the engine's stand-in) is read
+  with each thread's CPU clock; a thread that ended keeps its last reading.
+
+A daemon thread (`meter-call-writer`, its own CPU left out) writes one cumulative JSON snapshot per
+scheduler process every 0.5 s to <folder>/<role>-<pid>.json (atomically: it survives any shutdown,
+the last one up to 0.5 s old); `per_request(before, after)` turns two snapshots into figures per
+request, requests being senders built (prefill) or receivers built (decode). Off (unset): nothing is
+wrapped and no thread starts. On, each wrapped call costs about 1 us more (two clock reads).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import threading
+import time
+from typing import Callable, Dict, Iterable, Optional
+
+PERIOD_S = 0.5
+WRITER = "meter-call-writer"
+OURS = re.compile(r"^mori-")
+ENGINE = re.compile(r"^softio-")
+# the class whose construction is one request, by the process's role
+REQUEST_CLASS = {"prefill": "MoriKVSender", "decode": "MoriKVReceiver"}
+
+
+def role_of(thread_name: str) -> str:
+    """'mori-shard-3' -> 'mori-shard-N': threads of one role are summed."""
+    return re.sub(r"\d+", "N", thread_name)
+
+
+class Meter:
+    def __init__(self, folder: str):
+        self.folder = folder
+        self.role = "unknown"
+        self.calls: Dict[str, list] = {}  # "Class.method" -> [count, ns]
+        self.callers: Dict[str, int] = {}  # calling thread role -> ns
+        self.thread_ns: Dict[int, tuple] = {}  # ident -> (role, last ns)
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._writer: Optional[threading.Thread] = None
+
+    # --- timing -----------------------------------------------------------------------------
+    def _ours(self) -> bool:
+        name = threading.current_thread().name
+        return bool(OURS.match(name) or ENGINE.match(name)) or name == WRITER
+
+    def _add(self, key: str, ns: int) -> None:
+        caller = role_of(threading.current_thread().name)
+        with self._lock:
+            entry = self.calls.setdefault(key, [0, 0])
+            entry[0] += 1
+            entry[1] += ns
+            self.callers[caller] = self.callers.get(caller, 0) + ns
+
+    def timed(self, key: str, fn: Callable) -> Callable:
+        meter = self
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            local = meter._local
+            if getattr(local, "depth", 0) or meter._ours():
+                return fn(*args, **kwargs)
+            local.depth = 1
+            start = time.thread_time_ns()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                local.depth = 0
+                meter._add(key, time.thread_time_ns() - start)
+
+        wrapper.__sglang_mori_metered__ = True
+        return wrapper
+
+    def hook(self, key: str, hook_fn: Callable, original: Callable, *args, **kwargs):
+        """An AROUND hook's own CPU: its call minus the SGLang function it wraps (the forward)."""
+        if getattr(self._local, "depth", 0) or self._ours():
+            return hook_fn(original, *args, **kwargs)
+        inside = [0]
+
+        def timed_original(*a, **k):
+            self._local.depth = 0  # our calls made from inside SGLang's function count on their own
+            t0 = time.thread_time_ns()
+            try:
+                return original(*a, **k)
+            finally:
+                inside[0] += time.thread_time_ns() - t0
+                self._local.depth = 1
+
+        self._local.depth = 1
+        start = time.thread_time_ns()
+        try:
+            return hook_fn(timed_original, *args, **kwargs)
+        finally:
+            self._local.depth = 0
+            self._add(key, time.thread_time_ns() - start - inside[0])
+
+    # --- wrapping ---------------------------------------------------------------------------
+    def wrap_class(self, cls) -> None:
+        """Wrap every public method SGLang can call on `cls` (its own and inherited), on `cls` only."""
+        if cls.__dict__.get("__sglang_mori_metered__"):
+            return
+        for name in method_names(cls):
+            fn = getattr(cls, name)
+            setattr(cls, name, self.timed(f"{cls.__name__}.{name}", fn))
+        if cls.__name__ == "MoriKVManager":
+            init = cls.__init__
+
+            @functools.wraps(init)
+            def init_and_start(mgr, *args, **kwargs):
+                init(mgr, *args, **kwargs)
+                self.start(getattr(mgr, "role", "unknown"))
+
+            cls.__init__ = init_and_start
+        cls.__sglang_mori_metered__ = True
+
+    # --- threads and snapshots --------------------------------------------------------------
+    def read_threads(self) -> None:
+        for t in threading.enumerate():
+            if t.name == WRITER or not (OURS.match(t.name) or ENGINE.match(t.name)):
+                continue
+            try:
+                ns = time.clock_gettime_ns(time.pthread_getcpuclockid(t.ident))
+            except (OSError, TypeError, ProcessLookupError):  # ended meanwhile
+                continue
+            self.thread_ns[t.ident] = (role_of(t.name), ns)
+
+    def snapshot(self) -> Dict:
+        self.read_threads()
+        threads: Dict[str, int] = {}
+        for role, ns in self.thread_ns.values():
+            threads[role] = threads.get(role, 0) + ns
+        with self._lock:
+            calls = {k: list(v) for k, v in self.calls.items()}
+            callers = dict(self.callers)
+        requests = calls.get(f"{REQUEST_CLASS.get(self.role, '?')}.__init__", [0, 0])[0]
+        return {"pid": os.getpid(), "role": self.role, "time": time.time(), "requests": requests,
+                "calls": calls, "callers": callers, "threads": threads}
+
+    def write(self) -> None:
+        path = os.path.join(self.folder, f"{self.role}-{os.getpid()}.json")
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.snapshot(), f)
+        os.replace(tmp, path)
+
+    def start(self, role: str) -> None:
+        """Called when the manager is built (the scheduler process): snapshots from now on."""
+        self.role = role
+        if self._writer is not None:
+            return
+        os.makedirs(self.folder, exist_ok=True)
+
+        def loop():
+            while True:
+                try:
+                    self.write()
+                except OSError:
+                    pass  # a full or removed folder: the figures are lost, never the server
+                time.sleep(PERIOD_S)
+
+        self._writer = threading.Thread(target=loop, name=WRITER, daemon=True)
+        self._writer.start()
+
+
+def method_names(cls) -> Iterable[str]:
+    """Public methods of `cls` and its bases (not object's), plus __init__."""
+    seen = set()
+    for klass in cls.__mro__:
+        if klass is object:
+            continue
+        for name, value in vars(klass).items():
+            if name in seen or not callable(value) or isinstance(value, (staticmethod, classmethod, type)):
+                continue
+            if name == "__init__" or not name.startswith("_"):
+                seen.add(name)
+    return sorted(seen)
+
+
+_METER: Optional[Meter] = None
+
+
+def folder_from_env(environ=None) -> str:
+    from sglang_mori.config import ConfigError, MoriConfig
+
+    try:
+        return MoriConfig.from_env(os.environ if environ is None else environ).call_meter
+    except ConfigError:
+        return ""
+
+
+def meter(environ=None) -> Optional[Meter]:
+    """The process's meter when SGLANG_MORI_CALL_METER names a folder, else None."""
+    global _METER
+    if _METER is None:
+        folder = folder_from_env(environ)
+        if folder:
+            _METER = Meter(folder)
+    return _METER
+
+
+# --- the rig's side: snapshots to figures per request ----------------------------------------
+
+def read_snapshots(folder) -> Dict[str, Dict]:
+    """{file stem: snapshot} of every scheduler process that wrote one."""
+    out = {}
+    try:
+        names = sorted(os.listdir(folder))
+    except FileNotFoundError:
+        return out
+    for name in names:
+        if name.endswith(".json"):
+            try:
+                with open(os.path.join(folder, name)) as f:
+                    out[name[:-5]] = json.load(f)
+            except (OSError, ValueError):
+                continue
+    return out
+
+
+def wait_fresh(folder, after: float, timeout_s: float = 3.0) -> Dict[str, Dict]:
+    """Snapshots all written after `after` (time.time()), or what is there at the timeout."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        snaps = read_snapshots(folder)
+        if snaps and all(s["time"] >= after for s in snaps.values()) or time.monotonic() > deadline:
+            return snaps
+        time.sleep(0.1)
+
+
+def _delta(after: Dict, before: Dict) -> Dict:
+    b_calls = before.get("calls", {})
+    calls = {k: (v[0] - b_calls.get(k, [0, 0])[0], v[1] - b_calls.get(k, [0, 0])[1])
+             for k, v in after.get("calls", {}).items()}
+    b_thr = before.get("threads", {})
+    threads = {k: v - b_thr.get(k, 0) for k, v in after.get("threads", {}).items()}
+    return {"requests": after.get("requests", 0) - before.get("requests", 0), "calls": calls, "threads": threads}
+
+
+def per_request(before: Dict[str, Dict], after: Dict[str, Dict]) -> Dict[str, Dict]:
+    """{role: figures} between two read_snapshots(): microseconds per request (the role's processes
+    summed, divided by the requests they counted, so a TP rank is one process's figure)."""
+    by_role: Dict[str, Dict] = {}
+    for stem, snap in after.items():
+        d = _delta(snap, before.get(stem, {}))
+        r = by_role.setdefault(snap["role"], {"requests": 0, "calls": {}, "threads": {}, "processes": 0})
+        r["processes"] += 1
+        r["requests"] += d["requests"]
+        for k, (n, ns) in d["calls"].items():
+            c = r["calls"].setdefault(k, [0, 0])
+            c[0] += n
+            c[1] += ns
+        for k, ns in d["threads"].items():
+            r["threads"][k] = r["threads"].get(k, 0) + ns
+    out = {}
+    for role, r in by_role.items():
+        n = r["requests"]
+        if not n:
+            out[role] = {"requests": 0, "processes": r["processes"]}
+            continue
+        us = lambda ns: round(ns / n / 1000, 1)  # noqa: E731
+        calls = {k: us(ns) for k, (c, ns) in sorted(r["calls"].items(), key=lambda kv: -kv[1][1]) if c}
+        ours = {k: us(ns) for k, ns in r["threads"].items() if OURS.match(k)}
+        engine = {k: us(ns) for k, ns in r["threads"].items() if ENGINE.match(k)}
+        calls_us = us(sum(ns for _, ns in r["calls"].values()))
+        threads_us = us(sum(ns for k, ns in r["threads"].items() if OURS.match(k)))
+        out[role] = {"requests": n, "processes": r["processes"], "scheduler_calls_us": calls_us,
+                     "our_threads_us": threads_us, "total_us": round(calls_us + threads_us, 1),
+                     "engine_threads_us": us(sum(ns for k, ns in r["threads"].items() if ENGINE.match(k))),
+                     "calls_us": calls, "threads_us": ours, "engine_us": engine,
+                     "calls_per_request": {k: round(c / n, 2) for k, (c, _) in r["calls"].items() if c}}
+    return out
+
+
+def describe(figures: Dict[str, Dict]) -> str:
+    """One line: each role's total = calls + threads per request, and its three largest calls."""
+    parts = []
+    for role in ("prefill", "decode"):
+        f = figures.get(role)
+        if not f or not f.get("requests"):
+            continue
+        top = ", ".join(f"{k.split('.', 1)[1]} {v}" for k, v in list(f["calls_us"].items())[:3])
+        parts.append(f"{role} {f['total_us']} us/req = calls {f['scheduler_calls_us']} ({top}) + threads "
+                     f"{f['our_threads_us']} [{f['requests']} req]")
+    return "; ".join(parts) or "no requests metered"
