@@ -145,6 +145,10 @@ def run_config(name: str, args, logs: Path, ports: List[int]) -> Dict:
         trace_dir.mkdir(parents=True, exist_ok=True)
         env["SGLANG_MORI_ROOM_TRACE"] = str(trace_dir)
         dummy += ["--enable-request-time-stats-logging"]
+    meter_dir = None
+    if getattr(args, "call_meter", False) and name != "standalone":  # our Python per request in both servers (call_meter.py)
+        meter_dir = logs / f"meter-{name}"
+        env["SGLANG_MORI_CALL_METER"] = str(meter_dir)
     g = args.gpu_base
     result: Dict = {"config": name}
     servers: List[Server] = []
@@ -187,7 +191,10 @@ def run_config(name: str, args, logs: Path, ports: List[int]) -> Dict:
         for tokens in args.lengths:
             for conc in args.concurrency:
                 count = args.requests_c1 if conc == 1 else args.requests_per_conc * conc
-                measure(sends["new"], workload(tokens, 2, seed=1), min(conc, 2))  # warm-up (this shape)
+                # warm-up (this shape): 2 requests, or --full-warmup a full batch at its concurrency (the
+                # kernels of batch `conc` compile here, not in the measurement: session 21)
+                warm = conc if getattr(args, "full_warmup", False) else min(conc, 2)
+                measure(sends["new"], workload(tokens, max(2, warm), seed=1), warm)
                 for rep in range(args.repeats):
                     for client_name in args.clients:  # interleaved: each repeat measures every client
                         # the old client's measurements: <shape>_oldclient[_repeatN]
@@ -196,9 +203,14 @@ def run_config(name: str, args, logs: Path, ports: List[int]) -> Dict:
                         # each client its own prompts (no prefix-cache hit on the other's); the new
                         # client's seeds are the ones every earlier run used
                         seed = tokens * 100 + conc + rep + (0 if client_name == "new" else 50_000)
+                        before = meter_snapshots(meter_dir)
                         result[rkey] = measure(sends[client_name], workload(tokens, count, seed=seed), conc)
                         brief = {k: v for k, v in result[rkey].items() if k != "per_request"}
                         print(f"[{name}] {rkey}: {brief}", flush=True)
+                        if meter_dir is not None:
+                            result[rkey]["call_meter"] = metered(before, meter_snapshots(meter_dir))
+                            print(f"[{name}] {rkey} call meter: {describe_meter(result[rkey]['call_meter'])}",
+                                  flush=True)
         result["metrics"] = {s.name: s.metrics() for s in servers}
     except Exception as exc:
         record_failure(result, name, servers, exc, 30)
@@ -208,6 +220,27 @@ def run_config(name: str, args, logs: Path, ports: List[int]) -> Dict:
     if result.get("variant", {}).get("prefill_env", {}).get("SGLANG_MORI_TRANSFER_PROCESS") == "on":
         check_transfer_process(result, name, logs / f"{name}-prefill.log")
     return result
+
+
+def meter_snapshots(folder):
+    """Every server process's meter snapshot written after now (None: the meter is off)."""
+    if folder is None:
+        return None
+    from sglang_mori import call_meter
+
+    return call_meter.wait_fresh(folder, time.time())
+
+
+def metered(before, after) -> Dict:
+    from sglang_mori import call_meter
+
+    return call_meter.per_request(before, after)
+
+
+def describe_meter(figures: Dict) -> str:
+    from sglang_mori import call_meter
+
+    return call_meter.describe(figures)
 
 
 def check_transfer_process(result: Dict, name: str, prefill_log: Path) -> None:
@@ -239,6 +272,11 @@ def main() -> None:
     ap.add_argument("--port-base", type=int, default=12000)
     ap.add_argument("--repeats", type=int, default=1, help="measure each shape this many times in a row")
     ap.add_argument("--trace", action="store_true", help="per-room timestamps (room_trace.py)")
+    ap.add_argument("--full-warmup", action="store_true",
+                    help="warm each shape up with a full batch at its concurrency (default: 2 requests)")
+    ap.add_argument("--call-meter", action="store_true",
+                    help="our Python per request in both PD servers (SGLANG_MORI_CALL_METER, "
+                         "python/sglang_mori/call_meter.py): each measurement's `call_meter` entry")
     ap.add_argument("--clients", default="new", help="new (servers.py) and/or old (client_before16.py), "
                     "measured in turn on the same servers: the PD front's A/B")
     ap.add_argument("--tag", default="pd_latency", help="name of the JSON written under --out")
