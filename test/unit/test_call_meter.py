@@ -163,3 +163,14 @@ def test_off_leaves_our_sglang_classes_untouched(monkeypatch):
     for cls in classes.values():
         assert "__sglang_mori_metered__" not in vars(cls)
         assert not any(getattr(v, "__sglang_mori_metered__", False) for v in vars(cls).values())
+
+
+def test_the_meters_own_clock_reads_are_measured_and_taken_off_each_call(tmp_path):
+    meter = Meter(str(tmp_path))
+    assert meter.clock_ns > 0 and meter.snapshot()["clock_ns"] == meter.clock_ns
+    assert meter.snapshot()["calls"] == {}  # the calibration leaves no call behind
+    before = {"p": dict(snap("prefill", 0, {}, {}), clock_ns=700)}
+    after = {"p": dict(snap("prefill", 2, {"MoriKVSender.poll": [10, 10 * 700 + 4000], "MoriKVSender.send": [1, 300]}, {}),
+                       clock_ns=700)}
+    f = call_meter.per_request(before, after)["prefill"]
+    assert f["calls_us"] == {"MoriKVSender.poll": 2.0, "MoriKVSender.send": 0.0}  # never below zero
