@@ -550,7 +550,7 @@ s21_tpsg() {
 # calls into our manager, sender and receiver timed on the calling thread, plus our threads' CPU), under
 # load, chunk-wise, prefill GPU 0 -> decode GPU 1, the 8-layer Llama-3-8B-widths model (dummy weights):
 # pd_latency.py --call-meter, one invocation per config in S22_CONFIGS (default the transfer process, then
-# in-process), each bounded by S22_CONFIG_S (230 s) and by what is left of S22_BUDGET_S (480 s; a config
+# in-process), each bounded by S22_CONFIG_S (220 s) and by what is left of S22_BUDGET_S (450 s; a config
 # that cannot get S22_MIN_S (150 s) is skipped by name in s22.out). Prompts of S22_LENGTHS (1K and 8K) at
 # concurrency S22_CONC (1 and 16; S22_REQ_PER_CONC x 16 requests at c16, S22_REQ_C1 at c1), each shape
 # measured twice (--repeats 2) after a warm-up at the shape's full concurrency (--full-warmup: the batch-16
@@ -562,7 +562,7 @@ s21_tpsg() {
 # measurements, ~20 s stop a config: about 180 + 150 s after ~40 s of install and models.
 s22_step() {  # NAME MIN_S MAX_S COMMAND...: run under min(MAX_S, budget left), or skip
   local name=$1 min=$2 max=$3; shift 3
-  local left=$(( ${S22_BUDGET_S:-480} - (SECONDS - S22_START) ))
+  local left=$(( ${S22_BUDGET_S:-450} - (SECONDS - S22_START) ))
   local limit=$(( left < max ? left : max ))
   if [ $limit -lt $min ]; then echo "$name: skipped at $(( SECONDS - S22_START )) s (${left} s left)" >> $W/s22.out; return; fi
   local t0=$SECONDS
@@ -575,7 +575,7 @@ s22_meter() {
   PLAN_JSONS="$W/s22.out $W/load/*.json"
   local port=16000 c
   for c in ${S22_CONFIGS:-pd_off_tproc pd_off}; do
-    s22_step $c ${S22_MIN_S:-150} ${S22_CONFIG_S:-230} python3 "$S/pd_latency.py" --out $W/load --configs $c --gpus 2 \
+    s22_step $c ${S22_MIN_S:-150} ${S22_CONFIG_S:-220} python3 "$S/pd_latency.py" --out $W/load --configs $c --gpus 2 \
       --gpu-base 0 --lengths ${S22_LENGTHS:-1024,8192} --concurrency ${S22_CONC:-1,16} --requests-c1 ${S22_REQ_C1:-8} \
       --requests-per-conc ${S22_REQ_PER_CONC:-4} --repeats 2 --full-warmup --call-meter \
       --max-total-tokens ${S22_MAXTOK:-262144} --tag meter_$c --port-base $port > $W/load_$c.out 2>&1

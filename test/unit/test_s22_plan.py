@@ -17,7 +17,7 @@ sys.path.insert(0, str(ROOT / "scripts" / "gpu_sglang"))
 import meter_summary  # noqa: E402
 
 
-def run_plan(tmp_path, tproc, budget=480, extra=""):
+def run_plan(tmp_path, tproc, budget=450, extra=""):
     tmp_path.mkdir(exist_ok=True)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -68,7 +68,7 @@ def test_s22_plan_fails_the_tproc_config_by_name_when_the_child_was_refused(tmp_
 def test_s22_plan_bounds_each_config_by_the_budget_left_and_skips_by_name(tmp_path):
     _, w, _, calls = run_plan(tmp_path, "serving", budget=200)
     summary = (w / "s22.out").read_text()
-    assert "pd_off_tproc: rc 0" in summary and "(limit 200 s)" in summary  # min(230, budget left)
+    assert "pd_off_tproc: rc 0" in summary and "(limit 200 s)" in summary  # min(220, budget left)
     _, w2, _, calls2 = run_plan(tmp_path / "b", "serving", budget=140)  # under S22_MIN_S (150 s)
     assert not [c for c in calls2 if "pd_latency.py" in c]
     skipped = [line.split(":")[0] for line in (w2 / "s22.out").read_text().splitlines() if "skipped at" in line]
