@@ -311,6 +311,9 @@ def main() -> int:
         print("interrupted")
     text = table(results, args)
     print("\n" + text)
+    for r in results:  # --call-meter: every figure (calls and threads by name, calls per request)
+        if r.meter:
+            print(f"call meter {r.name}: {json.dumps(r.meter)}")
     if args.markdown:
         args.markdown.write_text(text + "\n")
     failed = [r for r in results if r.unavailable]
