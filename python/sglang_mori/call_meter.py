@@ -149,9 +149,9 @@ class Meter:
             init = cls.__init__
 
             @functools.wraps(init)
-            def init_and_start(mgr, *args, **kwargs):
-                init(mgr, *args, **kwargs)
-                self.start(getattr(mgr, "role", "unknown"))
+            def init_and_start(manager, *args, **kwargs):
+                init(manager, *args, **kwargs)
+                self.start(getattr(manager, "role", "unknown"))  # our manager's own field
 
             cls.__init__ = init_and_start
         cls.__sglang_mori_metered__ = True
