@@ -35,7 +35,7 @@ def failures(report: Dict) -> Iterable[str]:
             yield f"{name} FAILED: {str(res['failed'])[:300]}"
 
 
-def top_calls(report: Dict, limit: int = 4) -> Iterable[str]:
+def top_calls(report: Dict, limit: int = 3) -> Iterable[str]:
     """The largest calls and threads per request of each measurement (what the totals are made of)."""
     for name, res in report.get("configs", {}).items():
         for key, m in res.items():
@@ -52,17 +52,19 @@ def main(argv: List[str] = None) -> int:
     header = ["config", "shape", "TTFT p50", "p90", "ITL p50", "tok/s", "ok", "prefill us/req", "decode us/req"]
     table = [header]
     details: List[str] = []
+    fails: List[str] = []
     for path in argv:
         report = json.loads(open(path).read())
         table += list(rows(report))
-        details = list(failures(report)) + details
+        fails += list(failures(report))
         details += list(top_calls(report))
+    # the table last: a device call's output keeps its tail (run_plan prints each .out's last 25 lines)
+    for line in details + fails:
+        print(line)
     widths = [max(len(r[i]) for r in table if i < len(r)) for i in range(len(header))]
     for r in table:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
     print("us/req: total = SGLang's calls into us + our threads, per scheduler process (goals: prefill <= 150, decode <= 100)")
-    for line in details:
-        print(line)
     return 0
 
 
