@@ -139,7 +139,7 @@ def ipv4_host(text: str) -> str:
 class Knob:
     name: str  # environment variable
     field: str  # MoriConfig attribute
-    type: str  # for the docs: int, float, bool, choice, ipv4
+    type: str  # for the docs: int, float, bool, choice, ipv4, path
     default: Any
     meaning: str
     parse: Callable[[str], Any]
@@ -304,7 +304,8 @@ KNOBS: Tuple[Knob, ...] = (
          "our code used: SGLang's calls into our manager, sender and receiver (and the layer-wise "
          "hooks) timed one by one on the calling thread, and our threads' CPU, with the requests "
          "counted (python/sglang_mori/call_meter.py; scripts/gpu_sglang/pd_latency.py --call-meter "
-         "turns it into microseconds per request). Each metered call costs about 1 us more. Empty "
+         "turns it into microseconds per request). Each metered call costs 1-5 us more CPU (the part inside "
+         "the timed window is measured at start and taken off). Empty "
          "or `off`: nothing is wrapped and no thread starts.", _meter_folder, "a folder, or off"),
 )
 
