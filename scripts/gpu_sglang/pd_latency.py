@@ -97,9 +97,9 @@ def write_model(path: Path, layers: int) -> str:
     return str(path)
 
 
-def workload(prompt_tokens: int, count: int, seed: int) -> List[Dict]:
+def workload(prompt_tokens: int, count: int, seed: int, vocab: int = SHAPE["vocab_size"]) -> List[Dict]:
     rng = random.Random(seed)  # distinct random prompts: no prefix-cache hits
-    return [{"input_ids": [rng.randrange(10, SHAPE["vocab_size"]) for _ in range(prompt_tokens)],
+    return [{"input_ids": [rng.randrange(10, vocab) for _ in range(prompt_tokens)],
              "sampling_params": sampling(64)} for _ in range(count)]
 
 
@@ -194,7 +194,7 @@ def run_config(name: str, args, logs: Path, ports: List[int]) -> Dict:
                 # warm-up (this shape): 2 requests, or --full-warmup a full batch at its concurrency (the
                 # kernels of batch `conc` compile here, not in the measurement: session 21)
                 warm = conc if getattr(args, "full_warmup", False) else min(conc, 2)
-                measure(sends["new"], workload(tokens, max(2, warm), seed=1), warm)
+                measure(sends["new"], workload(tokens, max(2, warm), seed=1, vocab=args.vocab), warm)
                 for rep in range(args.repeats):
                     for client_name in args.clients:  # interleaved: each repeat measures every client
                         # the old client's measurements: <shape>_oldclient[_repeatN]
@@ -204,7 +204,7 @@ def run_config(name: str, args, logs: Path, ports: List[int]) -> Dict:
                         # client's seeds are the ones every earlier run used
                         seed = tokens * 100 + conc + rep + (0 if client_name == "new" else 50_000)
                         before = meter_snapshots(meter_dir)
-                        result[rkey] = measure(sends[client_name], workload(tokens, count, seed=seed), conc)
+                        result[rkey] = measure(sends[client_name], workload(tokens, count, seed=seed, vocab=args.vocab), conc)
                         brief = {k: v for k, v in result[rkey].items() if k != "per_request"}
                         print(f"[{name}] {rkey}: {brief}", flush=True)
                         if meter_dir is not None:
@@ -272,6 +272,8 @@ def main() -> None:
     ap.add_argument("--port-base", type=int, default=12000)
     ap.add_argument("--repeats", type=int, default=1, help="measure each shape this many times in a row")
     ap.add_argument("--trace", action="store_true", help="per-room timestamps (room_trace.py)")
+    ap.add_argument("--model-dir", help="this model folder (its config.json; weights dummy) instead of the "
+                    "Llama-3-8B-widths one, e.g. build_model.py --arch mla's")
     ap.add_argument("--full-warmup", action="store_true",
                     help="warm each shape up with a full batch at its concurrency (default: 2 requests)")
     ap.add_argument("--call-meter", action="store_true",
@@ -287,9 +289,14 @@ def main() -> None:
     if not set(args.clients) <= {"new", "old"}:
         ap.error(f"--clients: new and/or old, not {args.clients}")
     out = Path(args.out)
-    args.model = write_model(Path(f"/tmp/llama8b-widths-{args.tag}"), args.layers)
-    report: Dict = {"model": dict(SHAPE, num_hidden_layers=args.layers), "load_format": "dummy",
-                    "output_tokens": 64, "configs": {}}
+    if args.model_dir:  # another architecture (e.g. build_model.py's MLA), still dummy weights
+        args.model = args.model_dir
+        shape = json.loads((Path(args.model_dir) / "config.json").read_text())
+    else:
+        args.model = write_model(Path(f"/tmp/llama8b-widths-{args.tag}"), args.layers)
+        shape = dict(SHAPE, num_hidden_layers=args.layers)
+    args.vocab = shape["vocab_size"]
+    report: Dict = {"model": shape, "load_format": "dummy", "output_tokens": 64, "configs": {}}
     out.mkdir(parents=True, exist_ok=True)
     # This run's own Triton cache: a run beside it (other GPUs) compiles into its own.
     os.environ.setdefault("TRITON_CACHE_DIR", f"/tmp/triton-{args.tag}")

@@ -558,6 +558,8 @@ s21_tpsg() {
 # *_tproc config fails by name unless the prefill log shows the child accepted, proven and serving
 # (tproc_check.py). s22.out: every config's rc, the transfer-process log lines, and meter_summary.py's
 # table (TTFT p50/p90, ITL p50, tok/s, prefill and decode us/request = calls + threads, the largest parts).
+# S22_MODEL=/tmp/gpu-mla (run_plan builds it) measures the random-weight DeepSeek-MLA model instead (dummy
+# weights; a second call: both models do not fit one).
 # Expected on 2x H200 (session 21): ~90 s start (+30 s of Triton JIT for the call's first), ~60 s of
 # measurements, ~20 s stop a config: about 180 + 150 s after ~40 s of install and models.
 s22_step() {  # NAME MIN_S MAX_S COMMAND...: run under min(MAX_S, budget left), or skip
@@ -577,7 +579,7 @@ s22_meter() {
   for c in ${S22_CONFIGS:-pd_off_tproc pd_off}; do
     s22_step $c ${S22_MIN_S:-150} ${S22_CONFIG_S:-220} python3 "$S/pd_latency.py" --out $W/load --configs $c --gpus 2 \
       --gpu-base 0 --lengths ${S22_LENGTHS:-1024,8192} --concurrency ${S22_CONC:-1,16} --requests-c1 ${S22_REQ_C1:-8} \
-      --requests-per-conc ${S22_REQ_PER_CONC:-4} --repeats 2 --full-warmup --call-meter \
+      --requests-per-conc ${S22_REQ_PER_CONC:-4} --repeats 2 --full-warmup --call-meter ${S22_MODEL:+--model-dir $S22_MODEL} \
       --max-total-tokens ${S22_MAXTOK:-262144} --tag meter_$c --port-base $port > $W/load_$c.out 2>&1
     cp $W/load/meter_$c.json "$OUT/" 2>/dev/null
     port=$(( port + 1000 ))

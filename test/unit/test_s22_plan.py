@@ -78,6 +78,16 @@ def test_s22_plan_bounds_each_config_by_the_budget_left_and_skips_by_name(tmp_pa
     assert skipped == ["pd_off_tproc", "pd_off"]
 
 
+def test_s22_plan_measures_another_model_folder_with_its_vocabulary(tmp_path):
+    model = tmp_path / "mla"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text(json.dumps({"model_type": "deepseek_v2", "vocab_size": 8192}))
+    _, w, out, calls = run_plan(tmp_path, "serving", extra=f"S22_MODEL={model}; S22_CONFIGS=pd_off;")
+    (call,) = [c for c in calls if "pd_latency.py" in c]
+    assert f"--model-dir {model}" in call
+    assert json.loads((out / "meter_pd_off.json").read_text())["model"]["model_type"] == "deepseek_v2"
+
+
 def test_meter_summary_marks_each_side_against_its_goal():
     report = {"configs": {"pd_off": {"1024tok_c16": {
         "ttft_ms_p50": 41.8, "ttft_ms_p90": 107.7, "itl_ms_p50": 3.01, "output_tok_s": 3567.0, "ok": 64, "requests": 64,
@@ -91,3 +101,10 @@ def test_meter_summary_marks_each_side_against_its_goal():
                    "180.0 = 120.0 + 60.0 (OVER)", "90.0 = 90.0 + 0.0 (ok)"]
     (detail, _) = meter_summary.top_calls(report)
     assert detail.startswith("pd_off 1024tok_c16 prefill: calls MoriKVSender.send 80.0; threads mori-completion 60.0")
+
+
+def test_the_prompts_stay_inside_the_models_vocabulary():
+    import pd_latency
+
+    ids = [t for p in pd_latency.workload(64, 4, seed=1, vocab=20) for t in p["input_ids"]]
+    assert len(ids) == 256 and set(ids) <= set(range(10, 20)) and len(set(ids)) > 5
