@@ -115,8 +115,13 @@ def compiled_files() -> int:
 def measure(send, items: List[Dict], concurrency: int) -> Dict:
     files_before = compiled_files()
     start = time.monotonic()
-    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+    pool = ThreadPoolExecutor(max_workers=concurrency)
+    try:
         replies = list(pool.map(send, items))
+    except KeyboardInterrupt:  # the time limit: leave the queued requests unsent (the servers stop next)
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
     wall = time.monotonic() - start
     ok = [r for r in replies if "error" not in r and r.get("ttft_s") is not None]
     ttft = sorted(r["ttft_s"] for r in ok)
@@ -214,6 +219,9 @@ def run_config(name: str, args, logs: Path, ports: List[int]) -> Dict:
         result["metrics"] = {s.name: s.metrics() for s in servers}
     except Exception as exc:
         record_failure(result, name, servers, exc, 30)
+    except KeyboardInterrupt:  # a plan's time limit (timeout -s INT): keep what was measured, stop here
+        result["failed"] = "interrupted (time limit); the measurements before it are kept"
+        result["interrupted"] = True
     finally:
         for s in servers:
             s.stop()
@@ -305,6 +313,9 @@ def main() -> None:
         report["configs"][name] = run_config(name, args, out / "logs", ports)
         ports = [p + 100 for p in ports]
         (out / f"{args.tag}.json").write_text(json.dumps(report, indent=1))
+        if report["configs"][name].get("interrupted"):
+            print(f"[{name}] interrupted: later configs not run", flush=True)
+            break
     print("config      shape         TTFT p50  TTFT p90  ITL p50  out tok/s")
     for name, res in report["configs"].items():
         for key, m in res.items():

@@ -108,3 +108,44 @@ def test_the_prompts_stay_inside_the_models_vocabulary():
 
     ids = [t for p in pd_latency.workload(64, 4, seed=1, vocab=20) for t in p["input_ids"]]
     assert len(ids) == 256 and set(ids) <= set(range(10, 20)) and len(set(ids)) > 5
+
+
+def test_an_interrupted_config_keeps_its_measurements_and_stops_the_list(tmp_path, monkeypatch, capsys):
+    """The plan's `timeout -s INT`: the JSON keeps what was measured, the config says why it ended."""
+    import pd_latency
+
+    sent = []
+
+    def send(body):
+        sent.append(1)
+        if len(sent) == 5:  # warm-up 2, the first measurement 2, then the time limit
+            raise KeyboardInterrupt
+        return {"ttft_s": 0.01, "itl_s": [0.001], "tokens": 2, "e2e_s": 0.02, "sent_at": 0, "first_at": 0.01}
+
+    class Srv:
+        name, ready_s, url = "s", 1.0, "u"
+
+        def __init__(self, *a):
+            pass
+
+        def start(self):
+            return self
+
+        def wait_ready(self, t):
+            pass
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(pd_latency, "Server", Srv)
+    monkeypatch.setattr(pd_latency, "generate_stream", lambda url, body: send(body))
+    monkeypatch.setattr(pd_latency, "compiled_files", lambda: 0)
+    monkeypatch.setattr(sys, "argv", ["pd_latency.py", "--out", str(tmp_path), "--configs", "standalone,standalone2",
+                                      "--lengths", "16", "--concurrency", "1", "--requests-c1", "2", "--repeats", "2",
+                                      "--tag", "t"])
+    pd_latency.main()
+    report = json.loads((tmp_path / "t.json").read_text())["configs"]
+    assert list(report) == ["standalone"]  # the list stopped at the interrupt
+    res = report["standalone"]
+    assert res["interrupted"] and res["failed"].startswith("interrupted (time limit)")
+    assert res["16tok_c1"]["ok"] == 2 and "16tok_c1_repeat1" not in res
