@@ -143,7 +143,10 @@ def test_an_interrupted_config_keeps_its_measurements_and_stops_the_list(tmp_pat
     monkeypatch.setattr(sys, "argv", ["pd_latency.py", "--out", str(tmp_path), "--configs", "standalone,standalone2",
                                       "--lengths", "16", "--concurrency", "1", "--requests-c1", "2", "--repeats", "2",
                                       "--tag", "t"])
-    pd_latency.main()
+    try:
+        pd_latency.main()
+    except KeyboardInterrupt:
+        pytest.fail("the interrupt left pd_latency.main() without writing what was measured")
     report = json.loads((tmp_path / "t.json").read_text())["configs"]
     assert list(report) == ["standalone"]  # the list stopped at the interrupt
     res = report["standalone"]
