@@ -199,7 +199,7 @@ def run_config(name: str, args, logs: Path, ports: List[int]) -> Dict:
                 # warm-up (this shape): 2 requests, or --full-warmup a full batch at its concurrency (the
                 # kernels of batch `conc` compile here, not in the measurement: session 21)
                 warm = conc if getattr(args, "full_warmup", False) else min(conc, 2)
-                measure(sends["new"], workload(tokens, max(2, warm), seed=1, vocab=args.vocab), warm)
+                measure(sends["new"], workload(tokens, max(2, warm), seed=1, vocab=getattr(args, "vocab", SHAPE["vocab_size"])), warm)
                 for rep in range(args.repeats):
                     for client_name in args.clients:  # interleaved: each repeat measures every client
                         # the old client's measurements: <shape>_oldclient[_repeatN]
@@ -209,7 +209,7 @@ def run_config(name: str, args, logs: Path, ports: List[int]) -> Dict:
                         # client's seeds are the ones every earlier run used
                         seed = tokens * 100 + conc + rep + (0 if client_name == "new" else 50_000)
                         before = meter_snapshots(meter_dir)
-                        result[rkey] = measure(sends[client_name], workload(tokens, count, seed=seed, vocab=args.vocab), conc)
+                        result[rkey] = measure(sends[client_name], workload(tokens, count, seed=seed, vocab=getattr(args, "vocab", SHAPE["vocab_size"])), conc)
                         brief = {k: v for k, v in result[rkey].items() if k != "per_request"}
                         print(f"[{name}] {rkey}: {brief}", flush=True)
                         if meter_dir is not None:
