@@ -193,13 +193,14 @@ def run_config(name: str, args, logs: Path, ports: List[int]) -> Dict:
             client = PDClient(pre, dec, boot)
             sends = {"new": client.stream, "old": lambda body: stream_two_threads(client, body)}
         result["ready_s"] = {s.name: round(s.ready_s, 1) for s in servers}
+        vocab = getattr(args, "vocab", SHAPE["vocab_size"])  # --model-dir's, else the Llama widths'
         for tokens in args.lengths:
             for conc in args.concurrency:
                 count = args.requests_c1 if conc == 1 else args.requests_per_conc * conc
                 # warm-up (this shape): 2 requests, or --full-warmup a full batch at its concurrency (the
                 # kernels of batch `conc` compile here, not in the measurement: session 21)
                 warm = conc if getattr(args, "full_warmup", False) else min(conc, 2)
-                measure(sends["new"], workload(tokens, max(2, warm), seed=1, vocab=getattr(args, "vocab", SHAPE["vocab_size"])), warm)
+                measure(sends["new"], workload(tokens, max(2, warm), seed=1, vocab=vocab), warm)
                 for rep in range(args.repeats):
                     for client_name in args.clients:  # interleaved: each repeat measures every client
                         # the old client's measurements: <shape>_oldclient[_repeatN]
@@ -209,7 +210,7 @@ def run_config(name: str, args, logs: Path, ports: List[int]) -> Dict:
                         # client's seeds are the ones every earlier run used
                         seed = tokens * 100 + conc + rep + (0 if client_name == "new" else 50_000)
                         before = meter_snapshots(meter_dir)
-                        result[rkey] = measure(sends[client_name], workload(tokens, count, seed=seed, vocab=getattr(args, "vocab", SHAPE["vocab_size"])), conc)
+                        result[rkey] = measure(sends[client_name], workload(tokens, count, seed=seed, vocab=vocab), conc)
                         brief = {k: v for k, v in result[rkey].items() if k != "per_request"}
                         print(f"[{name}] {rkey}: {brief}", flush=True)
                         if meter_dir is not None:
