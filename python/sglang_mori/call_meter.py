@@ -10,6 +10,9 @@ counts it in the server itself:
   calling thread's CPU clock; only the outermost call of a thread counts (a sender's poll that calls
   the manager's check_status is one call), and calls made on our own threads are left out (their
   thread's whole CPU is counted below);
+- our own methods reached inside such a call (e.g. the manager's add_transfer_request inside SGLang's
+  inherited `send`) are also timed apart, as `inner` figures that are already inside their outer call:
+  what part of a call is our code and what part SGLang's inherited code;
 - the layer-wise hooks count their own work, not the SGLang function they wrap (its time is
   subtracted);
 - our threads' CPU (names starting `mori-`; softio's `softio-*` apart: the engine's stand-in) is read
@@ -53,6 +56,9 @@ class Meter:
         self.role = "unknown"
         self.calls: Dict[str, list] = {}  # "Class.method" -> [count, ns]
         self.callers: Dict[str, int] = {}  # calling thread role -> ns
+        # our own methods reached inside an outer call ("what in send costs"): informational, inside
+        # the outer call's figure already, never added to the totals
+        self.inner: Dict[str, list] = {}
         self.thread_ns: Dict[int, tuple] = {}  # ident -> (role, last ns)
         self._local = threading.local()
         self._lock = threading.Lock()
@@ -78,13 +84,29 @@ class Meter:
             entry[1] += ns
             self.callers[caller] = self.callers.get(caller, 0) + ns
 
+    def _add_inner(self, key: str, ns: int) -> None:
+        with self._lock:
+            entry = self.inner.setdefault(key, [0, 0])
+            entry[0] += 1
+            entry[1] += ns
+
     def timed(self, key: str, fn: Callable) -> Callable:
         meter = self
+        ours = getattr(fn, "__module__", "").startswith("sglang_mori")  # not inherited SGLang code
 
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
             local = meter._local
-            if getattr(local, "depth", 0) or meter._ours():
+            depth = getattr(local, "depth", 0)
+            if depth and ours and not meter._ours():  # our code inside SGLang's call: timed apart
+                local.depth = depth + 1
+                start = time.thread_time_ns()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    meter._add_inner(key, time.thread_time_ns() - start)
+                    local.depth = depth
+            if depth or meter._ours():
                 return fn(*args, **kwargs)
             local.depth = 1
             start = time.thread_time_ns()
@@ -174,11 +196,12 @@ class Meter:
             threads[role] = threads.get(role, 0) + ns
         with self._lock:
             calls = {k: list(v) for k, v in self.calls.items()}
+            inner = {k: list(v) for k, v in self.inner.items()}
             callers = dict(self.callers)
         requests = calls.get(f"{REQUEST_CLASS.get(self.role, '?')}.__init__", [0, 0])[0]
         return {"pid": os.getpid(), "role": self.role, "time": time.time(), "requests": requests,
                 "clock_ns": self.clock_ns,
-                "calls": calls, "callers": callers, "threads": threads}
+                "calls": calls, "inner": inner, "callers": callers, "threads": threads}
 
     def write(self) -> None:
         path = os.path.join(self.folder, f"{self.role}-{os.getpid()}.json")
@@ -271,15 +294,21 @@ def wait_fresh(folder, after: float, timeout_s: float = 3.0) -> Dict[str, Dict]:
         time.sleep(0.1)
 
 
+def _counts(after: Dict, before: Dict, field: str) -> Dict:
+    b = before.get(field, {})
+    return {k: (v[0] - b.get(k, [0, 0])[0], v[1] - b.get(k, [0, 0])[1]) for k, v in after.get(field, {}).items()}
+
+
 def _delta(after: Dict, before: Dict) -> Dict:
-    b_calls = before.get("calls", {})
-    calls = {k: (v[0] - b_calls.get(k, [0, 0])[0], v[1] - b_calls.get(k, [0, 0])[1])
-             for k, v in after.get("calls", {}).items()}
+    calls = _counts(after, before, "calls")
+    inner = _counts(after, before, "inner")
     b_thr = before.get("threads", {})
     threads = {k: v - b_thr.get(k, 0) for k, v in after.get("threads", {}).items()}
     clock = after.get("clock_ns", 0)  # the meter's own share of each call, taken off
     calls = {k: (n, max(0, ns - n * clock)) for k, (n, ns) in calls.items()}
-    return {"requests": after.get("requests", 0) - before.get("requests", 0), "calls": calls, "threads": threads}
+    inner = {k: (n, max(0, ns - n * clock)) for k, (n, ns) in inner.items()}
+    return {"requests": after.get("requests", 0) - before.get("requests", 0), "calls": calls, "inner": inner,
+            "threads": threads}
 
 
 def per_request(before: Dict[str, Dict], after: Dict[str, Dict]) -> Dict[str, Dict]:
@@ -288,13 +317,14 @@ def per_request(before: Dict[str, Dict], after: Dict[str, Dict]) -> Dict[str, Di
     by_role: Dict[str, Dict] = {}
     for stem, snap in after.items():
         d = _delta(snap, before.get(stem, {}))
-        r = by_role.setdefault(snap["role"], {"requests": 0, "calls": {}, "threads": {}, "processes": 0})
+        r = by_role.setdefault(snap["role"], {"requests": 0, "calls": {}, "inner": {}, "threads": {}, "processes": 0})
         r["processes"] += 1
         r["requests"] += d["requests"]
-        for k, (n, ns) in d["calls"].items():
-            c = r["calls"].setdefault(k, [0, 0])
-            c[0] += n
-            c[1] += ns
+        for field in ("calls", "inner"):
+            for k, (n, ns) in d[field].items():
+                c = r[field].setdefault(k, [0, 0])
+                c[0] += n
+                c[1] += ns
         for k, ns in d["threads"].items():
             r["threads"][k] = r["threads"].get(k, 0) + ns
     out = {}
@@ -313,7 +343,10 @@ def per_request(before: Dict[str, Dict], after: Dict[str, Dict]) -> Dict[str, Di
                      "our_threads_us": threads_us, "total_us": round(calls_us + threads_us, 1),
                      "engine_threads_us": us(sum(ns for k, ns in r["threads"].items() if ENGINE.match(k))),
                      "calls_us": calls, "threads_us": ours, "engine_us": engine,
-                     "calls_per_request": {k: round(c / n, 2) for k, (c, _) in r["calls"].items() if c}}
+                     "calls_per_request": {k: round(c / n, 2) for k, (c, _) in r["calls"].items() if c},
+                     # our own methods inside those calls (already in them): us per request, calls per request
+                     "inner_us": {k: us(ns) for k, (c, ns) in sorted(r["inner"].items(), key=lambda kv: -kv[1][1]) if c},
+                     "inner_per_request": {k: round(c / n, 2) for k, (c, _) in r["inner"].items() if c}}
     return out
 
 

@@ -43,7 +43,8 @@ def top_calls(report: Dict, limit: int = 3) -> Iterable[str]:
                 if f.get("requests"):
                     calls = ", ".join(f"{k} {v}" for k, v in list(f["calls_us"].items())[:limit])
                     threads = ", ".join(f"{k} {v}" for k, v in sorted(f["threads_us"].items(), key=lambda kv: -kv[1])[:limit])
-                    yield (f"{name} {key} {role}: calls {calls}; threads {threads}; "
+                    inner = ", ".join(f"{k} {v}" for k, v in list(f.get("inner_us", {}).items())[:limit])
+                    yield (f"{name} {key} {role}: calls {calls}; ours inside them {inner or '-'}; threads {threads}; "
                            f"softio threads {f['engine_threads_us']}; {f['requests']} req, {f['processes']} process(es)")
 
 

@@ -174,3 +174,37 @@ def test_the_meters_own_clock_reads_are_measured_and_taken_off_each_call(tmp_pat
                        clock_ns=700)}
     f = call_meter.per_request(before, after)["prefill"]
     assert f["calls_us"] == {"MoriKVSender.poll": 2.0, "MoriKVSender.send": 0.0}  # never below zero
+
+
+def test_our_code_inside_an_inherited_sglang_call_is_timed_apart_and_not_added_twice(tmp_path):
+    """CommonKVSender.send (SGLang's) calls our manager's add_transfer_request: the outer call counts
+    once, our part inside it shows as `inner`."""
+    meter = Meter(str(tmp_path))
+    meter.role = "prefill"
+
+    class Manager:
+        __module__ = "sglang_mori.backend.manager"
+
+        def add_transfer_request(self):
+            burn(4)
+
+    class CommonSender:  # SGLang's: its send is thin and calls ours
+        def send(self):
+            burn(1)
+            self.mgr.add_transfer_request()
+
+    class MoriKVSender(CommonSender):
+        def __init__(self):
+            self.mgr = Manager()
+
+    Manager.add_transfer_request.__module__ = "sglang_mori.backend.manager"
+    meter.wrap_class(Manager)
+    meter.wrap_class(MoriKVSender)
+    MoriKVSender().send()
+    snap_ = meter.snapshot()
+    n, outer = snap_["calls"]["MoriKVSender.send"]
+    ni, inner = snap_["inner"]["Manager.add_transfer_request"]
+    assert n == 1 and ni == 1 and 3.5e6 < inner < outer and "Manager.add_transfer_request" not in snap_["calls"]
+    f = call_meter.per_request({}, {"p": dict(snap_, clock_ns=0)})["prefill"]
+    assert f["scheduler_calls_us"] == round(sum(v[1] for v in snap_["calls"].values()) / 1 / 1000, 1)
+    assert f["inner_us"]["Manager.add_transfer_request"] == round(inner / 1000, 1)

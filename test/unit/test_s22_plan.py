@@ -100,7 +100,7 @@ def test_meter_summary_marks_each_side_against_its_goal():
     assert row == ["pd_off", "1024tok_c16", "41.8", "107.7", "3.01", "3567.0", "64/64",
                    "180.0 = 120.0 + 60.0 (OVER)", "90.0 = 90.0 + 0.0 (ok)"]
     (detail, _) = meter_summary.top_calls(report)
-    assert detail.startswith("pd_off 1024tok_c16 prefill: calls MoriKVSender.send 80.0; threads mori-completion 60.0")
+    assert detail.startswith("pd_off 1024tok_c16 prefill: calls MoriKVSender.send 80.0; ours inside them -; threads mori-completion 60.0")
 
 
 def test_the_prompts_stay_inside_the_models_vocabulary():
