@@ -64,6 +64,7 @@ class Meter:
         self._lock = threading.Lock()
         self._writer: Optional[threading.Thread] = None
         self.clock_ns = self._calibrate()
+        self.inner_ns = self._calibrate_inner()
 
     # --- timing -----------------------------------------------------------------------------
     def _ours(self) -> bool:
@@ -74,14 +75,15 @@ class Meter:
             ours = self._local.ours = bool(OURS.match(name) or ENGINE.match(name)) or name == WRITER
         return ours
 
-    def _add(self, key: str, ns: int) -> None:
+    def _add(self, key: str, ns: int, inner_n: int = 0) -> None:
         caller = getattr(self._local, "role", None)
         if caller is None:
             caller = self._local.role = role_of(threading.current_thread().name)
         with self._lock:
-            entry = self.calls.setdefault(key, [0, 0])
+            entry = self.calls.setdefault(key, [0, 0, 0])  # calls, ns, inner calls timed inside them
             entry[0] += 1
             entry[1] += ns
+            entry[2] += inner_n
             self.callers[caller] = self.callers.get(caller, 0) + ns
 
     def _add_inner(self, key: str, ns: int) -> None:
@@ -100,6 +102,7 @@ class Meter:
             depth = getattr(local, "depth", 0)
             if depth and ours and not meter._ours():  # our code inside SGLang's call: timed apart
                 local.depth = depth + 1
+                local.inner_n = getattr(local, "inner_n", 0) + 1  # its cost to the outer call is taken off
                 start = time.thread_time_ns()
                 try:
                     return fn(*args, **kwargs)
@@ -109,12 +112,13 @@ class Meter:
             if depth or meter._ours():
                 return fn(*args, **kwargs)
             local.depth = 1
+            local.inner_n = 0
             start = time.thread_time_ns()
             try:
                 return fn(*args, **kwargs)
             finally:
                 local.depth = 0
-                meter._add(key, time.thread_time_ns() - start)
+                meter._add(key, time.thread_time_ns() - start, local.inner_n)
 
         wrapper.__sglang_mori_metered__ = True
         return wrapper
@@ -154,10 +158,28 @@ class Meter:
             for _ in range(calls):
                 noop()
             with self._lock:
-                n, ns = self.calls.pop("calibration")
+                n, ns, _ = self.calls.pop("calibration")
                 self.callers.clear()
             means.append(ns // n)
         return min(means)
+
+    def _calibrate_inner(self, batches: int = 5, calls: int = 400) -> int:
+        """What timing one inner call adds to its outer call (its clock reads and book-keeping): an outer
+        no-op calling an inner one, against the outer no-op alone (clock_ns)."""
+        if self._ours():
+            return 0
+        inner = self.timed("calibration-inner", _noop)
+        outer = self.timed("calibration", lambda: inner())
+        means = []
+        for _ in range(batches):
+            for _ in range(calls):
+                outer()
+            with self._lock:
+                n, ns, _ = self.calls.pop("calibration")
+                self.inner.pop("calibration-inner", None)
+                self.callers.clear()
+            means.append(ns // n)
+        return max(0, min(means) - self.clock_ns)
 
     # --- wrapping ---------------------------------------------------------------------------
     def wrap_class(self, cls) -> None:
@@ -200,7 +222,7 @@ class Meter:
             callers = dict(self.callers)
         requests = calls.get(f"{REQUEST_CLASS.get(self.role, '?')}.__init__", [0, 0])[0]
         return {"pid": os.getpid(), "role": self.role, "time": time.time(), "requests": requests,
-                "clock_ns": self.clock_ns,
+                "clock_ns": self.clock_ns, "inner_ns": self.inner_ns,
                 "calls": calls, "inner": inner, "callers": callers, "threads": threads}
 
     def write(self) -> None:
@@ -227,6 +249,10 @@ class Meter:
 
         self._writer = threading.Thread(target=loop, name=WRITER, daemon=True)
         self._writer.start()
+
+
+def _noop() -> None:
+    """An inner call for the calibration (defined here: its module is ours)."""
 
 
 def method_names(cls) -> Iterable[str]:
@@ -295,8 +321,13 @@ def wait_fresh(folder, after: float, timeout_s: float = 3.0) -> Dict[str, Dict]:
 
 
 def _counts(after: Dict, before: Dict, field: str) -> Dict:
+    """(calls, ns, inner calls) per key between two snapshots (older snapshots lack the third)."""
     b = before.get(field, {})
-    return {k: (v[0] - b.get(k, [0, 0])[0], v[1] - b.get(k, [0, 0])[1]) for k, v in after.get(field, {}).items()}
+    out = {}
+    for k, v in after.get(field, {}).items():
+        v, w = list(v) + [0] * (3 - len(v)), list(b.get(k, [])) + [0] * (3 - len(b.get(k, [])))
+        out[k] = (v[0] - w[0], v[1] - w[1], v[2] - w[2])
+    return out
 
 
 def _delta(after: Dict, before: Dict) -> Dict:
@@ -305,8 +336,9 @@ def _delta(after: Dict, before: Dict) -> Dict:
     b_thr = before.get("threads", {})
     threads = {k: v - b_thr.get(k, 0) for k, v in after.get("threads", {}).items()}
     clock = after.get("clock_ns", 0)  # the meter's own share of each call, taken off
-    calls = {k: (n, max(0, ns - n * clock)) for k, (n, ns) in calls.items()}
-    inner = {k: (n, max(0, ns - n * clock)) for k, (n, ns) in inner.items()}
+    nested = after.get("inner_ns", 0)  # what timing an inner call added to its outer one, taken off too
+    calls = {k: (n, max(0, ns - n * clock - i * nested)) for k, (n, ns, i) in calls.items()}
+    inner = {k: (n, max(0, ns - n * clock)) for k, (n, ns, _) in inner.items()}
     return {"requests": after.get("requests", 0) - before.get("requests", 0), "calls": calls, "inner": inner,
             "threads": threads}
 
