@@ -8,6 +8,8 @@ for the 2 cores):
                 MIN_BATCH_TOKENS=0: every batch streams, however short)
   mori_layerwise_default  SGLANG_MORI_LAYERWISE=on with the default thresholds (batches under 8192
                 tokens go chunk-wise: the `short_batch` fallback)
+  mori_tproc    ours with SGLANG_MORI_TRANSFER_PROCESS=on (refused with a warning where the pools
+                cannot be shared with the child: then in-process)
   mori_builtin  SGLang 0.5.23's own mori backend, on softio through the mori shim (PYTHONPATH)
   mooncake_tcp  SGLang's Mooncake backend over TCP (needs libibverbs.so.1 installed)
   standalone    one ordinary server, no disaggregation: the baseline of the ratios
@@ -53,17 +55,21 @@ from harness.prompts import varied_prompts  # noqa: E402
 from harness.tiny_model import build_tiny_model  # noqa: E402
 from harness.transfer_stats import TransferProbe  # noqa: E402
 
-CONFIGS = ["mori", "mori_layerwise", "mori_layerwise_default", "mori_builtin", "mooncake_tcp", "standalone"]
+CONFIGS = ["mori", "mori_layerwise", "mori_layerwise_default", "mori_tproc", "mori_builtin", "mooncake_tcp",
+           "standalone"]
 LAYERWISE_ENV = {"SGLANG_MORI_LAYERWISE": "on", "SGLANG_MORI_LAYERWISE_MIN_TOKENS": "1",
                  "SGLANG_MORI_LAYERWISE_MIN_BATCH_TOKENS": "0"}
 # Ours with layer-wise on as a user turns it on: the default thresholds decide per batch.
-BACKEND_ENV = {"mori_layerwise": LAYERWISE_ENV, "mori_layerwise_default": {"SGLANG_MORI_LAYERWISE": "on"}}
+BACKEND_ENV = {"mori_layerwise": LAYERWISE_ENV, "mori_layerwise_default": {"SGLANG_MORI_LAYERWISE": "on"},
+               # the prefill's transfers in a transfer process (issue 28's prototype; refused with a
+               # warning where the pools cannot be shared, then in-process)
+               "mori_tproc": {"SGLANG_MORI_TRANSFER_PROCESS": "on"}}
 LONG_WORDS = ("river mountain city forest engine memory cache prefill decode token batch server router request "
               "transfer page layer kernel tensor signal packet network queue thread worker lane buffer offset "
               "morning evening winter summer stone glass paper music light").split()
 
 
-SOFTIO_CONFIGS = ("mori", "mori_layerwise", "mori_layerwise_default", "mori_builtin")  # the configurations whose bytes move over softio
+SOFTIO_CONFIGS = ("mori", "mori_layerwise", "mori_layerwise_default", "mori_tproc", "mori_builtin")  # the configurations whose bytes move over softio
 
 
 def link_cap_env(mbps: float) -> Dict[str, str]:
@@ -104,6 +110,8 @@ class ConfigResult:
     # the table should say so rather than hide it.
     load_1m: float = 0.0
     unavailable: str = ""
+    # --call-meter: our Python per request in each server, per phase (python/sglang_mori/call_meter.py)
+    meter: Dict[str, Dict] = field(default_factory=dict)
 
 
 def pct(values: List[float], q: float) -> float:
@@ -133,8 +141,28 @@ def run_phase(url: str, prompts: List[str], max_new_tokens: int, concurrency: in
     return result
 
 
+def meter_snapshots(folder: Optional[Path]) -> Optional[Dict]:
+    if folder is None:
+        return None
+    from sglang_mori import call_meter
+
+    return call_meter.wait_fresh(folder, time.time())
+
+
+def meter_phase(result: ConfigResult, phase: str, folder: Optional[Path], before: Optional[Dict]) -> Optional[Dict]:
+    """The phase's figures per request from the snapshots before it and now; returns now's."""
+    if folder is None:
+        return None
+    from sglang_mori import call_meter
+
+    after = meter_snapshots(folder)
+    result.meter[phase] = call_meter.per_request(before, after)
+    print(f"  {result.name} {phase} call meter: {call_meter.describe(result.meter[phase])}", flush=True)
+    return after
+
+
 def unavailable_reason(name: str) -> str:
-    if name in ("mori", "mori_layerwise", "mori_layerwise_default"):
+    if name in ("mori", "mori_layerwise", "mori_layerwise_default", "mori_tproc"):
         ok, detail = plugin_serves_mori()
         return "" if ok else f"plugin does not serve mori: {detail.splitlines()[-1] if detail else '?'}"
     if name == "mori_builtin" and not (launch.MORI_SHIM / "mori").is_dir():
@@ -154,6 +182,9 @@ def bench_config(name: str, model: Path, work: Path, args) -> ConfigResult:
     backend, env = ("mori", dict(BACKEND_ENV[name])) if name in BACKEND_ENV else (name, {})
     if args.link_mbps and name in SOFTIO_CONFIGS:
         env.update(link_cap_env(args.link_mbps))
+    meter_dir = work / f"meter-{name}" if args.call_meter and name.startswith("mori") else None
+    if meter_dir is not None:
+        env["SGLANG_MORI_CALL_METER"] = str(meter_dir)
     dep = Standalone(opts, log_dir) if name == "standalone" else PDDeployment(opts, backend, log_dir, env=env)
     url = dep.url if name == "standalone" else dep.router_url
     prompts = bench_prompts(args, args.prompts, seed=11)
@@ -169,12 +200,15 @@ def bench_config(name: str, model: Path, work: Path, args) -> ConfigResult:
         probe = TransferProbe(dep.prefill_url) if name != "standalone" else None
         if probe:
             probe.before()
+        before = meter_snapshots(meter_dir)
         result.phases["seq"] = run_phase(url, prompts, args.max_new_tokens, concurrency=1)
+        before = meter_phase(result, "seq", meter_dir, before)
         kv = probe.after() if probe else None
         if kv:
             result.kv_bytes_per_req = kv.nbytes / len(prompts)
             result.kv_ms_per_req = kv.seconds * 1000 / len(prompts)
         result.phases["batch"] = run_phase(url, prompts, args.max_new_tokens, concurrency=args.concurrency)
+        meter_phase(result, "batch", meter_dir, before)
         result.load_1m = os.getloadavg()[0]
         print(f"  {name}: done (load average {result.load_1m:.1f})", flush=True)
     except Exception as exc:  # one broken configuration must not hide the others' numbers
@@ -247,6 +281,9 @@ def parse_args():
                    help="cap softio's send rate to this many MB/s for the softio configurations "
                         f"({', '.join(SOFTIO_CONFIGS)}): a slow link that makes the transfer visible in TTFT")
     p.add_argument("--no-netns", action="store_true")
+    p.add_argument("--call-meter", action="store_true",
+                   help="our Python per request in the PD servers of mori* configs, per phase "
+                        "(SGLANG_MORI_CALL_METER; python/sglang_mori/call_meter.py)")
     return p.parse_args()
 
 
@@ -274,6 +311,9 @@ def main() -> int:
         print("interrupted")
     text = table(results, args)
     print("\n" + text)
+    for r in results:  # --call-meter: every figure (calls and threads by name, calls per request)
+        if r.meter:
+            print(f"call meter {r.name}: {json.dumps(r.meter)}")
     if args.markdown:
         args.markdown.write_text(text + "\n")
     failed = [r for r in results if r.unavailable]

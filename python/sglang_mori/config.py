@@ -111,6 +111,11 @@ def _arrival_flag(text: str) -> str:
     raise ValueError("expected off, thread or process (1/true/yes/on: thread; 0/false/no: off)")
 
 
+def _meter_folder(text: str) -> str:
+    """A folder for SGLANG_MORI_CALL_METER; off/0/false/no: "" (off)."""
+    return "" if text.strip().lower() in _FALSE else text.strip()
+
+
 def ipv4_host(text: str) -> str:
     why = (
         "this host goes into our engine descriptor and is the address peers dial, so it must be "
@@ -134,7 +139,7 @@ def ipv4_host(text: str) -> str:
 class Knob:
     name: str  # environment variable
     field: str  # MoriConfig attribute
-    type: str  # for the docs: int, float, bool, choice, ipv4
+    type: str  # for the docs: int, float, bool, choice, ipv4, path
     default: Any
     meaning: str
     parse: Callable[[str], Any]
@@ -294,6 +299,14 @@ KNOBS: Tuple[Knob, ...] = (
          "or SGLang's prefill_complete allocation, the switch is refused with the reason in a "
          "warning and the transfers stay in the scheduler's process (docs/design.md, \"A transfer "
          "process\"). Off: everything runs in the scheduler's process.", boolean, _BOOL_SPELLINGS),
+    Knob("SGLANG_MORI_CALL_METER", "call_meter", "path", "",
+         "Measurement (issue 28): a folder where each scheduler process writes, every 0.5 s, the CPU "
+         "our code used: SGLang's calls into our manager, sender and receiver (and the layer-wise "
+         "hooks) timed one by one on the calling thread, and our threads' CPU, with the requests "
+         "counted (python/sglang_mori/call_meter.py; scripts/gpu_sglang/pd_latency.py --call-meter "
+         "turns it into microseconds per request). Each metered call costs 1-5 us more CPU (the part inside "
+         "the timed window is measured at start and taken off). Empty "
+         "or `off`: nothing is wrapped and no thread starts.", _meter_folder, "a folder, or off"),
 )
 
 # --- the config ---------------------------------------------------------------------------
@@ -327,6 +340,7 @@ class MoriConfig:
     layerwise_min_batch_tokens: int = 8192
     layerwise_group: int = 0
     transfer_process: bool = False
+    call_meter: str = ""  # a folder, "" off
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> "MoriConfig":

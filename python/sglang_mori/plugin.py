@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 
+from sglang_mori import call_meter
 from sglang_mori.backend.sglang_manifest import GET_KV_CLASS_TARGET, LAYERWISE_HOOKS, SUPPORTED_SGLANG_VERSION
 
 logger = logging.getLogger(__name__)
@@ -44,6 +45,10 @@ def mori_kv_classes() -> dict:
         MoriKVSender,
     )
 
+    metered = call_meter.meter()
+    if metered is not None:  # SGLANG_MORI_CALL_METER: SGLang's calls into these timed (off: untouched)
+        for cls in (MoriKVManager, MoriKVSender, MoriKVReceiver):
+            metered.wrap_class(cls)
     return {
         KVClassType.MANAGER: MoriKVManager,
         KVClassType.SENDER: MoriKVSender,
@@ -82,6 +87,9 @@ def _lazy_hook(name: str):
     def hook(original, *args, **kwargs):
         from sglang_mori.backend.prefill.layerwise import hooks
 
+        metered = call_meter.meter()
+        if metered is not None:  # its own CPU, the wrapped SGLang function's left out
+            return metered.hook(f"hooks.{name}", getattr(hooks, name), original, *args, **kwargs)
         return getattr(hooks, name)(original, *args, **kwargs)
 
     hook.__name__ = hook.__qualname__ = f"sglang_mori_layerwise_{name}"

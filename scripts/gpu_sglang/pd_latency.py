@@ -97,9 +97,9 @@ def write_model(path: Path, layers: int) -> str:
     return str(path)
 
 
-def workload(prompt_tokens: int, count: int, seed: int) -> List[Dict]:
+def workload(prompt_tokens: int, count: int, seed: int, vocab: int = SHAPE["vocab_size"]) -> List[Dict]:
     rng = random.Random(seed)  # distinct random prompts: no prefix-cache hits
-    return [{"input_ids": [rng.randrange(10, SHAPE["vocab_size"]) for _ in range(prompt_tokens)],
+    return [{"input_ids": [rng.randrange(10, vocab) for _ in range(prompt_tokens)],
              "sampling_params": sampling(64)} for _ in range(count)]
 
 
@@ -115,8 +115,13 @@ def compiled_files() -> int:
 def measure(send, items: List[Dict], concurrency: int) -> Dict:
     files_before = compiled_files()
     start = time.monotonic()
-    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+    pool = ThreadPoolExecutor(max_workers=concurrency)
+    try:
         replies = list(pool.map(send, items))
+    except KeyboardInterrupt:  # the time limit: leave the queued requests unsent (the servers stop next)
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
     wall = time.monotonic() - start
     ok = [r for r in replies if "error" not in r and r.get("ttft_s") is not None]
     ttft = sorted(r["ttft_s"] for r in ok)
@@ -145,6 +150,10 @@ def run_config(name: str, args, logs: Path, ports: List[int]) -> Dict:
         trace_dir.mkdir(parents=True, exist_ok=True)
         env["SGLANG_MORI_ROOM_TRACE"] = str(trace_dir)
         dummy += ["--enable-request-time-stats-logging"]
+    meter_dir = None
+    if getattr(args, "call_meter", False) and name != "standalone":  # our Python per request in both servers (call_meter.py)
+        meter_dir = logs / f"meter-{name}"
+        env["SGLANG_MORI_CALL_METER"] = str(meter_dir)
     g = args.gpu_base
     result: Dict = {"config": name}
     servers: List[Server] = []
@@ -184,10 +193,14 @@ def run_config(name: str, args, logs: Path, ports: List[int]) -> Dict:
             client = PDClient(pre, dec, boot)
             sends = {"new": client.stream, "old": lambda body: stream_two_threads(client, body)}
         result["ready_s"] = {s.name: round(s.ready_s, 1) for s in servers}
+        vocab = getattr(args, "vocab", SHAPE["vocab_size"])  # --model-dir's, else the Llama widths'
         for tokens in args.lengths:
             for conc in args.concurrency:
                 count = args.requests_c1 if conc == 1 else args.requests_per_conc * conc
-                measure(sends["new"], workload(tokens, 2, seed=1), min(conc, 2))  # warm-up (this shape)
+                # warm-up (this shape): 2 requests, or --full-warmup a full batch at its concurrency (the
+                # kernels of batch `conc` compile here, not in the measurement: session 21)
+                warm = conc if getattr(args, "full_warmup", False) else min(conc, 2)
+                measure(sends["new"], workload(tokens, max(2, warm), seed=1, vocab=vocab), warm)
                 for rep in range(args.repeats):
                     for client_name in args.clients:  # interleaved: each repeat measures every client
                         # the old client's measurements: <shape>_oldclient[_repeatN]
@@ -196,18 +209,47 @@ def run_config(name: str, args, logs: Path, ports: List[int]) -> Dict:
                         # each client its own prompts (no prefix-cache hit on the other's); the new
                         # client's seeds are the ones every earlier run used
                         seed = tokens * 100 + conc + rep + (0 if client_name == "new" else 50_000)
-                        result[rkey] = measure(sends[client_name], workload(tokens, count, seed=seed), conc)
+                        before = meter_snapshots(meter_dir)
+                        result[rkey] = measure(sends[client_name], workload(tokens, count, seed=seed, vocab=vocab), conc)
                         brief = {k: v for k, v in result[rkey].items() if k != "per_request"}
                         print(f"[{name}] {rkey}: {brief}", flush=True)
+                        if meter_dir is not None:
+                            result[rkey]["call_meter"] = metered(before, meter_snapshots(meter_dir))
+                            print(f"[{name}] {rkey} call meter: {describe_meter(result[rkey]['call_meter'])}",
+                                  flush=True)
         result["metrics"] = {s.name: s.metrics() for s in servers}
     except Exception as exc:
         record_failure(result, name, servers, exc, 30)
+    except KeyboardInterrupt:  # a plan's time limit (timeout -s INT): keep what was measured, stop here
+        result["failed"] = "interrupted (time limit); the measurements before it are kept"
+        result["interrupted"] = True
     finally:
         for s in servers:
             s.stop()
     if result.get("variant", {}).get("prefill_env", {}).get("SGLANG_MORI_TRANSFER_PROCESS") == "on":
         check_transfer_process(result, name, logs / f"{name}-prefill.log")
     return result
+
+
+def meter_snapshots(folder):
+    """Every server process's meter snapshot written after now (None: the meter is off)."""
+    if folder is None:
+        return None
+    from sglang_mori import call_meter
+
+    return call_meter.wait_fresh(folder, time.time())
+
+
+def metered(before, after) -> Dict:
+    from sglang_mori import call_meter
+
+    return call_meter.per_request(before, after)
+
+
+def describe_meter(figures: Dict) -> str:
+    from sglang_mori import call_meter
+
+    return call_meter.describe(figures)
 
 
 def check_transfer_process(result: Dict, name: str, prefill_log: Path) -> None:
@@ -239,6 +281,13 @@ def main() -> None:
     ap.add_argument("--port-base", type=int, default=12000)
     ap.add_argument("--repeats", type=int, default=1, help="measure each shape this many times in a row")
     ap.add_argument("--trace", action="store_true", help="per-room timestamps (room_trace.py)")
+    ap.add_argument("--model-dir", help="this model folder (its config.json; weights dummy) instead of the "
+                    "Llama-3-8B-widths one, e.g. build_model.py --arch mla's")
+    ap.add_argument("--full-warmup", action="store_true",
+                    help="warm each shape up with a full batch at its concurrency (default: 2 requests)")
+    ap.add_argument("--call-meter", action="store_true",
+                    help="our Python per request in both PD servers (SGLANG_MORI_CALL_METER, "
+                         "python/sglang_mori/call_meter.py): each measurement's `call_meter` entry")
     ap.add_argument("--clients", default="new", help="new (servers.py) and/or old (client_before16.py), "
                     "measured in turn on the same servers: the PD front's A/B")
     ap.add_argument("--tag", default="pd_latency", help="name of the JSON written under --out")
@@ -249,9 +298,14 @@ def main() -> None:
     if not set(args.clients) <= {"new", "old"}:
         ap.error(f"--clients: new and/or old, not {args.clients}")
     out = Path(args.out)
-    args.model = write_model(Path(f"/tmp/llama8b-widths-{args.tag}"), args.layers)
-    report: Dict = {"model": dict(SHAPE, num_hidden_layers=args.layers), "load_format": "dummy",
-                    "output_tokens": 64, "configs": {}}
+    if args.model_dir:  # another architecture (e.g. build_model.py's MLA), still dummy weights
+        args.model = args.model_dir
+        shape = json.loads((Path(args.model_dir) / "config.json").read_text())
+    else:
+        args.model = write_model(Path(f"/tmp/llama8b-widths-{args.tag}"), args.layers)
+        shape = dict(SHAPE, num_hidden_layers=args.layers)
+    args.vocab = shape["vocab_size"]
+    report: Dict = {"model": shape, "load_format": "dummy", "output_tokens": 64, "configs": {}}
     out.mkdir(parents=True, exist_ok=True)
     # This run's own Triton cache: a run beside it (other GPUs) compiles into its own.
     os.environ.setdefault("TRITON_CACHE_DIR", f"/tmp/triton-{args.tag}")
@@ -260,6 +314,9 @@ def main() -> None:
         report["configs"][name] = run_config(name, args, out / "logs", ports)
         ports = [p + 100 for p in ports]
         (out / f"{args.tag}.json").write_text(json.dumps(report, indent=1))
+        if report["configs"][name].get("interrupted"):
+            print(f"[{name}] interrupted: later configs not run", flush=True)
+            break
     print("config      shape         TTFT p50  TTFT p90  ITL p50  out tok/s")
     for name, res in report["configs"].items():
         for key, m in res.items():

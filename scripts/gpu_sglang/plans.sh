@@ -1,7 +1,7 @@
 # Sourced by device_run.sh (wheels installed, environment set): runs side by side on a 4-GPU
 # machine, one plan per device call. Each run writes under $W; the JSONs are copied to $OUT and
 # every log travels back in $OUT/<plan>.tgz (a call returns at most 8 files).
-# Usage: device_run.sh plan plan1|plan2|plan3|tp_proof|tp_fp32_ieee|ttft8k_hotpath|ttft8k_pair (ORDER=...)|ttft8k_pollreads|ttft8k_ce|ttft8k_front (ORDER=...)|ttft8k_fwd (ORDER=...)|s16_final|s17_interf (ROUTE=, COPIES=, MODES=, DDEV=, GPU=, ROUNDS=, SECONDS_W=, DSTEPS=, DROUNDS=, LOADS=)|s17_link|s19_gpu1 (s17_interf + hotpath)|s19_link (RUNS=...)|s20_tpsg (S20_BUDGET_S=...)|s21_tpsg (S21_BUDGET_S=, S21_STEPS=...)
+# Usage: device_run.sh plan plan1|plan2|plan3|tp_proof|tp_fp32_ieee|ttft8k_hotpath|ttft8k_pair (ORDER=...)|ttft8k_pollreads|ttft8k_ce|ttft8k_front (ORDER=...)|ttft8k_fwd (ORDER=...)|s16_final|s17_interf (ROUTE=, COPIES=, MODES=, DDEV=, GPU=, ROUNDS=, SECONDS_W=, DSTEPS=, DROUNDS=, LOADS=)|s17_link|s19_gpu1 (s17_interf + hotpath)|s19_link (RUNS=...)|s20_tpsg (S20_BUDGET_S=...)|s21_tpsg (S21_BUDGET_S=, S21_STEPS=...)|s22_meter (S22_BUDGET_S=, S22_CONFIGS=...)
 # Port bases stay in 10000-21999: below the kernel's ephemeral range (32768+ there), where any
 # outgoing connection of a server beside it (HTTP, NCCL, softio) may hold a port as its source, and
 # below SGLang's own nccl_port range (22000-29999). With bases at 37000/38000 a PD prefill server of
@@ -505,12 +505,12 @@ s21_step() {  # NAME MIN_S MAX_S COMMAND...: run under min(MAX_S, budget left), 
   echo "$name: rc $? in $(( SECONDS - t0 )) s (limit $limit s)" >> $W/s21.out
 }
 
-s21_logs() {  # what each prefill log says of the transfer process, one line per log
+s21_logs() {  # what each prefill log says of the transfer process, one line per log (into LOGS_OUT, default s21.out)
   local f
   for f in "$@"; do
     [ -f "$f" ] || continue
-    echo "$(basename $(dirname $(dirname $f)))/$(basename $f): $(grep -h -o 'serves control port\|registered and proven\|first room reached Success\|TRANSFER_PROCESS=on refused: .*\|Scheduler hit an exception\|chunk not handed over\|registered without an IPC handle\|could not start: .*' "$f" | sort | uniq -c | tr -s ' \n' ' ')" >> $W/s21.out
-    grep -h -o 'transfer process pid [0-9]*: engine .*start-up used [0-9]* ms of CPU' "$f" | sed 's/: engine .*start-up used/: start-up used/' >> $W/s21.out
+    echo "$(basename $(dirname $(dirname $f)))/$(basename $f): $(grep -h -o 'serves control port\|registered and proven\|first room reached Success\|TRANSFER_PROCESS=on refused: .*\|Scheduler hit an exception\|chunk not handed over\|registered without an IPC handle\|could not start: .*' "$f" | sort | uniq -c | tr -s ' \n' ' ')" >> ${LOGS_OUT:-$W/s21.out}
+    grep -h -o 'transfer process pid [0-9]*: engine .*start-up used [0-9]* ms of CPU' "$f" | sed 's/: engine .*start-up used/: start-up used/' >> ${LOGS_OUT:-$W/s21.out}
   done
 }
 
@@ -543,4 +543,49 @@ s21_tpsg() {
       | sed "s|^|$(basename $f .out) |" | cut -c1-400 >> $W/s21.out
   done
   cat $W/s21.out
+}
+
+# Session 22, issue 28's goals counted INSIDE real SGLang (2 GPUs): our Python per request on the prefill
+# and the decode scheduler processes (SGLANG_MORI_CALL_METER, python/sglang_mori/call_meter.py: SGLang's
+# calls into our manager, sender and receiver timed on the calling thread, plus our threads' CPU), under
+# load, chunk-wise, prefill GPU 0 -> decode GPU 1, the 8-layer Llama-3-8B-widths model (dummy weights):
+# pd_latency.py --call-meter, one invocation per config in S22_CONFIGS (default the transfer process, then
+# in-process), each bounded by S22_CONFIG_S (220 s) and by what is left of S22_BUDGET_S (450 s; a config
+# that cannot get S22_MIN_S (150 s) is skipped by name in s22.out). Prompts of S22_LENGTHS (1K and 8K) at
+# concurrency S22_CONC (1 and 16; S22_REQ_PER_CONC x 16 requests at c16, S22_REQ_C1 at c1), each shape
+# measured twice (--repeats 2) after a warm-up at the shape's full concurrency (--full-warmup: the batch-16
+# kernels compile there, not in the measurement; session 21's first config compiled 33 during it). The
+# *_tproc config fails by name unless the prefill log shows the child accepted, proven and serving
+# (tproc_check.py). s22.out: every config's rc, the transfer-process log lines, and meter_summary.py's
+# table (TTFT p50/p90, ITL p50, tok/s, prefill and decode us/request = calls + threads, the largest parts).
+# S22_MODEL=/tmp/gpu-mla (run_plan builds it) measures the random-weight DeepSeek-MLA model instead (dummy
+# weights; a second call: both models do not fit one).
+# Expected on 2x H200 (session 21): ~90 s start (+30 s of Triton JIT for the call's first), ~60 s of
+# measurements, ~20 s stop a config: about 180 + 150 s after ~40 s of install and models.
+s22_step() {  # NAME MIN_S MAX_S COMMAND...: run under min(MAX_S, budget left), or skip
+  local name=$1 min=$2 max=$3; shift 3
+  local left=$(( ${S22_BUDGET_S:-450} - (SECONDS - S22_START) ))
+  local limit=$(( left < max ? left : max ))
+  if [ $limit -lt $min ]; then echo "$name: skipped at $(( SECONDS - S22_START )) s (${left} s left)" >> $W/s22.out; return; fi
+  local t0=$SECONDS
+  timeout -s INT -k 25 $limit "$@"
+  echo "$name: rc $? in $(( SECONDS - t0 )) s (limit $limit s)" >> $W/s22.out
+}
+
+s22_meter() {
+  S22_START=$SECONDS
+  PLAN_JSONS="$W/s22.out $W/load/*.json"
+  local port=16000 c
+  for c in ${S22_CONFIGS:-pd_off_tproc pd_off}; do
+    s22_step $c ${S22_MIN_S:-150} ${S22_CONFIG_S:-220} python3 "$S/pd_latency.py" --out $W/load --configs $c --gpus 2 \
+      --gpu-base 0 --lengths ${S22_LENGTHS:-1024,8192} --concurrency ${S22_CONC:-1,16} --requests-c1 ${S22_REQ_C1:-8} \
+      --requests-per-conc ${S22_REQ_PER_CONC:-4} --repeats 2 --full-warmup --call-meter ${S22_MODEL:+--model-dir $S22_MODEL} \
+      --max-total-tokens ${S22_MAXTOK:-262144} --tag meter_$c --port-base $port > $W/load_$c.out 2>&1
+    cp $W/load/meter_$c.json "$OUT/" 2>/dev/null
+    port=$(( port + 1000 ))
+  done
+  LOGS_OUT=$W/s22.out s21_logs $W/load/logs/*prefill*.log
+  grep -h "transfer process:\|FAILED\|Traceback\|Error" $W/load_*.out | cut -c1-400 >> $W/s22.out 2>/dev/null
+  python3 "$S/meter_summary.py" $W/load/meter_*.json >> $W/s22.out 2>&1
+  cat $W/s22.out
 }

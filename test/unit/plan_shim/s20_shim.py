@@ -4,8 +4,10 @@ transfer-process log check) with fake servers that answer at once and write a pr
 transfer-process lines say what S20_FAKE_TPROC asks (serving / refused / refused_tp1), one per TP rank."""
 
 import importlib.util
+import json
 import os
 import sys
+import threading
 from pathlib import Path
 
 SERVING = ("sglang-mori transfer process pid 7: engine soft on 127.0.0.1, control port 9, 16 KV buffers registered "
@@ -26,6 +28,24 @@ def prefill_log(argv) -> str:
     return "".join(lines)
 
 
+METERED = []  # (folder, role) of the fake servers started with SGLANG_MORI_CALL_METER
+REQUESTS = [0]
+LOCK = threading.Lock()  # the client's threads count and write in turn (the real writer is one thread)
+
+
+def write_meter_snapshots() -> None:
+    """What call_meter.py's writer would say after REQUESTS requests: prefill 100 us of calls + 20 us of
+    threads per request, decode 50 + 30 (written as of a far future time, so the rig waits for none)."""
+    n = REQUESTS[0]
+    parts = {"prefill": ({"MoriKVSender.send": [n, n * 100_000]}, {"mori-shard-N": n * 20_000}),
+             "decode": ({"MoriKVReceiver.poll": [3 * n, n * 50_000]}, {"mori-decode-status": n * 30_000})}
+    for folder, role in METERED:
+        calls, threads = parts[role]
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        (Path(folder) / f"{role}-1.json").write_text(json.dumps(
+            {"pid": 1, "role": role, "time": 4e9, "requests": n, "calls": calls, "callers": {}, "threads": threads}))
+
+
 class FakeServer:
     def __init__(self, name, argv, env, logs, port):
         self.name, self.argv, self.env, self.url, self.ready_s = name, argv, env, f"http://h:{port}", 1.0
@@ -35,6 +55,9 @@ class FakeServer:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         tproc = self.env.get("SGLANG_MORI_TRANSFER_PROCESS") == "on"
         self.log.write_text(prefill_log(self.argv) if tproc else "")
+        if self.env.get("SGLANG_MORI_CALL_METER"):
+            METERED.append((self.env["SGLANG_MORI_CALL_METER"], "prefill" if "prefill" in self.argv else "decode"))
+            write_meter_snapshots()
         return self
 
     def wait_ready(self, deadline_s):
@@ -44,7 +67,7 @@ class FakeServer:
         return {}
 
     def stop(self):
-        pass
+        METERED.clear()
 
 
 class FakePDClient:
@@ -55,6 +78,9 @@ class FakePDClient:
         return {"output_ids": [len(body["input_ids"]) % 97], "error": None}
 
     def stream(self, body):
+        with LOCK:
+            REQUESTS[0] += 1
+            write_meter_snapshots()
         return {"ttft_s": 0.05, "itl_s": [0.002], "tokens": 2, "e2e_s": 0.1, "sent_at": 1.0, "first_at": 1.05}
 
 
