@@ -1,0 +1,34 @@
+"""The room's aux (metadata) items for the hand-off record, as views of SGLang's buffers.
+
+With the transfer process the last chunk's aux rides on its hand-off record, read on SGLang's
+scheduler thread inside send(). The manager's `_read_aux` copies each item out with
+`ctypes.string_at` (one bytes object per buffer: ten for SGLang 0.5.23's MetadataBuffers); the
+record's sendmsg gathers these row views instead, so the kernel's copy is the only one. The views
+are made once; an index outside the buffers raises (the hand-off then fails the room by name)
+where `string_at` would read past them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import List, Optional, Sequence
+
+import numpy as np
+
+
+class AuxRows:
+    def __init__(self, ptrs: Sequence[int], data_lens: Sequence[int], item_lens: Sequence[int]):
+        self.tables = []
+        for ptr, length, item in zip(ptrs, data_lens, item_lens):
+            rows = length // item
+            raw = (ctypes.c_uint8 * (rows * item)).from_address(ptr)
+            self.tables.append(np.ctypeslib.as_array(raw).reshape(rows, item))
+        self.slots = min((len(t) for t in self.tables), default=0)
+
+    def __call__(self, index: Optional[int]) -> Optional[List[np.ndarray]]:
+        """Row `index` of every buffer (1-D uint8 views, valid while SGLang's buffers live)."""
+        if index is None:
+            return None
+        if not 0 <= index < self.slots:
+            raise IndexError(f"aux index {index} outside the metadata buffers' {self.slots} slots")
+        return [t[index] for t in self.tables]
