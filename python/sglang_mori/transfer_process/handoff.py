@@ -58,11 +58,11 @@ def channel_pair():
 
 
 def _aux_buffers(items) -> list:
-    """The tail's buffers for sendmsg: the count and lengths, then each item as it is (bytes, or a
-    1-D uint8 view whose len is its byte count); no join, the kernel gathers them."""
-    if items is None:
-        return []
-    return [struct.pack(f"<H{len(items)}I", len(items), *map(len, items)), *items]
+    """The tail's buffers for sendmsg: the count and lengths (packed already on AuxRows' items),
+    then each item as it is (bytes, or a 1-D uint8 view whose len is its byte count); no join, the
+    kernel gathers them."""
+    head = getattr(items, "head", None) or struct.pack(f"<H{len(items)}I", len(items), *map(len, items))
+    return [head, *items]
 
 
 def _decode_aux(tail: memoryview) -> Optional[List[bytes]]:
