@@ -244,11 +244,12 @@ class DecodeService:
         # under it before SGLang drops the room's status (receiver.before_clear), so the status
         # applied here is the named attempt's, never the room id's next receiver's.
         with p.rooms.lock:
-            r = p.rooms.current(msg.room, msg.attempt)
+            r = p.rooms.current_held(msg.room, msg.attempt)
             if r is None:
                 self._stale(msg)
                 return
-            if p.sglang.status(msg.room) is None:
+            before = p.sglang.status(msg.room)
+            if before is None:
                 return  # concluded and cleared already; a late or replayed status changes nothing
             if msg.status == room_status.FAILED:
                 self.effects.prefill_failed(msg.room, msg.prefill_rank, msg.reason)
@@ -261,7 +262,7 @@ class DecodeService:
             if error:
                 self.fail(msg.room, error, OTHER, msg.attempt)
                 return
-            self.effects.prefill_succeeded(msg.room, msg.prefill_rank, msg.reason)
+            self.effects.prefill_succeeded(msg.room, msg.prefill_rank, msg.reason, before)
 
     def _stale(self, msg: protocol.RoomStatus) -> None:
         """A status for a receiver attempt that is over (cleared, or replaced by a new receiver of
