@@ -151,7 +151,8 @@ class Inbox:
     def drain_nowait(self) -> int:
         """Handle what has arrived, on the calling thread, without waiting for anything: not for
         the lock (the reading thread holds it while it waits in the socket or handles a message)
-        and not for the socket. At most one look per POLLER_MIN_GAP_S. Returns the number of
+        and not for the socket. At most one look per POLLER_MIN_GAP_S (with the watcher: per
+        arrival its byte shows). Returns the number of
         messages handled. With the arrival flag armed (or the watcher's byte 0) and nothing
         arrived: no more than that."""
         q = self._quiet
@@ -159,7 +160,36 @@ class Inbox:
             if not q[0]:  # the watcher process's byte: nothing arrived
                 self._quiet_looks += 1
                 return 0
-            return self._look_watched(q)
+            # The watched look: it runs once per arrival, on caches a GPU step left cold, where
+            # every call and line costs about 1-4 us more than in a look that runs every step
+            # (issue 28, session 22): inline here, no clock unless the lock is taken (the byte keeps
+            # one scheduler pass to one look; the reading thread sees a poller by its looks,
+            # counted), and a receive at once.
+            lock = self.lock
+            if not lock.acquire(False):
+                # The reading thread waits in the socket (or handles a message): wake it, once per
+                # POLLER_ACTIVE_S (a wake-up token it is not there to read costs the next drain a
+                # receive), and it leaves the socket to the polls from its next look on.
+                now = time.perf_counter()
+                if now - self._last_poll >= POLLER_ACTIVE_S:
+                    self._wake_thread()
+                self._last_poll = now
+                return 0
+            try:
+                if self.closed:
+                    return 0
+                self.poller_looks += 1
+                if q[1]:  # (the watcher's byte, once it watches: 0 from here, the drain below ends empty)
+                    q[0] = 0
+                try:
+                    n = self._drain_locked(True, _WATCHED_FIRST_RECV)
+                finally:
+                    if not self._drained:  # ended early (a socket error): look again
+                        q[0] = 1
+                self.by_poller += n
+                return n
+            finally:
+                lock.release()
         r = self._revents
         if r is not None and not (r[3] or r[7] or r[11]):  # ArrivalFlag.quiet(), inlined
             return 0
@@ -181,38 +211,6 @@ class Inbox:
             return n
         finally:
             self.lock.release()
-
-    def _look_watched(self, q) -> int:
-        """drain_nowait with the watcher's byte set. This look runs once per arrival, on caches a
-        GPU step left cold, so it runs as little code as it can (issue 28, session 22: every line
-        here cost about 1 us more than in a look that runs every step): no clock unless the lock
-        is taken (the byte keeps the polls of one scheduler pass to one look, and the reading
-        thread sees a poller by its looks, counted), and a receive at once."""
-        lock = self.lock
-        if not lock.acquire(blocking=False):
-            # The reading thread waits in the socket (or handles a message): wake it, once per
-            # POLLER_ACTIVE_S (a wake-up token it is not there to read costs the next drain a
-            # receive), and it leaves the socket to the polls from its next look on.
-            now = time.perf_counter()
-            if now - self._last_poll >= POLLER_ACTIVE_S:
-                self._wake_thread()
-            self._last_poll = now
-            return 0
-        try:
-            if self.closed:
-                return 0
-            self.poller_looks += 1
-            if q[1]:  # (the watcher's byte, once it watches: 0 from here, the drain below ends empty)
-                q[0] = 0
-            try:
-                n = self._drain_locked(True, _WATCHED_FIRST_RECV)
-            finally:
-                if not self._drained:  # ended early (a socket error): look again
-                    q[0] = 1
-            self.by_poller += n
-            return n
-        finally:
-            lock.release()
 
     def _alive_checked(self, now: float) -> bool:
         # (a wait for the child is a system call and 30 us of this thread on this VM, where a
@@ -360,8 +358,10 @@ class Inbox:
     # --- both ------------------------------------------------------------------------------------
     def _drain_locked(self, polled: bool = False, first_recv: bool = False) -> int:
         # Plain ints for the flags: `&` on pyzmq's enum flags is a Python-level __and__ (about 2 us
-        # a look); recv + RCVMORE is recv_multipart without its Python layer (issue 28: a poll that
-        # reads TransferStarted + Success costs 22-26 us in pyzmq this way, 30-42 before).
+        # a look). Each frame is received as a zmq.Frame, whose `more` pyzmq reads in C with the
+        # frame: `get(RCVMORE)` converts its option to an enum in Python first, two Python calls
+        # a frame (issue 28, session 22; a poll that reads TransferStarted + Success cost 30-42 us
+        # with recv_multipart, 22-26 with recv + get(RCVMORE)).
         # `first_recv`: something most likely waits (the watcher's byte): receive before asking
         # ZMQ (the receive processes ZMQ's commands as get(EVENTS) does; one call less per look,
         # an exception when nothing was there).
@@ -369,18 +369,21 @@ class Inbox:
         get, recv = sock.get, sock.recv
         n = 0
         self._drained = False  # (until ZMQ says empty below: a socket error may end the look first)
-        first = None
+        part = None
         if first_recv:
             try:
-                first = recv(_NOBLOCK)
+                part = recv(_NOBLOCK, False)
             except zmq.Again:
                 self._drained = True  # (ZMQ said empty: its descriptor signals the next arrival)
                 return 0
-        while first is not None or get(_EVENTS) & _POLLIN:
-            frames = [first if first is not None else recv(_NOBLOCK)]  # a multipart message arrives whole
-            first = None
-            while get(_RCVMORE):
-                frames.append(recv(_NOBLOCK))
+        while part is not None or get(_EVENTS) & _POLLIN:
+            if part is None:
+                part = recv(_NOBLOCK, False)
+            frames = [part.bytes]  # a multipart message arrives whole
+            while part.more:
+                part = recv(_NOBLOCK, False)
+                frames.append(part.bytes)
+            part = None
             if frames[0] == token and len(frames) == 1:
                 continue  # a wake-up meant for the reading thread, which is not in the socket now
             n += 1
