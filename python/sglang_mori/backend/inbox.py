@@ -84,8 +84,6 @@ def arrival_mode(value) -> str:
 
 
 _EVENTS, _RCVMORE, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.RCVMORE), int(zmq.POLLIN), int(zmq.NOBLOCK)
-# The watcher's look receives at once (_drain_locked's first_recv); False: asks get(EVENTS) first.
-_WATCHED_FIRST_RECV = os.environ.get("DEC22_FIRST_RECV", "1") != "0"  # (measurement only)
 
 
 class Inbox:
@@ -182,7 +180,7 @@ class Inbox:
                 if q[1]:  # (the watcher's byte, once it watches: 0 from here, the drain below ends empty)
                     q[0] = 0
                 try:
-                    n = self._drain_locked(True, _WATCHED_FIRST_RECV)
+                    n = self._drain_locked(True, True)
                 finally:
                     if not self._drained:  # ended early (a socket error): look again
                         q[0] = 1
