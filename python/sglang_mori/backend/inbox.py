@@ -356,10 +356,9 @@ class Inbox:
     # --- both ------------------------------------------------------------------------------------
     def _drain_locked(self, polled: bool = False, first_recv: bool = False) -> int:
         # Plain ints for the flags: `&` on pyzmq's enum flags is a Python-level __and__ (about 2 us
-        # a look). Each frame is received as a zmq.Frame, whose `more` pyzmq reads in C with the
-        # frame: `get(RCVMORE)` converts its option to an enum in Python first, two Python calls
-        # a frame (issue 28, session 22; a poll that reads TransferStarted + Success cost 30-42 us
-        # with recv_multipart, 22-26 with recv + get(RCVMORE)).
+        # a look); recv + RCVMORE is recv_multipart without its Python layer (issue 28: a poll that
+        # reads TransferStarted + Success costs 22-26 us in pyzmq this way, 30-42 before). (Frames
+        # as zmq.Frame, `more` read in C, cost 16 us more in a cold look on the CPU: session 22.)
         # `first_recv`: something most likely waits (the watcher's byte): receive before asking
         # ZMQ (the receive processes ZMQ's commands as get(EVENTS) does; one call less per look,
         # an exception when nothing was there).
@@ -367,21 +366,18 @@ class Inbox:
         get, recv = sock.get, sock.recv
         n = 0
         self._drained = False  # (until ZMQ says empty below: a socket error may end the look first)
-        part = None
+        first = None
         if first_recv:
             try:
-                part = recv(_NOBLOCK, False)
+                first = recv(_NOBLOCK)
             except zmq.Again:
                 self._drained = True  # (ZMQ said empty: its descriptor signals the next arrival)
                 return 0
-        while part is not None or get(_EVENTS) & _POLLIN:
-            if part is None:
-                part = recv(_NOBLOCK, False)
-            frames = [part.bytes]  # a multipart message arrives whole
-            while part.more:
-                part = recv(_NOBLOCK, False)
-                frames.append(part.bytes)
-            part = None
+        while first is not None or get(_EVENTS) & _POLLIN:
+            frames = [first if first is not None else recv(_NOBLOCK)]  # a multipart message arrives whole
+            first = None
+            while get(_RCVMORE):
+                frames.append(recv(_NOBLOCK))
             if frames[0] == token and len(frames) == 1:
                 continue  # a wake-up meant for the reading thread, which is not in the socket now
             n += 1
