@@ -174,8 +174,8 @@ def test_a_look_the_byte_sent_for_nothing_leaves_the_next_arrival_shown(rig):
     """The watched look receives at once (session 22): a byte set with nothing waiting (a signal
     of a message an earlier drain read) makes that receive fail, and that failed receive must be
     the look that found the socket empty: the next arrival still sets the byte and is read by the
-    poll, 30 times in a row. (Fails if the failed receive leaves the byte at 1: then the byte is
-    never 0 and the first assertion on it fails.)"""
+    poll, 30 times in a row. (Fails, checked, if the failed receive leaves the look unfinished:
+    the byte then stays 1 and the wait for quiet times out.)"""
     inbox, sender = rig.inbox, rig.push()
     sender.send(b"connected")
     wait_until(lambda: inbox.drain_nowait() or rig.got, "the first message read", WAIT_S, interval_s=0.001)
