@@ -30,8 +30,8 @@ from gather_check import PagedShape, check_odd, enable_peer  # noqa: E402
 from sglang_mori.softio.device_gather import GatherCopier  # noqa: E402
 
 # (label, kernel, unroll, threads, blocks per SM, share bytes; 0: even shares). Grids whose blocks
-# fit an SM's 64K registers together (nvcc -Xptxas -v, sm_90: gather_bytes 62 / 72 / 96 registers a
-# thread at UNROLL 4 / 8 / 16), else a second block per SM would run as a second wave.
+# fit an SM's 64K registers together (nvcc -Xptxas -v, sm_90: gather_bytes 56 / 76 / 96 registers a
+# thread at UNROLL 4 / 8 / 16; gather_bytes_dynamic 60 / 68 / 96), else a second block per SM would run as a second wave.
 CANDIDATES = [
     ("ranges u8 t512 1/SM (session 21)", "ranges", 8, 512, 1, 0),
     ("bytes u8 t512 1/SM", "bytes", 8, 512, 1, 0),
@@ -45,6 +45,10 @@ CANDIDATES = [
     ("bytes u8 t512 1/SM share 16K", "bytes", 8, 512, 1, 16 << 10),
     ("bytes u8 t512 1/SM share 64K", "bytes", 8, 512, 1, 64 << 10),
     ("bytes u16 t256 2/SM share 32K", "bytes", 16, 256, 2, 32 << 10),
+    ("dynamic u8 t512 1/SM share 16K", "dynamic", 8, 512, 1, 16 << 10),
+    ("dynamic u8 t512 1/SM share 32K", "dynamic", 8, 512, 1, 32 << 10),
+    ("dynamic u8 t512 1/SM share 64K", "dynamic", 8, 512, 1, 64 << 10),
+    ("dynamic u16 t256 2/SM share 32K", "dynamic", 16, 256, 2, 32 << 10),
 ]
 SHAPES = [("mla p64 8192", 61, 128, 73728), ("gqa p16 8192", 64, 512, 32768),
           ("mla p64 32768", 61, 512, 73728), ("gqa p16 32768", 64, 2048, 32768)]

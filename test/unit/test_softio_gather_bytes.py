@@ -64,7 +64,7 @@ class HostCupy:
                 getattr(LIB, run)(grid[0], block[0], args[0].arr.ctypes.data, *(int(a) for a in args[1:]))
             return launch
 
-        self.kernels = {k: kernel_of(k) for k in ("run_ranges", "run_shared", "run_bytes")}
+        self.kernels = {k: kernel_of(k) for k in ("run_ranges", "run_shared", "run_bytes", "run_dynamic")}
 
 
 def host_copier(variant="bytes", blocks=3, threads=64, share=0):
@@ -72,7 +72,8 @@ def host_copier(variant="bytes", blocks=3, threads=64, share=0):
     c = object.__new__(GatherCopier)
     c.__dict__.update(cupy=cupy, device=0, threads=threads, blocks=blocks, peer_blocks=blocks, _streams={},
                       _free={}, variant=variant, unroll=8, share=share, kernel=cupy.kernels["run_ranges"],
-                      shared_kernel=cupy.kernels["run_shared"], bytes_kernel=cupy.kernels["run_bytes"])
+                      shared_kernel=cupy.kernels["run_shared"], bytes_kernel=cupy.kernels["run_bytes"],
+                      dynamic_kernel=cupy.kernels["run_dynamic"])
     return c, cupy
 
 
@@ -143,6 +144,16 @@ def test_the_bytes_kernel_copies_exactly_the_tables_bytes(spans, pairs, shared, 
     dst, want = run_copy(copier, disjoint(spans), pairs, shared, base_shift=shift)
     assert np.array_equal(dst, want)
     assert {launch[0] for launch in cupy.launches} <= {"run_bytes"}
+
+
+@needs_cxx
+@settings(max_examples=25, deadline=None)
+@given(SPANS, st.integers(1, 3), st.booleans(), st.sampled_from([(1, 32), (3, 64)]), st.sampled_from([0, 512, 1024]))
+def test_the_dynamic_kernel_copies_exactly_the_tables_bytes(spans, pairs, shared, grid, share):
+    copier, cupy = host_copier("dynamic", blocks=grid[0], threads=grid[1], share=share)
+    dst, want = run_copy(copier, disjoint(spans), pairs, shared, base_shift=1)
+    assert np.array_equal(dst, want)
+    assert {launch[0] for launch in cupy.launches} <= {"run_dynamic"}
 
 
 @needs_cxx
@@ -223,6 +234,8 @@ def test_settings_come_from_the_environment_and_bad_ones_are_refused(monkeypatch
     monkeypatch.setenv(device_gather.SHARE_ENV, "32768")
     s = gather_setting()
     assert (s.kernel, s.unroll, s.threads, s.share) == ("ranges", 16, 256, 32768)
+    monkeypatch.setenv(device_gather.KERNEL_ENV, "dynamic")
+    assert gather_setting().kernel == "dynamic"
     for env, bad in ((device_gather.KERNEL_ENV, "warp"), (device_gather.UNROLL_ENV, "0"),
                      (device_gather.THREADS_ENV, "100"), (device_gather.SHARE_ENV, "1000")):
         monkeypatch.setenv(env, bad)

@@ -66,6 +66,7 @@ def copier(variant="ranges"):
     c = object.__new__(GatherCopier)
     c.__dict__.update(cupy=cupy, device=0, threads=device_gather.THREADS, blocks=16, peer_blocks=132, _streams={},
                       _free={}, kernel=cupy.kernel, shared_kernel=cupy.kernel, bytes_kernel=cupy.kernel,
+                      dynamic_kernel=cupy.kernel,
                       variant=variant, unroll=8, share=0)
     return c, cupy.log
 

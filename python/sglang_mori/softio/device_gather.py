@@ -67,6 +67,7 @@ THREADS = 512
 PIECE_BYTES = 128 << 10
 # gather_bytes: a warp's share of the batch is a multiple of its 32 lanes' 16-byte words
 SHARE_ALIGN = 512
+DYNAMIC_SHARE = 32 << 10  # gather_bytes_dynamic's share where SGLANG_MORI_SOFTIO_GATHER_SHARE is 0
 UNROLL = 8  # 16-byte loads in flight per thread (the kernel's -DUNROLL)
 KERNEL_ENV = "SGLANG_MORI_SOFTIO_GATHER_KERNEL"
 UNROLL_ENV = "SGLANG_MORI_SOFTIO_GATHER_UNROLL"
@@ -157,48 +158,74 @@ extern "C" __global__ void gather_copy_shared(const u64* table, long long pairs,
     }
 }
 
-extern "C" __global__ void gather_bytes(const u64* table, long long pairs, long long per, u64 share) {
-    // Balanced by bytes, not ranges: the batch's bytes, pair by pair and range by range, are cut
-    // into shares of `share` bytes (a multiple of 512); warp w copies shares w, w + warps, ...,
-    // each as the pieces of the ranges it overlaps. A warp per range left the last round ragged
-    // (7,808 ranges of MLA 8K over 2,112 warps: 3.7 a warp, so the copy lasted 4 rounds).
-    // table: gather_copy_shared's, then `per` ends (ends[j] = sizes[0] + ... + sizes[j]); the
-    // flat table is its one pair of bases 0 (pairs = 1).
+// Bytes [start, start + left) of the batch (pair by pair, range by range), copied by one warp as
+// the pieces of the ranges they overlap. table: gather_copy_shared's, then `per` ends
+// (ends[j] = sizes[0] + ... + sizes[j]: where range j ends within a pair's bytes).
+__device__ __forceinline__ void copy_share(const u64* table, long long pairs, long long per, u64 pair_bytes,
+                                           u64 start, u64 left, u64 lane) {
     const u64* dst_base = table;
     const u64* src_base = table + pairs;
     const u64* dst_off = table + 2 * pairs;
     const u64* src_off = dst_off + per;
     const u64* sizes = src_off + per;
     const u64* ends = sizes + per;
+    u64 p = start / pair_bytes;
+    u64 q = start - p * pair_bytes;  // where the share starts within pair p's bytes
+    long long lo = 0, hi = per - 1;  // the first range ending after q
+    while (lo < hi) {
+        const long long mid = (lo + hi) >> 1;
+        if (ends[mid] > q) hi = mid; else lo = mid + 1;
+    }
+    long long j = lo;
+    while (left) {
+        const u64 end = ends[j];
+        const u64 off = q - (end - sizes[j]);
+        const u64 len = end - q < left ? end - q : left;
+        copy_piece((char*)(dst_base[p] + dst_off[j] + off), (const char*)(src_base[p] + src_off[j] + off), len,
+                   lane);
+        left -= len;
+        q += len;
+        if (q == end) {  // range j done (or empty): the next one, or the next pair's first
+            if (++j == per) { j = 0; p++; q = 0; }
+        }
+    }
+}
+
+extern "C" __global__ void gather_bytes(const u64* table, long long pairs, long long per, u64 share) {
+    // Balanced by bytes, not ranges: the batch's bytes are cut into shares of `share` bytes (a
+    // multiple of 512); warp w copies shares w, w + warps, ... A warp per range left the last round
+    // ragged (7,808 ranges of MLA 8K over 2,112 warps: 3.7 a warp, so the copy lasted 4 rounds).
+    // The flat table is the shared one of one pair of bases 0 (pairs = 1).
     if (per <= 0) return;  // no range: no end to read
-    const u64 pair_bytes = ends[per - 1];
+    const u64 pair_bytes = table[2 * pairs + 4 * per - 1];
     if (pair_bytes == 0) return;
     const u64 total = pair_bytes * (u64)pairs;
     const u64 warps = ((u64)gridDim.x * blockDim.x) >> 5;
     const u64 lane = threadIdx.x & 31;
     for (u64 start = (((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5) * share; start < total;
          start += warps * share) {
-        u64 left = total - start < share ? total - start : share;
-        u64 p = start / pair_bytes;
-        u64 q = start - p * pair_bytes;  // where the share starts within pair p's bytes
-        long long lo = 0, hi = per - 1;  // the first range ending after q
-        while (lo < hi) {
-            const long long mid = (lo + hi) >> 1;
-            if (ends[mid] > q) hi = mid; else lo = mid + 1;
-        }
-        long long j = lo;
-        while (left) {
-            const u64 end = ends[j];
-            const u64 off = q - (end - sizes[j]);
-            const u64 len = end - q < left ? end - q : left;
-            copy_piece((char*)(dst_base[p] + dst_off[j] + off), (const char*)(src_base[p] + src_off[j] + off), len,
-                       lane);
-            left -= len;
-            q += len;
-            if (q == end) {  // range j done (or empty): the next one, or the next pair's first
-                if (++j == per) { j = 0; p++; q = 0; }
-            }
-        }
+        copy_share(table, pairs, per, pair_bytes, start, total - start < share ? total - start : share, lane);
+    }
+}
+
+extern "C" __global__ void gather_bytes_dynamic(unsigned long long* table, long long pairs, long long per,
+                                                u64 share) {
+    // gather_bytes with shares taken in turn: each warp takes the next share from a counter (the
+    // table's last word, uploaded as 0) until none is left, so a warp whose stores retire slower
+    // (an SM farther from the link) takes fewer shares instead of finishing last.
+    if (per <= 0) return;
+    const u64 pair_bytes = table[2 * pairs + 4 * per - 1];
+    if (pair_bytes == 0) return;
+    const u64 total = pair_bytes * (u64)pairs;
+    unsigned long long* counter = table + 2 * pairs + 4 * per;
+    const u64 lane = threadIdx.x & 31;
+    for (;;) {
+        unsigned long long next = 0;
+        if (lane == 0) next = atomicAdd(counter, 1ULL);
+        next = __shfl_sync(0xffffffffu, next, 0);  // the whole warp copies the share lane 0 took
+        const u64 start = next * share;
+        if (start >= total) return;
+        copy_share(table, pairs, per, pair_bytes, start, total - start < share ? total - start : share, lane);
     }
 }
 """
@@ -206,8 +233,8 @@ extern "C" __global__ void gather_bytes(const u64* table, long long pairs, long 
 
 class GatherCopier:
     """Copies of one engine stream: the range table goes to the device and one kernel copies it.
-    `variant` "bytes" (the default, `gather_bytes`: warps take equal shares of the batch's bytes)
-    or "ranges" (a warp per range, `gather_copy` / `gather_copy_shared`, before session 22);
+    `variant` "bytes" (the default, `gather_bytes`: warps take equal shares of the batch's bytes),
+    "dynamic" (`gather_bytes_dynamic`: warps take shares from a counter until none is left) or "ranges" (a warp per range, `gather_copy` / `gather_copy_shared`, before session 22);
     `unroll`, `threads` and `share` (bytes a warp takes at a time; 0: the batch's bytes over the
     grid's warps, one share each) as GatherSetting says. Unset arguments: the environment's."""
 
@@ -229,6 +256,8 @@ class GatherCopier:
             self.shared_kernel.compile()
             self.bytes_kernel = cupy.RawKernel(_SOURCE, "gather_bytes", options=options)
             self.bytes_kernel.compile()
+            self.dynamic_kernel = cupy.RawKernel(_SOURCE, "gather_bytes_dynamic", options=options)
+            self.dynamic_kernel.compile()
             sms = int(dev.attributes["MultiProcessorCount"])
         chosen = grid_blocks()
         self.blocks = chosen or GRID_BLOCKS  # within one GPU
@@ -239,7 +268,7 @@ class GatherCopier:
     def copy(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int, to_peer: bool = False):
         """Enqueue the copies on `stream`; returns what must outlive them (the table on the
         device and its pinned host copy), which the caller keeps until the batch's event fired."""
-        if self.variant == "bytes":  # the flat table is the shared one of one pair at bases 0
+        if self.variant != "ranges":  # the flat table is the shared one of one pair at bases 0
             return self._copy_bytes(_ZERO, _ZERO, dsts, srcs, sizes, stream, to_peer)
         dsts, srcs, sizes = split_ranges(dsts, srcs, sizes)
         n = len(sizes)
@@ -255,7 +284,7 @@ class GatherCopier:
         shared ranges (2 x pairs + 3 x ranges words, where the flat table is 3 x pairs x ranges:
         64 KB against 3 MB at 32K GQA tokens, built and uploaded on the way to the launch), or by
         `gather_bytes` from that table and the ranges' ends (2 x pairs + 4 x ranges words)."""
-        if self.variant == "bytes":
+        if self.variant != "ranges":
             return self._copy_bytes(dst_base, src_base, dst_off, src_off, sizes, stream, to_peer)
         dst_off, src_off, sizes = split_ranges(dst_off, src_off, sizes)
         pairs, per = len(dst_base), len(sizes)
@@ -270,12 +299,15 @@ class GatherCopier:
         cut them on the device); the launch needs as many warps as the batch has shares."""
         pairs, per = len(dst_base), len(sizes)
         words = 2 * pairs + 4 * per
-        staging = self._staging(words)
+        dynamic = self.variant == "dynamic"
+        staging = self._staging(words + dynamic)  # dynamic: and the share counter, uploaded as 0
         pair_bytes = fill_bytes_table(staging.host[:words], dst_base, src_base, dst_off, src_off, sizes)
+        if dynamic:
+            staging.host[words] = 0
         warps = (self.peer_blocks if to_peer else self.blocks) * (self.threads // 32)
-        share = self.share or even_share(pair_bytes * pairs, warps)
+        share = self.share or (DYNAMIC_SHARE if dynamic else even_share(pair_bytes * pairs, warps))
         shares = max(1, -(-(pair_bytes * pairs) // share))
-        return self._launch(self.bytes_kernel, staging, words, shares,
+        return self._launch(self.dynamic_kernel if dynamic else self.bytes_kernel, staging, words + dynamic, shares,
                             (np.int64(pairs), np.int64(per), np.uint64(share)), stream, to_peer)
 
     def _staging(self, words: int) -> "Staging":
@@ -473,8 +505,8 @@ class GatherSetting:
 def gather_setting() -> GatherSetting:
     """GatherSetting from SGLANG_MORI_SOFTIO_GATHER_{KERNEL,UNROLL,THREADS,SHARE} (unset: defaults)."""
     kernel = os.environ.get(KERNEL_ENV, "").strip().lower() or "bytes"
-    if kernel not in ("bytes", "ranges"):
-        raise ValueError(f"{KERNEL_ENV} must be 'bytes' or 'ranges', got {kernel!r}")
+    if kernel not in ("bytes", "ranges", "dynamic"):
+        raise ValueError(f"{KERNEL_ENV} must be 'bytes', 'dynamic' or 'ranges', got {kernel!r}")
     unroll = _env_int(UNROLL_ENV, UNROLL, lambda v: 1 <= v <= 32, "from 1 to 32")
     threads = _env_int(THREADS_ENV, THREADS, lambda v: v % 32 == 0 and 32 <= v <= 1024,
                        "a multiple of 32 from 32 to 1024")
