@@ -78,6 +78,7 @@ MIN_PINNED_BYTES = 64 << 10  # the smallest staging buffer class (pinned_bytes)
 CE_MIN_ENV = "SGLANG_MORI_SOFTIO_CE_MIN_BYTES"
 CE_MIN_BYTES = 1 << 20
 _umax = np.maximum.reduce  # ndarray.max without its Python wrapper (on the way to a launch)
+_accumulate = np.add.accumulate  # np.cumsum without its Python wrappers
 
 _SOURCE = r"""
 #ifndef UNROLL
@@ -304,9 +305,15 @@ class GatherCopier:
         pair_bytes = fill_bytes_table(staging.host[:words], dst_base, src_base, dst_off, src_off, sizes)
         if dynamic:
             staging.host[words] = 0
-        warps = (self.peer_blocks if to_peer else self.blocks) * (self.threads // 32)
-        share = self.share or (DYNAMIC_SHARE if dynamic else even_share(pair_bytes * pairs, warps))
-        shares = max(1, -(-(pair_bytes * pairs) // share))
+        total = pair_bytes * pairs
+        share = self.share
+        if not share:
+            if dynamic:
+                share = DYNAMIC_SHARE
+            else:  # even_share, inline (a Python call less on the way to the launch)
+                share = -(-total // ((self.peer_blocks if to_peer else self.blocks) * (self.threads // 32)))
+                share = max(SHARE_ALIGN, -(-share // SHARE_ALIGN) * SHARE_ALIGN)
+        shares = -(-total // share) or 1
         return self._launch(self.dynamic_kernel if dynamic else self.bytes_kernel, staging, words + dynamic, shares,
                             (np.int64(pairs), np.int64(per), np.uint64(share)), stream, to_peer)
 
@@ -389,12 +396,14 @@ def fill_bytes_table(host: np.ndarray, dst_base: np.ndarray, src_base: np.ndarra
     """`gather_bytes`'s table in `host` (uint64, 2 x pairs + 4 x ranges words): the compact table,
     then the ranges' running ends within a pair; returns a pair's bytes."""
     pairs, per = len(dst_base), len(sizes)
-    fill_compact_table(host[:2 * pairs + 3 * per], dst_base, src_base, dst_off, src_off, sizes)
+    host[:pairs] = dst_base
+    host[pairs:2 * pairs] = src_base
     rest = host[2 * pairs:]
+    rest[:per], rest[per:2 * per], rest[2 * per:3 * per] = dst_off, src_off, sizes
     if per == 0:
         return 0
     ends = rest[3 * per:4 * per]
-    np.cumsum(rest[2 * per:3 * per], out=ends)
+    _accumulate(rest[2 * per:3 * per], out=ends)
     return int(ends[-1])
 
 
