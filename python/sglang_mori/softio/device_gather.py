@@ -15,7 +15,7 @@ where they do); `memcpy` keeps the copy engines (cuda_runtime.copy).
 Kernels (SGLANG_MORI_SOFTIO_GATHER_KERNEL): `bytes`, the default since session 22, cuts the batch's
 bytes into equal shares, one a warp, each copied as the pieces of the ranges it overlaps: with a
 warp per range (`ranges`, before), MLA 8K's 7,808 pages of 72 KiB over 2,112 warps (3.7 a warp)
-left the last of 4 rounds mostly idle, and the copy at 0.84-0.87x of a plain copy on 2x H200.
+left the last of 4 rounds 30 % idle, and the copy at 0.84-0.87x of a plain copy on 2x H200.
 
 Grid: one warp per range (or share), GRID_BLOCKS blocks of THREADS threads for a copy within one GPU (the
 forward keeps the rest of the SMs); PEER_BLOCKS_PER_SM blocks per SM for a batch that writes to
@@ -58,9 +58,10 @@ GRID_BLOCKS = 16
 # threads beside a forward; going back to one did not change the 8K TTFT run (docs/benchmarks.md).
 PEER_BLOCKS_PER_SM = 1
 THREADS = 512
-# One warp copies one table entry, so a range longer than this is split into pieces of this size
-# first: SGLang's page size 1 makes the backend's plans few long runs (an 8K-token prompt's K of one
-# layer is one 16 MiB range on a fresh pool), which one warp each copied at a fraction of the link
+# `ranges` only (`bytes` cuts long ranges into its shares on the device): one warp copies one table
+# entry, so a range longer than this is split into pieces of this size first: SGLang's page size 1
+# makes the backend's plans few long runs (an 8K-token prompt's K of one layer is one 16 MiB range
+# on a fresh pool), which one warp each copied at a fraction of the link
 # (last layer group: 4.3 ms from post to event on 2x H200 against 0.7 ms with a block per range).
 # 128 KiB keeps the paged shapes' pages (MLA page 64: 72 KiB) whole and is a multiple of 16 bytes,
 # so aligned ranges stay aligned piece by piece.
