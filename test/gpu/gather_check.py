@@ -57,6 +57,10 @@ def check_odd(cupy, copier, src_dev: int, dst_dev: int, seed: int, shared: bool,
     with cupy.cuda.Device(src_dev):
         src = cupy.asarray(rng.integers(0, 256, pairs * src_len, dtype=np.uint8))
         stream = cupy.cuda.Stream(non_blocking=True)
+        # CuPy uploads through pinned memory, asynchronously on the legacy stream, which a
+        # non-blocking stream does not wait for: without this the kernel could read the source
+        # before its bytes arrived (the first device call's "wrong bytes" in every kernel, main's too)
+        cupy.cuda.Device(src_dev).synchronize()
     with cupy.cuda.Device(dst_dev):
         dst = cupy.zeros(pairs * dst_len, dtype=cupy.uint8)
         cupy.cuda.Device(dst_dev).synchronize()
@@ -95,6 +99,7 @@ class PagedShape:
         with cupy.cuda.Device(src_dev):
             self.src = cupy.random.randint(0, 256, pairs * self.pool * item, dtype=cupy.uint8)
             self.stream = cupy.cuda.Stream(non_blocking=True)
+            cupy.cuda.Device(src_dev).synchronize()  # the source written before any copy reads it
         with cupy.cuda.Device(dst_dev):
             self.dst = cupy.zeros(pairs * self.pool * item, dtype=cupy.uint8)
         region = np.uint64(self.pool * item)
