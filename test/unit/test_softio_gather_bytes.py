@@ -227,15 +227,15 @@ def test_the_bytes_table_appends_each_ranges_running_end():
 
 def test_settings_come_from_the_environment_and_bad_ones_are_refused(monkeypatch):
     s = gather_setting()
-    assert (s.kernel, s.unroll, s.threads, s.share) == ("bytes", device_gather.UNROLL, device_gather.THREADS, 0)
+    assert (s.kernel, s.unroll, s.threads, s.share) == ("dynamic", device_gather.UNROLL, device_gather.THREADS, 0)
     monkeypatch.setenv(device_gather.KERNEL_ENV, "ranges")
     monkeypatch.setenv(device_gather.UNROLL_ENV, "16")
     monkeypatch.setenv(device_gather.THREADS_ENV, "256")
     monkeypatch.setenv(device_gather.SHARE_ENV, "32768")
     s = gather_setting()
     assert (s.kernel, s.unroll, s.threads, s.share) == ("ranges", 16, 256, 32768)
-    monkeypatch.setenv(device_gather.KERNEL_ENV, "dynamic")
-    assert gather_setting().kernel == "dynamic"
+    monkeypatch.setenv(device_gather.KERNEL_ENV, "bytes")
+    assert gather_setting().kernel == "bytes"
     for env, bad in ((device_gather.KERNEL_ENV, "warp"), (device_gather.UNROLL_ENV, "0"),
                      (device_gather.THREADS_ENV, "100"), (device_gather.SHARE_ENV, "1000")):
         monkeypatch.setenv(env, bad)

@@ -12,8 +12,10 @@ than the NIC the path is paced like.
 Used when CuPy and its runtime compiler work (SGLANG_MORI_SOFTIO_DEVICE_COPY=kernel, the default
 where they do); `memcpy` keeps the copy engines (cuda_runtime.copy).
 
-Kernels (SGLANG_MORI_SOFTIO_GATHER_KERNEL): `bytes`, the default since session 22, cuts the batch's
-bytes into equal shares, one a warp, each copied as the pieces of the ranges it overlaps: with a
+Kernels (SGLANG_MORI_SOFTIO_GATHER_KERNEL): `dynamic`, the default since session 22, cuts the batch's
+bytes into shares of 16 KiB that warps take from a counter, each copied as the pieces of the ranges
+it overlaps (`bytes`: the same shares, each warp its own, by index; the session-22 sweep measured
+`dynamic` 0.934-0.936x of a plain copy, `bytes` 0.930-0.934x, at 16 KiB shares): with a
 warp per range (`ranges`, before), MLA 8K's 7,808 pages of 72 KiB over 2,112 warps (3.7 a warp)
 left the last of 4 rounds 30 % idle, and the copy at 0.84-0.87x of a plain copy on 2x H200.
 
@@ -68,7 +70,9 @@ THREADS = 512
 PIECE_BYTES = 128 << 10
 # gather_bytes: a warp's share of the batch is a multiple of its 32 lanes' 16-byte words
 SHARE_ALIGN = 512
-DYNAMIC_SHARE = 32 << 10  # gather_bytes_dynamic's share where SGLANG_MORI_SOFTIO_GATHER_SHARE is 0
+# gather_bytes_dynamic's share where SGLANG_MORI_SOFTIO_GATHER_SHARE is 0: the session-22 sweep's best
+# (16 KiB: 0.934-0.936x of a plain copy on 2x H200 over MLA/GQA 8K/32K; `bytes` at 16 KiB 0.930-0.934x)
+DYNAMIC_SHARE = 16 << 10
 UNROLL = 8  # 16-byte loads in flight per thread (the kernel's -DUNROLL)
 KERNEL_ENV = "SGLANG_MORI_SOFTIO_GATHER_KERNEL"
 UNROLL_ENV = "SGLANG_MORI_SOFTIO_GATHER_UNROLL"
@@ -235,8 +239,8 @@ extern "C" __global__ void gather_bytes_dynamic(unsigned long long* table, long 
 
 class GatherCopier:
     """Copies of one engine stream: the range table goes to the device and one kernel copies it.
-    `variant` "bytes" (the default, `gather_bytes`: warps take equal shares of the batch's bytes),
-    "dynamic" (`gather_bytes_dynamic`: warps take shares from a counter until none is left) or "ranges" (a warp per range, `gather_copy` / `gather_copy_shared`, before session 22);
+    `variant` "dynamic" (the default, `gather_bytes_dynamic`: warps take shares of the batch's bytes
+    from a counter until none is left), "bytes" (`gather_bytes`: each warp its equal shares) or "ranges" (a warp per range, `gather_copy` / `gather_copy_shared`, before session 22);
     `unroll`, `threads` and `share` (bytes a warp takes at a time; 0: the batch's bytes over the
     grid's warps, one share each) as GatherSetting says. Unset arguments: the environment's."""
 
@@ -508,13 +512,13 @@ class GatherSetting:
 
     __slots__ = ("kernel", "unroll", "threads", "share")
 
-    def __init__(self, kernel: str = "bytes", unroll: int = UNROLL, threads: int = THREADS, share: int = 0):
+    def __init__(self, kernel: str = "dynamic", unroll: int = UNROLL, threads: int = THREADS, share: int = 0):
         self.kernel, self.unroll, self.threads, self.share = kernel, unroll, threads, share
 
 
 def gather_setting() -> GatherSetting:
     """GatherSetting from SGLANG_MORI_SOFTIO_GATHER_{KERNEL,UNROLL,THREADS,SHARE} (unset: defaults)."""
-    kernel = os.environ.get(KERNEL_ENV, "").strip().lower() or "bytes"
+    kernel = os.environ.get(KERNEL_ENV, "").strip().lower() or "dynamic"
     if kernel not in ("bytes", "ranges", "dynamic"):
         raise ValueError(f"{KERNEL_ENV} must be 'bytes', 'dynamic' or 'ranges', got {kernel!r}")
     unroll = _env_int(UNROLL_ENV, UNROLL, lambda v: 1 <= v <= 32, "from 1 to 32")
