@@ -444,15 +444,19 @@ s19_link() {
 # on the same GPU, ~80 s the first standalone): ~230 + ~230 + ~120 s; the default budget runs steps 1
 # and 2 (step 3, proven in sessions 10-19, needs S20_BUDGET_S=560 or a second call). Each step's JSON
 # is copied into $OUT as it ends (a cut call keeps what finished).
-s20_step() {  # NAME MIN_S MAX_S COMMAND...: run under min(MAX_S, budget left), or skip
-  local name=$1 min=$2 max=$3; shift 3
-  local left=$(( ${S20_BUDGET_S:-420} - (SECONDS - S20_START) ))
+# BUDGET START OUT NAME MIN_S MAX_S COMMAND...: run COMMAND under min(MAX_S, what is left of BUDGET
+# seconds since START), or skip it by name when that is under MIN_S; its rc and time go to OUT.
+budget_step() {
+  local budget=$1 start=$2 out=$3 name=$4 min=$5 max=$6; shift 6
+  local left=$(( budget - (SECONDS - start) ))
   local limit=$(( left < max ? left : max ))
-  if [ $limit -lt $min ]; then echo "$name: skipped at $(( SECONDS - S20_START )) s (${left} s left)" >> $W/s20.out; return; fi
+  if [ $limit -lt $min ]; then echo "$name: skipped at $(( SECONDS - start )) s (${left} s left)" >> $out; return; fi
   local t0=$SECONDS
   timeout -s INT -k 25 $limit "$@"
-  echo "$name: rc $? in $(( SECONDS - t0 )) s (limit $limit s)" >> $W/s20.out
+  echo "$name: rc $? in $(( SECONDS - t0 )) s (limit $limit s)" >> $out
 }
+
+s20_step() { budget_step ${S20_BUDGET_S:-420} $S20_START $W/s20.out "$@"; }  # NAME MIN_S MAX_S COMMAND...
 
 # Knobs for a shorter call: S20_STEPS (default "identity_tp latency_tp identity_pd"), S20_REF (a
 # pd_identity JSON whose standalone phase is the token reference, e.g. a stored one under docs/data:
@@ -512,15 +516,7 @@ s20_tpsg() {
 # s21.out: every step's rc, each prefill log's transfer-process lines (accepted, proven, first Success,
 # refusals, the child's "start-up used N ms of CPU", IPC-handle warnings), the identity lines, the KV
 # byte checks and the servers' ready times.
-s21_step() {  # NAME MIN_S MAX_S COMMAND...: run under min(MAX_S, budget left), or skip
-  local name=$1 min=$2 max=$3; shift 3
-  local left=$(( ${S21_BUDGET_S:-460} - (SECONDS - S21_START) ))
-  local limit=$(( left < max ? left : max ))
-  if [ $limit -lt $min ]; then echo "$name: skipped at $(( SECONDS - S21_START )) s (${left} s left)" >> $W/s21.out; return; fi
-  local t0=$SECONDS
-  timeout -s INT -k 25 $limit "$@"
-  echo "$name: rc $? in $(( SECONDS - t0 )) s (limit $limit s)" >> $W/s21.out
-}
+s21_step() { budget_step ${S21_BUDGET_S:-460} $S21_START $W/s21.out "$@"; }  # NAME MIN_S MAX_S COMMAND...
 
 s21_logs() {  # what each prefill log says of the transfer process, one line per log (into LOGS_OUT, default s21.out)
   local f
@@ -579,15 +575,7 @@ s21_tpsg() {
 # weights; a second call: both models do not fit one).
 # Expected on 2x H200 (session 21): ~90 s start (+30 s of Triton JIT for the call's first), ~60 s of
 # measurements, ~20 s stop a config: about 180 + 150 s after ~40 s of install and models.
-s22_step() {  # NAME MIN_S MAX_S COMMAND...: run under min(MAX_S, budget left), or skip
-  local name=$1 min=$2 max=$3; shift 3
-  local left=$(( ${S22_BUDGET_S:-450} - (SECONDS - S22_START) ))
-  local limit=$(( left < max ? left : max ))
-  if [ $limit -lt $min ]; then echo "$name: skipped at $(( SECONDS - S22_START )) s (${left} s left)" >> $W/s22.out; return; fi
-  local t0=$SECONDS
-  timeout -s INT -k 25 $limit "$@"
-  echo "$name: rc $? in $(( SECONDS - t0 )) s (limit $limit s)" >> $W/s22.out
-}
+s22_step() { budget_step ${S22_BUDGET_S:-450} $S22_START $W/s22.out "$@"; }  # NAME MIN_S MAX_S COMMAND...
 
 s22_meter() {
   S22_START=$SECONDS
