@@ -168,7 +168,11 @@ def _payload(frames: list[bytes]):
 
 def decode(frames: list[bytes]) -> AnyMessage:
     """Frames -> message, or ProtocolError. Never raises anything else."""
-    payload = _payload(frames)
+    first = frames[0] if len(frames) == 1 else None
+    if first is not None and len(first) > _MAGIC_LEN and first[:_MAGIC_LEN] == MAGIC:
+        payload = memoryview(first)[_MAGIC_LEN:]  # every message but Register: _payload inline
+    else:
+        payload = _payload(frames)
     try:
         message = _decoder.decode(payload)
     except msgspec.ValidationError as exc:

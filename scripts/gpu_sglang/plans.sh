@@ -1,7 +1,7 @@
 # Sourced by device_run.sh (wheels installed, environment set): runs side by side on a 4-GPU
 # machine, one plan per device call. Each run writes under $W; the JSONs are copied to $OUT and
 # every log travels back in $OUT/<plan>.tgz (a call returns at most 8 files).
-# Usage: device_run.sh plan plan1|plan2|plan3|tp_proof|tp_fp32_ieee|ttft8k_hotpath|ttft8k_pair (ORDER=...)|ttft8k_pollreads|ttft8k_ce|ttft8k_front (ORDER=...)|ttft8k_fwd (ORDER=...)|s16_final|s17_interf (ROUTE=, COPIES=, MODES=, DDEV=, GPU=, ROUNDS=, SECONDS_W=, DSTEPS=, DROUNDS=, LOADS=)|s17_link|s19_gpu1 (s17_interf + hotpath)|s19_link (RUNS=...)|s20_tpsg (S20_BUDGET_S=...)|s21_tpsg (S21_BUDGET_S=, S21_STEPS=...)|s22_meter (S22_BUDGET_S=, S22_CONFIGS=...)
+# Usage: device_run.sh plan plan1|plan2|plan3|tp_proof|tp_fp32_ieee|ttft8k_hotpath|ttft8k_pair (ORDER=...)|ttft8k_pollreads|ttft8k_ce|ttft8k_front (ORDER=...)|ttft8k_fwd (ORDER=...)|s16_final|s17_interf (ROUTE=, COPIES=, MODES=, DDEV=, GPU=, ROUNDS=, SECONDS_W=, DSTEPS=, DROUNDS=, LOADS=)|s17_link|s19_gpu1 (s17_interf + hotpath)|s19_link (RUNS=, SWEEP_S=, GPUTESTS=, LINK_SHAPES=, LINK_TOKENS=, LINK_ITERS=...)|s20_tpsg (S20_BUDGET_S=...)|s21_tpsg (S21_BUDGET_S=, S21_STEPS=...)|s22_meter (S22_BUDGET_S=, S22_CONFIGS=...)
 # Port bases stay in 10000-21999: below the kernel's ephemeral range (32768+ there), where any
 # outgoing connection of a server beside it (HTTP, NCCL, softio) may hold a port as its source, and
 # below SGLang's own nccl_port range (22000-29999). With bases at 37000/38000 a PD prefill server of
@@ -137,7 +137,7 @@ run_plan() {
   local plan=$1
   rm -rf $W && mkdir -p $W
   case $plan in
-    s17_*) ;;  # the GPU rig only: no SGLang server, no model
+    s17_*|s19_link) ;;  # the GPU rig only: no SGLang server, no model
     *) models || { echo "model build failed"; return 1; } ;;
   esac
   nvidia-smi topo -m > $W/topo.txt 2>&1
@@ -388,14 +388,28 @@ s19_gpu1() {
 # (in-process: the scheduler's thread posts when nothing waits). Bounded as s17_link (LINK_RUN_S,
 # LINK_BUDGET_S, GPUTEST_S); summary lines in link_summary.txt.
 s19_link() {
-  PLAN_JSONS="$W/link_summary.txt"
+  PLAN_JSONS="$W/link_summary.txt $W/gather_sweep.json"
   mkdir -p $W/link
   local start=$SECONDS run=${LINK_RUN_S:-70} budget=${LINK_BUDGET_S:-480}
   if [ "${GPUTEST_S:-120}" -gt 0 ]; then
-    SGLANG_MORI_GPU_TESTS=1 timeout -k 10 ${GPUTEST_S:-120} python3 -m pytest -q -x -p no:cacheprovider \
-      "$ROOT/test/gpu/test_two_gpus.py" "$ROOT/test/gpu/test_copy_engine_route.py" "$ROOT/test/gpu/test_softio_device_path.py" \
+    # GPUTESTS: the test files (names under test/gpu), default all four
+    local files="" f
+    for f in ${GPUTESTS:-test_gather_kernel test_two_gpus test_copy_engine_route test_softio_device_path}; do
+      files="$files $ROOT/test/gpu/$f.py"
+    done
+    SGLANG_MORI_GPU_TESTS=1 timeout -k 10 ${GPUTEST_S:-120} python3 -m pytest -q -x -p no:cacheprovider $files \
       > $W/gputest.out 2>&1
     echo "gpu tests: rc $? at $(( SECONDS - start )) s: $(tail -1 $W/gputest.out)" >> $W/link.out
+  fi
+  # Session 22: the gather-kernel sweep (test/gpu/gather_sweep.py; SWEEP_S, 0: none); its best
+  # candidate's SGLANG_MORI_SOFTIO_GATHER_* settings go to the `new` runs only (base keeps its own)
+  local new_env=""
+  if [ "${SWEEP_S:-0}" -gt 0 ]; then
+    timeout -k 10 $SWEEP_S python3 "$ROOT/test/gpu/gather_sweep.py" --env-out $W/gather_best.env \
+      --json $W/gather_sweep.json > $W/sweep.out 2>&1
+    echo "gather sweep: rc $? at $(( SECONDS - start )) s: $(tail -1 $W/sweep.out)" >> $W/link.out
+    [ -s $W/gather_best.env ] && new_env=$(cat $W/gather_best.env)
+    echo "new runs with: ${new_env:-the defaults}" >> $W/link.out
   fi
   for v in ${RUNS:-new_in base_in new_inl new_tp base_tp new_in2 base_in2 new_inl2}; do
     local backend="" tp="" inline=auto
@@ -403,8 +417,11 @@ s19_link() {
     case $v in *_tp*) tp=--transfer-process;; esac
     case $v in *_inl*) inline=on;; esac
     if [ $(( SECONDS - start + run + 10 )) -gt $budget ]; then echo "$v skipped at $(( SECONDS - start )) s" >> $W/link.out; continue; fi
-    SGLANG_MORI_INLINE_POST=$inline timeout -s INT -k 10 $run python3 "$ROOT/scripts/gpu_bench.py" --parts link --decode-device 1 \
-      --shapes mla:64,gqa:16 --link-tokens 8192,32768 --iters 6 $tp $backend --json $W/link/$v.json > $W/link/$v.log 2>&1
+    local extra=""
+    case $v in new*) extra=$new_env;; esac
+    env $extra SGLANG_MORI_INLINE_POST=$inline timeout -s INT -k 10 $run python3 "$ROOT/scripts/gpu_bench.py" --parts link --decode-device 1 \
+      --shapes ${LINK_SHAPES:-mla:64,gqa:16} --link-tokens ${LINK_TOKENS:-8192,32768} --iters ${LINK_ITERS:-6} $tp $backend \
+      --json $W/link/$v.json > $W/link/$v.log 2>&1
     echo "$v: rc $? at $(( SECONDS - start )) s" >> $W/link.out
   done
   python3 "$S/link_summary.py" $W/link/*.json > $W/link_summary.txt 2>&1
@@ -427,15 +444,19 @@ s19_link() {
 # on the same GPU, ~80 s the first standalone): ~230 + ~230 + ~120 s; the default budget runs steps 1
 # and 2 (step 3, proven in sessions 10-19, needs S20_BUDGET_S=560 or a second call). Each step's JSON
 # is copied into $OUT as it ends (a cut call keeps what finished).
-s20_step() {  # NAME MIN_S MAX_S COMMAND...: run under min(MAX_S, budget left), or skip
-  local name=$1 min=$2 max=$3; shift 3
-  local left=$(( ${S20_BUDGET_S:-420} - (SECONDS - S20_START) ))
+# BUDGET START OUT NAME MIN_S MAX_S COMMAND...: run COMMAND under min(MAX_S, what is left of BUDGET
+# seconds since START), or skip it by name when that is under MIN_S; its rc and time go to OUT.
+budget_step() {
+  local budget=$1 start=$2 out=$3 name=$4 min=$5 max=$6; shift 6
+  local left=$(( budget - (SECONDS - start) ))
   local limit=$(( left < max ? left : max ))
-  if [ $limit -lt $min ]; then echo "$name: skipped at $(( SECONDS - S20_START )) s (${left} s left)" >> $W/s20.out; return; fi
+  if [ $limit -lt $min ]; then echo "$name: skipped at $(( SECONDS - start )) s (${left} s left)" >> $out; return; fi
   local t0=$SECONDS
   timeout -s INT -k 25 $limit "$@"
-  echo "$name: rc $? in $(( SECONDS - t0 )) s (limit $limit s)" >> $W/s20.out
+  echo "$name: rc $? in $(( SECONDS - t0 )) s (limit $limit s)" >> $out
 }
+
+s20_step() { budget_step ${S20_BUDGET_S:-420} $S20_START $W/s20.out "$@"; }  # NAME MIN_S MAX_S COMMAND...
 
 # Knobs for a shorter call: S20_STEPS (default "identity_tp latency_tp identity_pd"), S20_REF (a
 # pd_identity JSON whose standalone phase is the token reference, e.g. a stored one under docs/data:
@@ -495,15 +516,7 @@ s20_tpsg() {
 # s21.out: every step's rc, each prefill log's transfer-process lines (accepted, proven, first Success,
 # refusals, the child's "start-up used N ms of CPU", IPC-handle warnings), the identity lines, the KV
 # byte checks and the servers' ready times.
-s21_step() {  # NAME MIN_S MAX_S COMMAND...: run under min(MAX_S, budget left), or skip
-  local name=$1 min=$2 max=$3; shift 3
-  local left=$(( ${S21_BUDGET_S:-460} - (SECONDS - S21_START) ))
-  local limit=$(( left < max ? left : max ))
-  if [ $limit -lt $min ]; then echo "$name: skipped at $(( SECONDS - S21_START )) s (${left} s left)" >> $W/s21.out; return; fi
-  local t0=$SECONDS
-  timeout -s INT -k 25 $limit "$@"
-  echo "$name: rc $? in $(( SECONDS - t0 )) s (limit $limit s)" >> $W/s21.out
-}
+s21_step() { budget_step ${S21_BUDGET_S:-460} $S21_START $W/s21.out "$@"; }  # NAME MIN_S MAX_S COMMAND...
 
 s21_logs() {  # what each prefill log says of the transfer process, one line per log (into LOGS_OUT, default s21.out)
   local f
@@ -562,15 +575,7 @@ s21_tpsg() {
 # weights; a second call: both models do not fit one).
 # Expected on 2x H200 (session 21): ~90 s start (+30 s of Triton JIT for the call's first), ~60 s of
 # measurements, ~20 s stop a config: about 180 + 150 s after ~40 s of install and models.
-s22_step() {  # NAME MIN_S MAX_S COMMAND...: run under min(MAX_S, budget left), or skip
-  local name=$1 min=$2 max=$3; shift 3
-  local left=$(( ${S22_BUDGET_S:-450} - (SECONDS - S22_START) ))
-  local limit=$(( left < max ? left : max ))
-  if [ $limit -lt $min ]; then echo "$name: skipped at $(( SECONDS - S22_START )) s (${left} s left)" >> $W/s22.out; return; fi
-  local t0=$SECONDS
-  timeout -s INT -k 25 $limit "$@"
-  echo "$name: rc $? in $(( SECONDS - t0 )) s (limit $limit s)" >> $W/s22.out
-}
+s22_step() { budget_step ${S22_BUDGET_S:-450} $S22_START $W/s22.out "$@"; }  # NAME MIN_S MAX_S COMMAND...
 
 s22_meter() {
   S22_START=$SECONDS

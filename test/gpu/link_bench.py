@@ -446,6 +446,9 @@ def link_point(rig: GpuPD, tokens: int, count: int, iters: int, seed: int) -> di
                    "ops": {"device_calls": batches / iters, "ranges": ranges / iters}}
     if not process:  # on the CPU check too (softio's host path): the check checked
         out["ours"]["bytes_check"] = bytes_check(rig, reqs, 0)
+    # each lone request's whole path (ms), for the spread behind the median (session 22: 6 medians
+    # of the phases summed 0.1 ms short of the whole's median at MLA 8K)
+    out["ours"]["single_ms"] = [round(1e3 * x, 3) for x in single]
     for key, found in (("phases_ms", phases), ("burst_phases_ms", burst_phases)):
         found = [p for p in found if p is not None]
         if found:

@@ -170,6 +170,72 @@ def test_an_arrival_right_after_the_drains_last_check_is_not_hidden(rig):
     inbox.sock = gap.sock
 
 
+def test_a_look_the_byte_sent_for_nothing_leaves_the_next_arrival_shown(rig):
+    """The watched look receives at once (session 22): a byte set with nothing waiting (a signal
+    of a message an earlier drain read) makes that receive fail, and that failed receive must be
+    the look that found the socket empty: the next arrival still sets the byte and is read by the
+    poll, 30 times in a row. (Fails, checked, if the failed receive leaves the look unfinished:
+    the byte then stays 1 and the wait for quiet times out.)"""
+    inbox, sender = rig.inbox, rig.push()
+    sender.send(b"connected")
+    wait_until(lambda: inbox.drain_nowait() or rig.got, "the first message read", WAIT_S, interval_s=0.001)
+    wait_until(lambda: inbox.drain_nowait() == 0 and rig.quiet(), "quiet", WAIT_S, interval_s=0.001)
+    q = inbox._quiet
+    for n in range(30):
+        looks = inbox.poller_looks
+        q[0] = 1  # a signal for nothing
+        assert inbox.drain_nowait() == 0 and inbox.poller_looks == looks + 1  # a real look, nothing read
+        assert q[0] == 0, "a look that found nothing left the byte set"
+        sender.send(b"%d" % n)
+        wait_until(lambda: q[0] == 1, f"message {n} shown by the child", WAIT_S, interval_s=0.0002)
+        assert inbox.drain_nowait() == 1
+    assert [f for f, _ in rig.got[1:]] == [[b"%d" % n] for n in range(30)]
+
+
+def test_a_multipart_message_is_received_whole_by_the_watched_look(rig):
+    """The watched look's first receive is followed by the message's other frames, and the next
+    message starts a new one: three frames, then one, then two, in one drain."""
+    inbox, sender = rig.inbox, rig.push()
+    sender.send_multipart([b"a", b"b", b"c"])
+    sender.send(b"d")
+    sender.send_multipart([b"e", b"f"])
+    wait_until(lambda: inbox.drain_nowait() or len(rig.got) >= 3, "three messages read", WAIT_S,
+               interval_s=0.001)
+    wait_until(lambda: len(rig.got) == 3 or inbox.drain_nowait(), "three messages read", WAIT_S,
+               interval_s=0.001)
+    assert [f for f, _ in rig.got] == [[b"a", b"b", b"c"], [b"d"], [b"e", b"f"]]
+
+
+def test_polls_that_only_read_messages_keep_the_thread_off_the_socket():
+    """A poller whose every look reads a message (no empty look: the byte set at each step) is
+    still a poller: the reading thread must see it and stay off the socket (its receive would take
+    the GIL from the scheduler and leave messages ZMQ signals no more). The watched look reads no
+    clock (session 22); the thread counts its looks. Fails if the thread sees only empty looks."""
+    r = _Rig(0.1, thread=True)
+    try:
+        inbox, sender = r.inbox, r.push()
+        q = inbox._quiet
+        sender.send(b"connected")
+        wait_until(lambda: inbox.drain_nowait() or r.got, "the first message read", WAIT_S, interval_s=0.001)
+        # empty looks for three backoffs: the thread leaves the socket to the poller
+        end = time.monotonic() + 0.3
+        while time.monotonic() < end:
+            inbox.drain_nowait()
+            time.sleep(0.001)
+        by_thread = inbox.by_thread
+        for n in range(60):  # steps of 10 ms, each with a message and only real looks
+            sender.send(b"%d" % n)
+            while len(r.got) < n + 2:
+                wait_until(lambda: q[0] == 1 or len(r.got) >= n + 2, f"message {n} shown", WAIT_S,
+                           interval_s=0.0002)
+                inbox.drain_nowait()
+            time.sleep(0.01)  # the step's stand-in
+        assert inbox.by_thread == by_thread, "the reading thread took messages from an active poller"
+        assert [f for f, _ in r.got[1:]] == [[b"%d" % n] for n in range(60)]
+    finally:
+        r.close()
+
+
 @pytest.mark.parametrize("thread", [True, False], ids=["with-thread", "poll-only"])
 def test_many_senders_racing_the_poll_lose_reorder_and_strand_nothing(thread):
     """Eight senders in bursts, a poller looking at random intervals with pauses longer than the

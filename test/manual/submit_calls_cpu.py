@@ -89,6 +89,11 @@ def fake_copier(launch: Launches):
     copier = object.__new__(device_gather.GatherCopier)
     copier.__dict__.update(cupy=cupy, device=0, threads=device_gather.THREADS, blocks=16, peer_blocks=132,
                            _streams={}, _free={}, kernel=launch, shared_kernel=launch)
+    setting = getattr(device_gather, "gather_setting", None)  # session 22's kernels (absent before)
+    if setting is not None:
+        s = setting()  # SGLANG_MORI_SOFTIO_GATHER_KERNEL=ranges counts the warp-per-range kernel's way
+        copier.__dict__.update(variant=s.kernel, unroll=s.unroll, share=s.share, bytes_kernel=launch,
+                               dynamic_kernel=launch)
     return copier
 
 

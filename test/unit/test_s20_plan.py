@@ -3,33 +3,18 @@ steps run in order within their limits, each JSON lands in $OUT, a transfer proc
 passes and a refused one fails its phase and config by name (fake servers: plan_shim/s20_shim.py)."""
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SHIM = Path(__file__).resolve().parent / "plan_shim" / "s20_shim.py"
+sys.path.insert(0, str(Path(__file__).resolve().parent / "plan_shim"))
+import plan_runner  # noqa: E402
 
 
 def run_plan(tmp_path, tproc, budget=420, extra=""):
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "python3").write_text(f'#!/bin/bash\necho "$@" >> {tmp_path}/calls\nexec {sys.executable} {SHIM} "$@"\n')
-    (bin_dir / "python3").chmod(0o755)
-    w, out = tmp_path / "w", tmp_path / "out"
-    w.mkdir()
-    out.mkdir()
-    script = (f'source {ROOT}/scripts/gpu_sglang/plans.sh; W={w}; S20_BUDGET_S={budget}; S20_PROMPTS=4; '
-              f'S20_REQ=2; {extra} s20_tpsg')
-    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", ROOT=str(ROOT), OUT=str(out),
-               S20_FAKE_TPROC=tproc, PYTHONPATH=str(ROOT / "python"))
-    done = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=120,
-                          cwd=tmp_path)
-    calls = tmp_path / "calls"
-    return done, w, out, calls.read_text().splitlines() if calls.exists() else []
+    return plan_runner.run_plan(tmp_path, tproc, f"S20_BUDGET_S={budget}; S20_PROMPTS=4; S20_REQ=2; {extra}", "s20_tpsg")
 
 
 def test_s20_plan_runs_every_step_and_passes_a_serving_transfer_process(tmp_path):

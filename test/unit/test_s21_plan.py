@@ -4,15 +4,14 @@ compares pd_tp with PD at TP 2 (a stored pd phase and this call's pd), and a ref
 rank fails the phase by name (fake servers: plan_shim/s20_shim.py)."""
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SHIM = Path(__file__).resolve().parent / "plan_shim" / "s20_shim.py"
+sys.path.insert(0, str(Path(__file__).resolve().parent / "plan_shim"))
+import plan_runner  # noqa: E402
 sys.path.insert(0, str(ROOT / "scripts" / "gpu_sglang"))
 import pd_identity  # noqa: E402
 
@@ -27,22 +26,10 @@ def stored_reference(path: Path, phase: str) -> Path:
 
 
 def run_plan(tmp_path, tproc, budget=460, steps="mla tp2 load", extra=""):
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "python3").write_text(f'#!/bin/bash\necho "$@" >> {tmp_path}/calls\nexec {sys.executable} {SHIM} "$@"\n')
-    (bin_dir / "python3").chmod(0o755)
-    w, out = tmp_path / "w", tmp_path / "out"
-    w.mkdir()
-    out.mkdir()
     mla_ref = stored_reference(tmp_path / "mla_ref.json", "standalone")
     tp2_ref = stored_reference(tmp_path / "tp2_ref.json", "pd")
-    script = (f'source {ROOT}/scripts/gpu_sglang/plans.sh; W={w}; S21_BUDGET_S={budget}; S21_PROMPTS={PROMPTS}; '
-              f'S21_MLA_REF={mla_ref}; S21_TP2_REF={tp2_ref}; S21_STEPS="{steps}"; S21_REQ_PER_CONC=1; {extra} s21_tpsg')
-    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", ROOT=str(ROOT), OUT=str(out),
-               S20_FAKE_TPROC=tproc, PYTHONPATH=str(ROOT / "python"))
-    done = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    calls = tmp_path / "calls"
-    return done, w, out, calls.read_text().splitlines() if calls.exists() else []
+    return plan_runner.run_plan(tmp_path, tproc, f'S21_BUDGET_S={budget}; S21_PROMPTS={PROMPTS}; S21_MLA_REF={mla_ref}; '
+                                f'S21_TP2_REF={tp2_ref}; S21_STEPS="{steps}"; S21_REQ_PER_CONC=1; {extra}', "s21_tpsg")
 
 
 def scripts_of(calls):

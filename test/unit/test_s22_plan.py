@@ -4,35 +4,21 @@ with the meter's per-request figures for prefill and decode; meter_summary.py's 
 refused child fails the tproc config by name (fake servers: plan_shim/s20_shim.py)."""
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SHIM = Path(__file__).resolve().parent / "plan_shim" / "s20_shim.py"
+sys.path.insert(0, str(Path(__file__).resolve().parent / "plan_shim"))
+import plan_runner  # noqa: E402
 sys.path.insert(0, str(ROOT / "scripts" / "gpu_sglang"))
 import meter_summary  # noqa: E402
 
 
 def run_plan(tmp_path, tproc, budget=450, extra=""):
-    tmp_path.mkdir(exist_ok=True)
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "python3").write_text(f'#!/bin/bash\necho "$@" >> {tmp_path}/calls\nexec {sys.executable} {SHIM} "$@"\n')
-    (bin_dir / "python3").chmod(0o755)
-    w, out = tmp_path / "w", tmp_path / "out"
-    w.mkdir()
-    out.mkdir()
-    script = (f'source {ROOT}/scripts/gpu_sglang/plans.sh; W={w}; S22_BUDGET_S={budget}; S22_REQ_PER_CONC=1; '
-              f'S22_REQ_C1=2; {extra} s22_meter')
-    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", ROOT=str(ROOT), OUT=str(out),
-               S20_FAKE_TPROC=tproc, PYTHONPATH=str(ROOT / "python"))
-    done = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    calls = tmp_path / "calls"
-    return done, w, out, calls.read_text().splitlines() if calls.exists() else []
+    return plan_runner.run_plan(tmp_path, tproc, f"S22_BUDGET_S={budget}; S22_REQ_PER_CONC=1; S22_REQ_C1=2; {extra}",
+                                "s22_meter")
 
 
 def test_s22_plan_meters_both_configs_at_1k_and_8k_twice(tmp_path):

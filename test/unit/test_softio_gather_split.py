@@ -91,7 +91,8 @@ def _recording_copier(asked: list):
 
     copier = object.__new__(GatherCopier)
     copier.cupy = SimpleNamespace(cuda=SimpleNamespace(alloc_pinned_memory=alloc_pinned_memory))
-    copier.kernel, copier.shared_kernel = "flat", "shared"
+    copier.kernel, copier.shared_kernel, copier.bytes_kernel = "flat", "shared", "bytes"
+    copier.variant = "ranges"  # these tests check the split tables of the warp-per-range kernels
     copier._free = {}
     copier._launch = lambda kernel, staging, words, ranges, args, stream, to_peer: (
         kernel, staging.host[:words].copy(), ranges, args)

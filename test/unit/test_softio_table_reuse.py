@@ -60,11 +60,14 @@ class Cupy:
         self.log.append(("launch", table.ident, [int(a) for a in args[1:]]))
 
 
-def copier():
+def copier(variant="ranges"):
+    # "ranges": the tables these tests spell out word by word (test_softio_gather_bytes.py: "bytes")
     cupy = Cupy()
     c = object.__new__(GatherCopier)
     c.__dict__.update(cupy=cupy, device=0, threads=device_gather.THREADS, blocks=16, peer_blocks=132, _streams={},
-                      _free={}, kernel=cupy.kernel, shared_kernel=cupy.kernel)
+                      _free={}, kernel=cupy.kernel, shared_kernel=cupy.kernel, bytes_kernel=cupy.kernel,
+                      dynamic_kernel=cupy.kernel,
+                      variant=variant, unroll=8, share=0)
     return c, cupy.log
 
 

@@ -149,13 +149,45 @@ class Inbox:
     def drain_nowait(self) -> int:
         """Handle what has arrived, on the calling thread, without waiting for anything: not for
         the lock (the reading thread holds it while it waits in the socket or handles a message)
-        and not for the socket. At most one look per POLLER_MIN_GAP_S. Returns the number of
+        and not for the socket. At most one look per POLLER_MIN_GAP_S (with the watcher: per
+        arrival its byte shows). Returns the number of
         messages handled. With the arrival flag armed (or the watcher's byte 0) and nothing
         arrived: no more than that."""
         q = self._quiet
-        if q is not None and not q[0]:  # the watcher process's byte: nothing arrived
-            self._quiet_looks += 1
-            return 0
+        if q is not None:
+            if not q[0]:  # the watcher process's byte: nothing arrived
+                self._quiet_looks += 1
+                return 0
+            # The watched look: it runs once per arrival, on caches a GPU step left cold, where
+            # every call and line costs about 1-4 us more than in a look that runs every step
+            # (issue 28, session 22): inline here, no clock unless the lock is taken (the byte keeps
+            # one scheduler pass to one look; the reading thread sees a poller by its looks,
+            # counted), and a receive at once.
+            lock = self.lock
+            if not lock.acquire(False):
+                # The reading thread waits in the socket (or handles a message): wake it, once per
+                # POLLER_ACTIVE_S (a wake-up token it is not there to read costs the next drain a
+                # receive), and it leaves the socket to the polls from its next look on.
+                now = time.perf_counter()
+                if now - self._last_poll >= POLLER_ACTIVE_S:
+                    self._wake_thread()
+                self._last_poll = now
+                return 0
+            try:
+                if self.closed:
+                    return 0
+                self.poller_looks += 1
+                if q[1]:  # (the watcher's byte, once it watches: 0 from here, the drain below ends empty)
+                    q[0] = 0
+                try:
+                    n = self._drain_locked(True, True)
+                finally:
+                    if not self._drained:  # ended early (a socket error): look again
+                        q[0] = 1
+                self.by_poller += n
+                return n
+            finally:
+                lock.release()
         r = self._revents
         if r is not None and not (r[3] or r[7] or r[11]):  # ArrivalFlag.quiet(), inlined
             return 0
@@ -164,28 +196,15 @@ class Inbox:
         if since < POLLER_MIN_GAP_S:
             return 0
         self._last_poll = now
-        # With the watcher, real looks come once per arrival, often POLLER_ACTIVE_S apart while a
-        # poller looks every step: wake the thread only when it holds the lock (a wake-up token
-        # it is not there to read costs the next drain a receive, 18 us a message on this VM).
-        watched = q is not None
-        if since >= POLLER_ACTIVE_S and not watched:
+        if since >= POLLER_ACTIVE_S:
             self._wake_thread()  # it may be waiting in the socket with the lock held
         if not self.lock.acquire(blocking=False):
-            if watched and since >= POLLER_ACTIVE_S:
-                self._wake_thread()  # it is in the socket (or handling a message): get it out
             return 0
         try:
             if self.closed:
                 return 0
             self.poller_looks += 1
-            q = self._quiet
-            if q is not None and q[1]:  # (the watcher's byte, once it watches: 0 from here, the
-                q[0] = 0                # drain below ends empty)
-            try:
-                n = self._drain_locked(polled=True)
-            finally:
-                if q is not None and not self._drained:  # ended early (a socket error): look again
-                    q[0] = 1
+            n = self._drain_locked(polled=True)
             self.by_poller += n
             return n
         finally:
@@ -219,8 +238,8 @@ class Inbox:
         now = time.perf_counter()
         active = now - self._last_poll < POLLER_ACTIVE_S
         if self._watcher is not None:
-            looks = self._quiet_looks
-            if looks != self._seen_looks:  # the byte answered a poller since this thread's last look
+            looks = self._quiet_looks + self.poller_looks
+            if looks != self._seen_looks:  # a poller looked (at the byte or the socket) since this thread's last look
                 self._seen_looks, active = looks, True
             if now >= self._watcher_check_at and not self._alive_checked(now):
                 with self.lock:
@@ -335,16 +354,28 @@ class Inbox:
                 self._waker = None
 
     # --- both ------------------------------------------------------------------------------------
-    def _drain_locked(self, polled: bool = False) -> int:
+    def _drain_locked(self, polled: bool = False, first_recv: bool = False) -> int:
         # Plain ints for the flags: `&` on pyzmq's enum flags is a Python-level __and__ (about 2 us
         # a look); recv + RCVMORE is recv_multipart without its Python layer (issue 28: a poll that
-        # reads TransferStarted + Success costs 22-26 us in pyzmq this way, 30-42 before).
+        # reads TransferStarted + Success costs 22-26 us in pyzmq this way, 30-42 before). (Frames
+        # as zmq.Frame, `more` read in C, cost 16 us more in a cold look on the CPU: session 22.)
+        # `first_recv`: something most likely waits (the watcher's byte): receive before asking
+        # ZMQ (the receive processes ZMQ's commands as get(EVENTS) does; one call less per look,
+        # an exception when nothing was there).
         sock, token, handle = self.sock, self._token, self.handle
         get, recv = sock.get, sock.recv
         n = 0
         self._drained = False  # (until ZMQ says empty below: a socket error may end the look first)
-        while get(_EVENTS) & _POLLIN:
-            frames = [recv(_NOBLOCK)]  # a multipart message arrives whole
+        first = None
+        if first_recv:
+            try:
+                first = recv(_NOBLOCK)
+            except zmq.Again:
+                self._drained = True  # (ZMQ said empty: its descriptor signals the next arrival)
+                return 0
+        while first is not None or get(_EVENTS) & _POLLIN:
+            frames = [first if first is not None else recv(_NOBLOCK)]  # a multipart message arrives whole
+            first = None
             while get(_RCVMORE):
                 frames.append(recv(_NOBLOCK))
             if frames[0] == token and len(frames) == 1:

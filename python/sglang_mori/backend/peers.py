@@ -180,7 +180,10 @@ class InflightBudget:
         self.byte_limit = byte_limit
         self.stall_s = stall_s
         self.use_clock(clock)
-        self._cond = threading.Condition()
+        # Held directly where nothing waits or is woken (`with self._mutex`): Condition's own
+        # __enter__/__exit__ are two Python calls more a hold, on a lone request's way to the post.
+        self._mutex = threading.RLock()
+        self._cond = threading.Condition(self._mutex)
         self._counts: dict[str, int] = {}
         self._bytes: dict[str, int] = {}
         # peer -> when it last made progress: a write of it finished, or one was posted to it idle
@@ -211,7 +214,7 @@ class InflightBudget:
 
     def stalled(self, key: str) -> bool:
         """Writes in flight to `key` and none finished for `stall_s` (the byte bound binds)."""
-        with self._cond:
+        with self._mutex:
             if not self._counts.get(key):
                 return False
             return self.stall_s <= 0 or self._clock() - self._progress.get(key, 0.0) >= self.stall_s
@@ -256,7 +259,7 @@ class InflightBudget:
     def try_acquire(self, key: str, nbytes: int = 0) -> bool:
         """Room for one batch now, as `acquire` admits one at once; False (nothing taken, nothing
         queued) when `acquire` would hold it."""
-        with self._cond:
+        with self._mutex:
             if key not in self._held and self._fits_locked(key, nbytes):
                 self._take_locked(key, nbytes)
                 return True
@@ -285,11 +288,11 @@ class InflightBudget:
                 self._cond.notify_all()
 
     def count(self, key: str) -> int:
-        with self._cond:
+        with self._mutex:
             return self._counts.get(key, 0)
 
     def posted_bytes(self, key: str) -> int:
-        with self._cond:
+        with self._mutex:
             return self._bytes.get(key, 0)
 
     def idle(self) -> bool:
@@ -299,13 +302,13 @@ class InflightBudget:
         return not self._counts
 
     def total(self) -> int:
-        with self._cond:
+        with self._mutex:
             return sum(self._counts.values())
 
     def total_bytes(self) -> int:
-        with self._cond:
+        with self._mutex:
             return sum(self._bytes.values())
 
     def snapshot(self) -> dict:
-        with self._cond:
+        with self._mutex:
             return dict(self._counts)

@@ -504,12 +504,13 @@ class TransferEngine:
         `batch_write`; "SQ full" pairs are resubmitted with backoff until `deadline`."""
         batch = writes if isinstance(writes, WriteBatch) else WriteBatch.of_pairs(writes)
         handle = TransferHandle(peer_key=peer_key, nbytes=batch.nbytes, started_at=self.clock())
-        if not len(batch):
+        n = len(batch.local)  # the list's C len: WriteBatch.__len__ is a Python call each time
+        if not n:
             return handle
         try:
             handle.live = self._submit(batch, handle)
         finally:
-            self._stock_uids(len(batch))  # after the post: off the path to the engine call
+            self._stock_uids(n)  # after the post: off the path to the engine call
         for attempt in range(1, retry_max + 1):
             retry = handle.first_look()
             if not retry:
@@ -544,7 +545,7 @@ class TransferEngine:
         spare[n] = [allocate() for _ in range(n)]
 
     def _submit(self, batch: WriteBatch, handle: TransferHandle) -> list:
-        uids = self._take_uids(len(batch))
+        uids = self._take_uids(len(batch.local))
         columns = [batch.local_offsets, batch.remote_offsets, batch.sizes]
         if not self.takes_arrays:
             columns = _as_lists(columns)

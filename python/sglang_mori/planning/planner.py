@@ -53,6 +53,8 @@ from sglang_mori.planning.state_slice import SliceBlocks
 from sglang_mori.planning.state_tail import TailRows, tail_pieces, tail_ranges
 from sglang_mori.planning.transfer_plan import BufferTransfer, TransferPlan, frozen_int64
 
+_umax = np.maximum.reduce  # ndarray.max without its Python wrapper
+
 
 def _read_only(ranges: Ranges) -> Ranges:
     """The ranges checked (1-D, equal lengths) and frozen as int64, once per geometry; every
@@ -180,9 +182,10 @@ class TransferPlanner:
             return None, 0
         # The smallest buffer bounds every index: one max each (read unsigned, a negative index
         # is above any bound), the buffer and the index named only on a miss.
-        if int(src.view(np.uint64).max()) >= self._src_kv_floor:
+        # (np.maximum.reduce: ndarray.max without its Python wrapper, on a lone request's way)
+        if int(_umax(src.view(np.uint64))) >= self._src_kv_floor:
             check_in_range(src, self._src_kv_limits, self._src_kv_names, "page")
-        if not dst_checked and int(dst.view(np.uint64).max()) >= self._dst_kv_floor:
+        if not dst_checked and int(_umax(dst.view(np.uint64))) >= self._dst_kv_floor:
             check_in_range(dst, self._dst_kv_limits, self._dst_kv_names, "page")
         return [_read_only(head_sliced_ranges(src, dst, g)) if isinstance(g, HeadSlice)
                 else frozen_item_ranges(src, dst, g, self._unit_sizes)

@@ -71,21 +71,24 @@ class DecodeEffects:
         p.metrics.request_finished(ok=False, reason=OTHER)
         return True
 
-    def prefill_succeeded(self, room: int, prefill_rank: int, reason: Optional[str]) -> bool:
+    def prefill_succeeded(self, room: int, prefill_rank: int, reason: Optional[str], before=None) -> bool:
         """A prefill rank reported Success (its aux bytes are in place). Counted once, when this
         made the room Success (with several prefill ranks, the last Success does). Status before,
         SGLang's update and the registry's close are one step under the registry lock, as in
         fail(): a failure decided on another thread (a duplicate room, an unreachable bootstrap
-        server) either comes first (Failed stays, nothing is counted here) or finds the room over."""
+        server) either comes first (Failed stays, nothing is counted here) or finds the room over.
+        `before`: SGLang's status of the room, read by a caller holding the registry lock since
+        (the service's Success path: one read less per message, issue 28)."""
         p = self.p
         with p.rooms.lock:
-            before = p.sglang.status(room)
             if before is None:
-                return False  # concluded and cleared already
+                before = p.sglang.status(room)
+                if before is None:
+                    return False  # concluded and cleared already
             p.sglang.apply_prefill_status(room, room_status.SUCCESS, prefill_rank, reason)
-            if p.sglang.status(room) != room_status.SUCCESS or before == room_status.SUCCESS:
+            if before == room_status.SUCCESS or p.sglang.status(room) != room_status.SUCCESS:
                 return False
-            p.rooms.finish(room, True)
+            p.rooms.finish_held(room, True)
         p.metrics.request_finished(ok=True, reason=None)
         return True
 

@@ -104,6 +104,12 @@ class DecodeRoomRegistry:
             r = self._rooms.get(room)
             return r if r is not None and r.attempt == attempt else None
 
+    def current_held(self, room: int, attempt: int) -> Optional[DecodeRoom]:
+        """current(), for a caller that holds `lock` already (decode's Success path: one
+        acquisition per message, issue 28)."""
+        r = self._rooms.get(room)
+        return r if r is not None and r.attempt == attempt else None
+
     def attempt_of(self, room: int) -> Optional[int]:
         with self.lock:
             r = self._rooms.get(room)
@@ -125,12 +131,16 @@ class DecodeRoomRegistry:
     def finish(self, room: int, ok: bool) -> bool:
         """SUCCEEDED or FAILED, once; False when it was closed already (or is unknown)."""
         with self.lock:
-            r = self._rooms.get(room)
-            if r is None or not r.open:
-                return False
-            r.phase = DecodePhase.SUCCEEDED if ok else DecodePhase.FAILED
-            self._transferring.pop(room, None)
-            return True
+            return self.finish_held(room, ok)
+
+    def finish_held(self, room: int, ok: bool) -> bool:
+        """finish(), for a caller that holds `lock` already."""
+        r = self._rooms.get(room)
+        if r is None or not r.open:
+            return False
+        r.phase = DecodePhase.SUCCEEDED if ok else DecodePhase.FAILED
+        self._transferring.pop(room, None)
+        return True
 
     def expired(self, now: float, deadline_s: float) -> List[DecodeRoom]:
         """Transferring rooms with no progress for `deadline_s`; each is reported once."""

@@ -106,6 +106,10 @@ class DecodeService:
                             poller_backoff_s=parts.config.wait_poll_ms / 1000.0,
                             watch_arrivals=getattr(parts.config, "decode_arrival_flag", False))
                       if getattr(parts, "control_socket", None) is not None else None)
+        if self.inbox is not None:
+            # SGLang's poll calls the inbox's look itself: one Python call less per poll, every
+            # step (issue 28, session 22: a call costs 1-4 us on the caches a GPU step leaves cold)
+            self.poll_inbox = self.inbox.drain_nowait
 
     def start(self) -> None:
         if self.inbox is not None:
@@ -244,11 +248,12 @@ class DecodeService:
         # under it before SGLang drops the room's status (receiver.before_clear), so the status
         # applied here is the named attempt's, never the room id's next receiver's.
         with p.rooms.lock:
-            r = p.rooms.current(msg.room, msg.attempt)
+            r = p.rooms.current_held(msg.room, msg.attempt)
             if r is None:
                 self._stale(msg)
                 return
-            if p.sglang.status(msg.room) is None:
+            before = p.sglang.status(msg.room)
+            if before is None:
                 return  # concluded and cleared already; a late or replayed status changes nothing
             if msg.status == room_status.FAILED:
                 self.effects.prefill_failed(msg.room, msg.prefill_rank, msg.reason)
@@ -261,7 +266,7 @@ class DecodeService:
             if error:
                 self.fail(msg.room, error, OTHER, msg.attempt)
                 return
-            self.effects.prefill_succeeded(msg.room, msg.prefill_rank, msg.reason)
+            self.effects.prefill_succeeded(msg.room, msg.prefill_rank, msg.reason, before)
 
     def _stale(self, msg: protocol.RoomStatus) -> None:
         """A status for a receiver attempt that is over (cleared, or replaced by a new receiver of
