@@ -71,3 +71,25 @@ def test_a_claim_that_raises_fails_its_room_with_the_reason(tp, monkeypatch):
     reason = tp.claim(5)
     assert reason == "sglang-mori transfer process: room not claimed (OverflowError: injected: room id out of range)"
     assert tp.sglang.status(5) == S.FAILED and tp.sglang.failure_reason(5) == reason
+
+
+def test_int32_pages_as_sglang_hands_them_reach_success_with_the_right_bytes(tp):
+    # SGLang 0.5.23's kv_to_page_indices gives numpy int32 (req_to_token is int32): sent as they are
+    assert tp.claim(6) is None
+    tp.metadata(6, pages=[5, 2])
+    tp.wait_status(6, S.WAITING_FOR_INPUT)
+    tp.send(6, pages=np.array([4, 1], dtype=np.int32), last=True, **SGLANG_LAST_CHUNK)
+    tp.wait_status(6, S.SUCCESS)
+    for buffer in range(2):
+        assert tp.decode.page(buffer, 5) == tp.pools.page(buffer, 4)
+        assert tp.decode.page(buffer, 2) == tp.pools.page(buffer, 1)
+
+
+def test_an_aux_index_outside_the_metadata_buffers_fails_the_room_by_name(tp):
+    assert tp.claim(7) is None
+    tp.metadata(7, pages=[3])
+    tp.wait_status(7, S.WAITING_FOR_INPUT)
+    tp.send(7, pages=[0], last=True, aux_index=8, **SGLANG_LAST_CHUNK)  # the rig's buffers hold 8 slots
+    assert tp.sglang.status(7) == S.FAILED
+    assert tp.sglang.failure_reason(7) == ("sglang-mori transfer process: chunk not handed over (IndexError: "
+                                           "aux index 8 outside the metadata buffers' 8 slots)")

@@ -71,7 +71,8 @@ def test_a_refused_child_leaves_the_manager_in_process_with_the_reason(monkeypat
     monkeypatch.setattr(manager_module.EngineSettings, "apply", lambda self: None)
     manager = object.__new__(manager_module.MoriKVManager)
     manager.mori_config = manager_module.MoriConfig(transfer_process=True)
-    manager.kv_args = type("KVArgs", (), {"ib_device": None, "gpu_id": 0, "aux_data_ptrs": [0]})()
+    manager.kv_args = type("KVArgs", (), {"ib_device": None, "gpu_id": 0, "aux_data_ptrs": [0],
+                                         "aux_data_lens": [64], "aux_item_lens": [64]})()  # SGLang sets all three
     manager.attn_tp_rank, manager.pp_rank, manager.pp_size = 0, 0, 1
     manager.layout, manager.local_ip, manager.sglang = None, "127.0.0.1", None
     manager.cp = type("CP", (), {"owns_aux": True})()

@@ -21,6 +21,7 @@ from sglang_mori.backend.messenger import Messenger
 from sglang_mori.backend.plans import encode_layout, local_layout
 from sglang_mori.config import MoriConfig
 from sglang_mori.metrics import NullTransferMetrics
+from sglang_mori.transfer_process.aux_rows import AuxRows
 from sglang_mori.transfer_process.child import ChildSpec
 from sglang_mori.transfer_process.client import TransferProcess
 from sglang_mori.transfer_process.pools import describe
@@ -78,9 +79,9 @@ class TransferProcessRig:
         self.pools = SharedPools(buffers)
         self.process = TransferProcess(child_spec(self.pools, self.config, is_mla), slots=16)
         self.sglang = FakeSGLang()
+        args = self.pools.args  # the manager's reader for the hand-off (row views of the aux buffers)
         self.service = TransferProcessService(
-            self.process, self.sglang,
-            read_aux=lambda i: None if i is None else [self.pools.aux[i * AUX_BYTES:(i + 1) * AUX_BYTES].tobytes()])
+            self.process, self.sglang, read_aux=AuxRows(args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens))
         self.ctx = zmq.Context()
         self.decode = Side("decode", fill=False, buffers=buffers)
         self.decode.layout = local_layout(self.decode.args, 1, 0, is_mla)

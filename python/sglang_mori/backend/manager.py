@@ -136,12 +136,21 @@ class MoriKVManager(compat.CompatKVManager):
         EngineSettings.for_gpu(self.kv_args.ib_device, self.kv_args.gpu_id, xgmi=self.mori_config.xgmi,
                                resolve=fields.ib_devices_for_gpu).apply()  # inherited by the child
         try:
-            return startup.start(self.mori_config, self.layout, pools, self.kv_args.gpu_id, self.local_ip,
-                                 len(self.kv_args.aux_data_ptrs), self.sglang, self._read_aux,
+            args = self.kv_args
+            return startup.start(self.mori_config, self.layout, pools, args.gpu_id, self.local_ip,
+                                 len(args.aux_data_ptrs), self.sglang, self._handoff_aux_reader(),
                                  self._owns_aux(self.cp))
         except TransferProcessError as exc:
             self._refuse_transfer_process(str(exc))
             return None
+
+    def _handoff_aux_reader(self):
+        """The transfer process's aux reader: the hand-off sends row views of SGLang's aux buffers
+        (the kernel's copy is the only one), not `_read_aux`'s bytes."""
+        from sglang_mori.transfer_process.aux_rows import AuxRows
+
+        args = self.kv_args
+        return AuxRows(args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens)
 
     def _refuse_transfer_process(self, reason: str) -> None:
         self.transfer_process_refusal = reason

@@ -128,7 +128,13 @@ class TransferProcess:
         slot = self.slots.get(room)
         if slot is None:
             return None  # no life here (its claim failed): the room already reads as failed
-        return self._send(self.sender.chunk, slot, room, pages, start, stop, is_last, aux_index, aux, num_kv_tokens)
+        if self.dead_reason is not None:
+            return self.dead_reason
+        try:  # _send's work, inline: this runs once a request inside SGLang's send()
+            self.sender.chunk(slot, room, pages, start, stop, is_last, aux_index, aux, num_kv_tokens)
+        except OSError as exc:
+            return self._unreachable(exc)
+        return None
 
     def release(self, room: int) -> None:
         slot = self.slots.pop(room, None)
@@ -147,11 +153,15 @@ class TransferProcess:
             return self.dead_reason
         try:
             method(*args)
-        except OSError as exc:  # the child's end is gone: the watcher names the exit
-            self.process.join(timeout=1.0)
-            self.dead_reason = self.dead_reason or f"sglang-mori transfer process unreachable: {exc}"
-            return self.dead_reason
+        except OSError as exc:
+            return self._unreachable(exc)
         return None
+
+    def _unreachable(self, exc: OSError) -> str:
+        """The child's end is gone: the watcher names the exit."""
+        self.process.join(timeout=1.0)
+        self.dead_reason = self.dead_reason or f"sglang-mori transfer process unreachable: {exc}"
+        return self.dead_reason
 
     def _take_slot(self) -> Optional[int]:
         if not self._free and self._releasing:

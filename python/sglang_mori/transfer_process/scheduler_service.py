@@ -67,33 +67,28 @@ class TransferProcessService:
         self.process.fail(room_id, reason, label)
         return True
 
-    def add_chunk(self, room_id: int, kv_indices, index_slice: slice, is_last: bool, **kw) -> None:
-        """Hand the chunk to the child. Runs inside SGLang's send(): nothing raises out of it (an
-        exception there ends SGLang's scheduler, every request with it); a chunk that cannot be
-        handed over fails its room, with the reason."""
+    def add_chunk(self, room_id: int, kv_indices, index_slice: slice, is_last: bool, aux_index=None,
+                  state_indices=None, num_kv_tokens=None, wait_event=None, **_sglang_kw) -> None:
+        """Hand the chunk to the child. Runs inside SGLang's send(), once a request: one function,
+        SGLang's keywords bound by name (indices_event and trace_ctx are not used). Nothing raises
+        out of it (an exception there ends SGLang's scheduler, every request with it); a chunk that
+        cannot be handed over fails its room, with the reason."""
         try:
-            self._add_chunk(room_id, kv_indices, index_slice, is_last, **kw)
+            # SGLang sends one state entry per state pool with the last chunk: [] for a plain model
+            # (none), None for a pool whose kind it has no payload for. The start-up refuses models
+            # with state pools, so real entries here mean the deployment changed under us.
+            if state_indices is not None and len(state_indices) and any(p is not None for p in state_indices):
+                raise ValueError("the transfer process prototype carries no state pools")
+            if wait_event is not None:  # a CUDA event cannot cross the process; the pages must be final
+                wait_event.synchronize()
+            aux = self.read_aux(aux_index) if (is_last and self.owns_aux and aux_index is not None) else None
+            self.handoffs += 1
+            error = self.process.chunk(room_id, kv_indices, index_slice.start or 0, index_slice.stop or 0, is_last,
+                                       aux_index, aux, num_kv_tokens)
         except Exception as exc:  # noqa: BLE001 - one room fails, never the scheduler
-            reason = f"sglang-mori transfer process: chunk not handed over ({type(exc).__name__}: {exc})"
-            logger.error("%s (room %s)", reason, room_id, exc_info=self._first_error)
+            error = f"sglang-mori transfer process: chunk not handed over ({type(exc).__name__}: {exc})"
+            logger.error("%s (room %s)", error, room_id, exc_info=self._first_error)
             self._first_error = False  # the first one's traceback is enough
-            self.sglang.fail(room_id, reason)
-
-    def _add_chunk(self, room_id: int, kv_indices, index_slice: slice, is_last: bool, **kw) -> None:
-        # SGLang sends one state entry per state pool with the last chunk: [] for a plain model
-        # (none), None for a pool whose kind it has no payload for. The start-up refuses models
-        # with state pools, so real entries here mean the deployment changed under us.
-        state = kw.get("state_indices")
-        if state is not None and any(part is not None for part in state):
-            raise ValueError("the transfer process prototype carries no state pools")
-        event = kw.get("wait_event")
-        if event is not None:  # a CUDA event cannot cross the process; the pages must be final
-            event.synchronize()
-        aux_index = kw.get("aux_index")
-        aux = self.read_aux(aux_index) if (is_last and self.owns_aux and aux_index is not None) else None
-        self.handoffs += 1
-        error = self.process.chunk(room_id, kv_indices, index_slice.start or 0, index_slice.stop or 0, is_last,
-                                   aux_index, aux, kw.get("num_kv_tokens"))
         if error is not None:
             self.sglang.fail(room_id, error)
 

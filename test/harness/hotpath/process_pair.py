@@ -140,6 +140,7 @@ class ProcessDriver:
     def batch(self) -> None:
         p, c = self.pair, self.calls
         rooms, src, dst = self.draw_window()
+        src = src.astype(np.int32)  # SGLang 0.5.23 sends int32 pages (kv_to_page_indices of its int32 req_to_token)
         attempts = {}
         for i, room in enumerate(rooms):
             p.decode_sglang.open(room)
@@ -170,6 +171,17 @@ class ProcessDriver:
             p.decode_sglang.clear(room)
 
 
+def _handoff_aux_reader(pool):
+    """The manager's reader for the hand-off: row views of the aux buffer (AuxRows); a checkout
+    from before session 22 copied bytes out instead."""
+    try:
+        from sglang_mori.transfer_process.aux_rows import AuxRows
+    except ImportError:
+        return lambda i: None if i is None else [pool.aux[i * AUX_BYTES:(i + 1) * AUX_BYTES].tobytes()]
+    args = pool.args
+    return AuxRows(args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens)
+
+
 def run_process_case(shape_key: str, tokens: int, requests: int, window: int, token_bytes: int,
                      config: MoriConfig | None = None, engine_mode: str = "softio") -> dict:
     import zmq
@@ -190,8 +202,7 @@ def run_process_case(shape_key: str, tokens: int, requests: int, window: int, to
     process = TransferProcess(spec, slots=4096,
                               target=instant_child_main if engine_mode == "instant" else child_main)
     sglang = ConcludedSGLang()
-    service = TransferProcessService(process, sglang, read_aux=lambda i: None if i is None else
-                                     [pool.aux[i * AUX_BYTES:(i + 1) * AUX_BYTES].tobytes()])
+    service = TransferProcessService(process, sglang, read_aux=_handoff_aux_reader(pool))
     pair = PDPair(shape, pages, token_bytes, config)  # its in-process prefill stays idle
     pair.decode.start()
     driver = ProcessDriver(pair, service, sglang, tokens, window)
