@@ -13,6 +13,7 @@ import zmq
 
 from racing_senders import race
 from waiting import wait_until
+from zmq_pair import pull_push
 
 WAIT_S = 10.0
 
@@ -141,10 +142,7 @@ def test_a_message_sent_before_the_thread_first_waits_is_read_and_so_is_the_next
     from sglang_mori.backend import inbox as inbox_module
 
     ctx = zmq.Context()
-    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    for sock in (pull, push):
-        sock.setsockopt(zmq.LINGER, 0)
-    push.connect(f"tcp://127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}")
+    pull, push = pull_push(ctx)
     got = []
     inbox = inbox_module.Inbox(pull, lambda frames, polled: got.append(frames), "test socket",
                                poller_backoff_s=60.0, watch_arrivals=True)

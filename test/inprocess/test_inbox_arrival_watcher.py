@@ -17,6 +17,7 @@ import zmq
 
 from racing_senders import race
 from waiting import wait_until
+from zmq_pair import pull_push
 
 WAIT_S = 10.0
 
@@ -310,10 +311,7 @@ def test_without_a_child_the_inbox_looks_at_the_socket(monkeypatch, caplog):
 
     monkeypatch.setattr(inbox_module, "ArrivalWatcher", no_child)
     ctx = zmq.Context()
-    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    for sock in (pull, push):
-        sock.setsockopt(zmq.LINGER, 0)
-    push.connect(f"tcp://127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}")
+    pull, push = pull_push(ctx)
     got = []
     with caplog.at_level(logging.WARNING, logger="sglang_mori.backend.inbox"):
         inbox = inbox_module.Inbox(pull, lambda frames, polled: got.append(frames), "test socket",

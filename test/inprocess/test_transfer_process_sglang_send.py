@@ -20,10 +20,15 @@ def tp():
         yield rig
 
 
+def ready_room(tp, room: int, pages: list) -> None:
+    """A claimed room whose decode sent its pages: what SGLang's send() meets."""
+    assert tp.claim(room) is None
+    tp.metadata(room, pages=pages)
+    tp.wait_status(room, S.WAITING_FOR_INPUT)
+
+
 def test_a_plain_models_last_chunk_with_an_empty_state_list_reaches_success(tp):
-    assert tp.claim(1) is None
-    tp.metadata(1, pages=[4, 6])
-    tp.wait_status(1, S.WAITING_FOR_INPUT)
+    ready_room(tp, 1, pages=[4, 6])
     tp.send(1, pages=[0], last=False, state_indices=None, num_kv_tokens=1, wait_event=None, indices_event=None)
     tp.send(1, pages=[3], last=True, start=1, **SGLANG_LAST_CHUNK)
     tp.wait_status(1, S.SUCCESS)
@@ -33,18 +38,14 @@ def test_a_plain_models_last_chunk_with_an_empty_state_list_reaches_success(tp):
 
 
 def test_state_the_prototype_cannot_carry_fails_the_room_not_the_scheduler(tp):
-    assert tp.claim(2) is None
-    tp.metadata(2, pages=[1])
-    tp.wait_status(2, S.WAITING_FOR_INPUT)
+    ready_room(tp, 2, pages=[1])
     tp.send(2, pages=[0], last=True, **dict(SGLANG_LAST_CHUNK, state_indices=[np.array([5])]))  # no raise
     tp.wait_status(2, S.FAILED)
     assert "carries no state pools" in tp.sglang.failure_reason(2)
 
 
 def test_a_hand_off_that_raises_fails_its_room_and_the_next_room_still_succeeds(tp, monkeypatch, caplog):
-    assert tp.claim(3) is None
-    tp.metadata(3, pages=[2])
-    tp.wait_status(3, S.WAITING_FOR_INPUT)
+    ready_room(tp, 3, pages=[2])
     real_chunk = tp.process.chunk
 
     def broken(*args, **kw):
@@ -56,9 +57,7 @@ def test_a_hand_off_that_raises_fails_its_room_and_the_next_room_still_succeeds(
                                            "(RuntimeError: injected: record too large)")
     assert "injected: record too large" in caplog.text
     monkeypatch.setattr(tp.process, "chunk", real_chunk)
-    assert tp.claim(4) is None
-    tp.metadata(4, pages=[7])
-    tp.wait_status(4, S.WAITING_FOR_INPUT)
+    ready_room(tp, 4, pages=[7])
     tp.send(4, pages=[1], last=True, **SGLANG_LAST_CHUNK)
     tp.wait_status(4, S.SUCCESS)
     assert tp.decode.page(0, 7) == tp.pools.page(0, 1)
@@ -75,9 +74,7 @@ def test_a_claim_that_raises_fails_its_room_with_the_reason(tp, monkeypatch):
 
 def test_int32_pages_as_sglang_hands_them_reach_success_with_the_right_bytes(tp):
     # SGLang 0.5.23's kv_to_page_indices gives numpy int32 (req_to_token is int32): sent as they are
-    assert tp.claim(6) is None
-    tp.metadata(6, pages=[5, 2])
-    tp.wait_status(6, S.WAITING_FOR_INPUT)
+    ready_room(tp, 6, pages=[5, 2])
     tp.send(6, pages=np.array([4, 1], dtype=np.int32), last=True, **SGLANG_LAST_CHUNK)
     tp.wait_status(6, S.SUCCESS)
     for buffer in range(2):
@@ -86,9 +83,7 @@ def test_int32_pages_as_sglang_hands_them_reach_success_with_the_right_bytes(tp)
 
 
 def test_an_aux_index_outside_the_metadata_buffers_fails_the_room_by_name(tp):
-    assert tp.claim(7) is None
-    tp.metadata(7, pages=[3])
-    tp.wait_status(7, S.WAITING_FOR_INPUT)
+    ready_room(tp, 7, pages=[3])
     tp.send(7, pages=[0], last=True, aux_index=8, **SGLANG_LAST_CHUNK)  # the rig's buffers hold 8 slots
     assert tp.sglang.status(7) == S.FAILED
     assert tp.sglang.failure_reason(7) == ("sglang-mori transfer process: chunk not handed over (IndexError: "
